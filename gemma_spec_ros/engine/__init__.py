@@ -1,0 +1,1 @@
+"""ROS-free speculative decoding engine (numpy + llama_cpp + stdlib only)."""

@@ -1,0 +1,226 @@
+"""Plain data of the engine: configuration, requests, drafts, steps, errors.
+
+Every config is a frozen dataclass validated in ``__post_init__`` with a message a user can act on
+(``ValueError``). Nothing here imports llama_cpp, so the node can validate input without a model.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Tuple
+
+try:  # Protocol is typing-only; Python 3.8+ has it.
+    from typing import Protocol
+except ImportError:  # pragma: no cover
+    Protocol = object  # type: ignore
+
+#: Speculative modes. ``auto`` lets the policy pick among the others (including ``off``).
+SPEC_MODES: Tuple[str, ...] = ("off", "draft", "lookup", "draft+lookup", "auto")
+#: Verification rules. ``exact``: accept while the target's own sample equals the draft (lossless
+#: for any drafter). ``rejection``: Leviathan/Chen min(1, p/q) with residual resampling.
+VERIFICATIONS: Tuple[str, ...] = ("exact", "rejection")
+#: Why a generation ended.
+FINISH_REASONS: Tuple[str, ...] = ("stop", "length", "cancelled", "error")
+
+
+class EngineError(RuntimeError):
+    """Base class of the engine's errors; the message is meant for a user or operator."""
+
+
+class ModelLoadError(EngineError):
+    """A model file is missing, unreadable, not a GGUF, or does not fit in memory."""
+
+
+class VocabMismatchError(EngineError):
+    """The draft model's vocabulary differs from the target's (llama.cpp's compatibility rule)."""
+
+
+class PromptTooLongError(EngineError):
+    """The prompt does not fit in the context after reserving room for ``max_tokens``."""
+
+
+class CacheFormatError(EngineError):
+    """An n-gram cache file is truncated or not in llama.cpp's n-gram cache format."""
+
+
+class KVCacheError(EngineError):
+    """llama.cpp refused to remove KV cells (rollback failed); the sequence state is unknown."""
+
+
+def expand_path(path: str) -> str:
+    """``~`` and ``$VARS`` expanded; empty stays empty."""
+    return os.path.expandvars(os.path.expanduser(path)) if path else ""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One GGUF model as llama.cpp loads it."""
+
+    path: str  # GGUF file; '~' and $VARS are expanded
+    n_gpu_layers: int = 0  # layers offloaded to the GPU; -1 = all
+    n_ctx: int = 2048  # context length in tokens (prompt + generation)
+    n_batch: int = 512  # largest batch llama_decode gets (prompt chunks)
+    n_threads: int = 0  # CPU threads; 0 = all cores
+    flash_attn: bool = False  # flash attention (GPU builds)
+    seed: int = 0  # context seed (our sampling is seeded per request; kept for llama.cpp)
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ValueError("model path is empty: pass the path of a .gguf file")
+        if self.n_ctx < 16:
+            raise ValueError(f"n_ctx={self.n_ctx}: must be >= 16 tokens")
+        if self.n_batch < 1:
+            raise ValueError(f"n_batch={self.n_batch}: must be >= 1")
+        if self.n_gpu_layers < -1:
+            raise ValueError(f"n_gpu_layers={self.n_gpu_layers}: use -1 for all layers, or >= 0")
+        if self.n_threads < 0:
+            raise ValueError(f"n_threads={self.n_threads}: use 0 for all cores, or >= 1")
+
+    @property
+    def resolved_path(self) -> str:
+        return expand_path(self.path)
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """How speculation runs. ``mode`` and ``draft_max`` may change while the engine runs."""
+
+    mode: str = "lookup"  # one of SPEC_MODES
+    draft_max: int = 8  # K: the most tokens drafted per step (the policy may use fewer)
+    draft_min: int = 0  # n_min: a model draft shorter than this is dropped (0/1 = keep any)
+    p_min: float = 0.75  # model drafting stops when the draft's top probability falls below this
+    adaptive: bool = True  # adapt K to measured acceptance and cost (False: always draft_max)
+    verification: str = "exact"  # one of VERIFICATIONS
+
+    def __post_init__(self) -> None:
+        if self.mode not in SPEC_MODES:
+            raise ValueError(f"spec mode {self.mode!r}: expected one of {', '.join(SPEC_MODES)}")
+        if not 1 <= self.draft_max <= 64:
+            raise ValueError(f"draft_max={self.draft_max}: must be in [1, 64]")
+        if not 0 <= self.draft_min <= self.draft_max:
+            raise ValueError(f"draft_min={self.draft_min}: must be in [0, draft_max={self.draft_max}]")
+        if not (0.0 <= self.p_min <= 1.0):
+            raise ValueError(f"p_min={self.p_min}: must be in [0, 1]")
+        if self.verification not in VERIFICATIONS:
+            raise ValueError(
+                f"verification {self.verification!r}: expected one of {', '.join(VERIFICATIONS)}")
+
+
+@dataclass(frozen=True)
+class LookupConfig:
+    """The n-gram lookahead caches (llama.cpp's lookup decoding)."""
+
+    static_path: str = ""  # static cache built by gemma-spec-lookup-create / llama-lookup-create
+    dynamic_path: str = ""  # dynamic cache: loaded if present, saved on close; '' = in memory only
+    ngram_min: int = 1  # shortest context n-gram tried
+    ngram_max: int = 4  # longest context n-gram tried (llama.cpp's cache format allows <= 4)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.ngram_min <= self.ngram_max <= 4:
+            raise ValueError(
+                f"lookup n-gram sizes {self.ngram_min}..{self.ngram_max}: need 1 <= min <= max <= 4")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything needed to build an :class:`~gemma_spec_ros.engine.engine.Engine`."""
+
+    target: ModelConfig
+    draft: Optional[ModelConfig] = None
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    lookup: LookupConfig = field(default_factory=LookupConfig)
+
+    def __post_init__(self) -> None:
+        if self.spec.mode in ("draft", "draft+lookup") and self.draft is None:
+            raise ValueError(f"spec mode {self.spec.mode!r} needs a draft model: set draft.model_path")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampler. ``temperature == 0`` is greedy (top-k/top-p are then irrelevant)."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = no limit
+    top_p: float = 1.0  # in (0, 1]
+    min_p: float = 0.0  # in [0, 1): drop tokens below min_p * p(top token)
+    seed: int = -1  # -1 = fresh entropy
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature}: must be finite and >= 0")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k}: must be >= 0 (0 = no limit)")
+        if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
+        if not math.isfinite(self.min_p) or not 0.0 <= self.min_p < 1.0:
+            raise ValueError(f"min_p={self.min_p}: must be in [0, 1)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation. ``spec_mode`` None means the engine's current mode."""
+
+    prompt: str
+    max_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    system_prompt: str = ""
+    use_chat_template: bool = False
+    stop: Tuple[str, ...] = ()
+    spec_mode: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt:
+            raise ValueError("prompt is empty")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens}: must be >= 1")
+        if self.spec_mode is not None and self.spec_mode not in SPEC_MODES:
+            raise ValueError(f"spec mode {self.spec_mode!r}: expected one of {', '.join(SPEC_MODES)}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Tokens a drafter proposes to follow the context. ``()`` = nothing to propose.
+
+    ``probs[i]`` is the draft distribution q over the vocabulary at position i (model drafts, used by
+    ``rejection`` verification); None for n-gram drafts, which are deterministic.
+    """
+
+    tokens: Tuple[int, ...] = ()
+    probs: Optional[Tuple["object", ...]] = None  # tuple of numpy float arrays, one per token
+    source: str = ""  # which drafter produced it: "draft" | "lookup"
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+EMPTY_DRAFT = Draft()
+
+
+class Drafter(Protocol):
+    """What every drafter implements. Calls come in this order per request:
+    ``begin`` once, then per step ``propose`` and (if the draft was verified) ``observe``.
+    """
+
+    name: str
+
+    def begin(self, prompt_tokens: Sequence[int]) -> None:
+        """A new request starts with these prompt tokens (per-request state resets here)."""
+
+    def propose(self, context: Sequence[int], max_tokens: int) -> Draft:
+        """Up to ``max_tokens`` tokens to follow ``context`` (prompt + all accepted tokens)."""
+
+    def observe(self, num_proposed: int, num_accepted: int) -> None:
+        """The last proposal was verified: its first ``num_accepted`` tokens were accepted."""
+
+    def end(self, tokens: Sequence[int]) -> None:
+        """The request finished with these tokens (prompt + generated); learn from them."""
+
+    def close(self) -> None:
+        """Free resources and persist what should survive (dynamic caches)."""

@@ -1,0 +1,1 @@
+"""rclpy layer: lifecycle node, Generate action server, parameters, diagnostics."""

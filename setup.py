@@ -1,0 +1,36 @@
+"""ament_python package gemma_spec_ros (the interface package lives in msg/)."""
+from glob import glob
+
+from setuptools import find_packages, setup
+
+PACKAGE = "gemma_spec_ros"
+
+setup(
+    name=PACKAGE,
+    version="0.1.0",
+    packages=find_packages(include=[PACKAGE, PACKAGE + ".*"]),
+    data_files=[
+        ("share/ament_index/resource_index/packages", ["resource/" + PACKAGE]),
+        ("share/" + PACKAGE, ["package.xml"]),
+        ("share/" + PACKAGE + "/launch", glob("launch/*.launch.py")),
+        ("share/" + PACKAGE + "/config", glob("config/*.yaml")),
+        ("share/" + PACKAGE + "/prompts", glob("prompts/*.yaml")),
+    ],
+    install_requires=["setuptools", "numpy", "pyyaml"],
+    zip_safe=True,
+    maintainer="gemma_spec_ros maintainers",
+    maintainer_email="maintainers@gemma-spec-ros.invalid",
+    description="Lossless speculative decoding LLM node for ROS 2 over llama.cpp",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    entry_points={
+        "console_scripts": [
+            "gemma-spec-serve = gemma_spec_ros.tools.serve:main",
+            "gemma-spec-generate = gemma_spec_ros.tools.generate:main",
+            "gemma-spec-bench = gemma_spec_ros.tools.bench:main",
+            "gemma-spec-lookup-create = gemma_spec_ros.tools.lookup_create:main",
+            # ros2 run gemma_spec_ros <name>
+            "gemma_spec_node = gemma_spec_ros.tools.serve:main",
+        ],
+    },
+)
