@@ -2,16 +2,25 @@
 
 Public API (the node and the bench use only this):
 
-    engine = Engine(config)                  # loads models; raises ModelLoadError / VocabMismatchError
-    engine.set_mode("lookup")                # thread-safe; takes effect at the next step
-    engine.set_draft_max(4)                  # thread-safe; takes effect at the next step
+    engine = Engine(config)                  # loads models; raises ModelLoadError, VocabMismatchError,
+                                             # CacheFormatError (all EngineError) or ValueError
+    engine.spec                              # current SpecConfig (frozen)
+    engine.check_spec(spec) -> str           # '' if usable, else the reason (e.g. no draft model)
+    engine.update_spec(spec)                 # thread-safe; raises ValueError(reason); next step uses it
+    engine.set_mode("lookup"); engine.set_draft_max(4)   # shortcuts for update_spec(replace(...))
+    engine.count_prompt_tokens(request)      # tokens of the (templated) prompt; thread-safe, ~ms
+    engine.check_request(request)            # raises PromptTooLongError if prompt + max_tokens > n_ctx
+    engine.n_ctx                             # target context length (tokens)
     for step in engine.generate(request, cancel=threading.Event()):
         step.text, step.tokens, step.stats   # new text (whole UTF-8 chars), new tokens, stats so far
-        step.finish_reason                   # None until the last step
+        step.spec_mode, step.draft_max       # what was in effect at this step
+        step.finish_reason                   # None until the last step: stop | length | cancelled
+    # generate() raises EngineError (e.g. PromptTooLongError, KVCacheError) on failure; the engine
+    # stays usable for the next request. One generate() at a time (the node serialises).
     engine.rolling_stats()                   # SpecStats over all requests so far (a copy)
-    engine.count_prompt_tokens(request)      # tokens of the (templated) prompt, for validation
-    engine.model_info()                      # dict: paths, sizes, n_gpu_layers, vocab, n_ctx
-    engine.close()                           # frees models, saves the dynamic n-gram cache
+    engine.model_info()                      # dict: target/draft path, size_bytes, n_gpu_layers,
+                                             # n_ctx, n_vocab, vocab_type, description
+    engine.close()                           # frees models, saves the dynamic n-gram cache; idempotent
 """
 from __future__ import annotations
 
@@ -30,5 +39,4 @@ class Step:
     stats: SpecStats  # the request's stats so far (a snapshot; safe to keep)
     spec_mode: str  # mode in effect at this step ("auto:lookup" style when auto chose)
     draft_max: int  # K in effect at this step
-    finish_reason: Optional[str] = None  # stop | length | cancelled | error on the last step
-    error: str = ""  # message when finish_reason == "error"
+    finish_reason: Optional[str] = None  # stop | length | cancelled on the last step
