@@ -1,0 +1,303 @@
+"""Lookup decoding ("lookahead cache"): drafts from n-gram statistics, no draft model.
+
+A reimplementation of llama.cpp's lookup decoding (``examples/lookup``,
+``common_ngram_cache_draft``) over :class:`~gemma_spec_ros.engine.ngram_cache.NgramCache`,
+with its three caches:
+
+- **context** cache: n-grams of the current request (prompt + accepted tokens), rebuilt per request;
+- **dynamic** cache: n-grams of earlier requests, merged in at the end of each request and saved
+  to ``LookupConfig.dynamic_path`` on :meth:`LookupDrafter.close`;
+- **static** cache: 2-grams of a corpus, built offline by ``gemma-spec-lookup-create`` (or
+  llama.cpp's ``llama-lookup-create``), read-only. Besides drafting on its own it *weights* the
+  choice among the context and dynamic caches' continuations.
+
+Glossary: a *continuation* of an n-gram is a token that followed it; its *count* is how often;
+the *sample size* is the sum of the counts of all continuations of that n-gram.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple, TypeVar
+
+from gemma_spec_ros.engine.ngram_cache import NGRAM_MAX, NGRAM_STATIC, NgramCache
+from gemma_spec_ros.engine.types import EMPTY_DRAFT, Draft, LookupConfig, expand_path
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class DraftThresholds:
+    """When a cache's most likely continuation of an n-gram may be drafted (index = size - 1)."""
+
+    min_sample_size: Tuple[int, int, int, int]  # the n-gram must have been followed this often
+    min_percent: Tuple[int, int, int, int]  # the continuation's share of those, in percent
+
+    def accepts(self, ngram_size: int, count: int, sample_size: int) -> bool:
+        """Whether a continuation seen ``count`` times out of ``sample_size`` qualifies."""
+        index = ngram_size - 1
+        return (sample_size >= self.min_sample_size[index]
+                and 100 * count >= self.min_percent[index] * sample_size)
+
+
+#: llama.cpp's ``draft_min_*_lax``: the context cache, and the static cache alone (at size 2).
+LAX_THRESHOLDS = DraftThresholds(min_sample_size=(2, 2, 1, 1), min_percent=(66, 50, 50, 50))
+#: llama.cpp's ``draft_min_*_strict``: the dynamic cache (other requests are weaker evidence).
+STRICT_THRESHOLDS = DraftThresholds(min_sample_size=(4, 3, 2, 2), min_percent=(75, 66, 66, 66))
+#: A continuation the static cache also knows weighs ``100 * static count``; an unknown one 1.
+STATIC_WEIGHT_SCALE = 100
+
+
+def _most_likely_continuation(continuations: Mapping[int, int],
+                              static_counts: Mapping[int, int]) -> int:
+    """The continuation with the largest ``count * static weight``; ties go to the first seen."""
+    if not static_counts:
+        return max(continuations, key=continuations.__getitem__)
+
+    def weighted_count(token: int) -> int:
+        static_count = static_counts.get(token)
+        weight = STATIC_WEIGHT_SCALE * static_count if static_count else 1
+        return continuations[token] * weight
+
+    return max(continuations, key=weighted_count)
+
+
+def _qualified_continuation(continuations: Mapping[int, int], ngram_size: int,
+                            thresholds: DraftThresholds,
+                            static_counts: Mapping[int, int]) -> Optional[int]:
+    """The most likely continuation if it passes ``thresholds``, else None."""
+    token = _most_likely_continuation(continuations, static_counts)
+    sample_size = sum(continuations.values())
+    return token if thresholds.accepts(ngram_size, continuations[token], sample_size) else None
+
+
+def _draft_from_cache(cache: NgramCache, sequence: Sequence[int], ngram_sizes: Sequence[int],
+                      thresholds: DraftThresholds,
+                      static_counts: Mapping[int, int]) -> Optional[int]:
+    """The first qualified continuation of ``sequence``'s trailing n-grams, longest first."""
+    for size in ngram_sizes:
+        continuations = cache.get(tuple(sequence[-size:]))
+        if continuations:
+            token = _qualified_continuation(continuations, size, thresholds, static_counts)
+            if token is not None:
+                return token
+    return None
+
+
+def draft_tokens(context: Sequence[int], max_tokens: int, ngram_min: int, ngram_max: int,
+                 context_cache: NgramCache, dynamic_cache: NgramCache,
+                 static_cache: NgramCache) -> List[int]:
+    """Up to ``max_tokens`` tokens likely to follow ``context``, from three n-gram caches.
+
+    llama.cpp's ``common_ngram_cache_draft``. The draft grows one token at a time; for each, with
+    ``sequence = context + draft so far``:
+
+    1. ``static_counts`` = the static cache's continuations of the last 2 tokens (may be empty);
+    2. the **context** cache, trying the trailing n-grams of ``sequence`` from ``ngram_max`` down
+       to ``ngram_min`` tokens: the first n-gram whose most likely continuation (largest
+       ``count * (100 * static count, or 1 if the static cache lacks it)``) passes the
+       :data:`LAX_THRESHOLDS` for its size gives the token;
+    3. else the **dynamic** cache, the same way with :data:`STRICT_THRESHOLDS`;
+    4. else the **static** cache alone: its most frequent continuation of the last 2 tokens, if it
+       passes the lax thresholds of size 2 (sample size >= 2, share >= 50 %);
+    5. else stop. Also stop at ``max_tokens``.
+
+    Differences from llama.cpp, both invisible with its settings (``ngram_min = 1``): thresholds
+    are indexed by n-gram size (llama.cpp: by position from ``ngram_min``), and n-grams longer than
+    ``sequence`` are skipped (llama.cpp reads out of bounds).
+
+    Worked example: a repeated pattern. ``context = [5, 6, 7, 5, 6, 7, 5, 6]`` with n-grams of 1..4
+    tokens in the context cache. Step 1: the 4-gram ``(6, 7, 5, 6)`` was followed once, by 7;
+    size 4 needs a sample of 1 and 50 %: draft 7. Step 2: ``(7, 5, 6, 7)`` -> 5 (once). Step 3:
+    ``(5, 6, 7, 5)`` -> 6 (twice). Step 4: ``(6, 7, 5, 6)`` -> 7 again.
+
+    >>> context = [5, 6, 7, 5, 6, 7, 5, 6]
+    >>> context_cache = NgramCache(); context_cache.update(context, 1, 4)
+    >>> draft_tokens(context, 4, 1, 4, context_cache, NgramCache(), NgramCache())
+    [7, 5, 6, 7]
+
+    A token seen only once after a 1- or 2-gram is not enough (lax sample size 2 at sizes 1, 2):
+
+    >>> context = [1, 2, 3, 1]
+    >>> context_cache = NgramCache(); context_cache.update(context, 1, 4)
+    >>> draft_tokens(context, 4, 1, 4, context_cache, NgramCache(), NgramCache())
+    []
+
+    The static cache breaks the 1:1 tie between the continuations 5 and 6 of ``(1, 2, 3, 4)``
+    (without it, the first seen wins):
+
+    >>> context = [1, 2, 3, 4, 5, 1, 2, 3, 4, 6, 1, 2, 3, 4]
+    >>> context_cache = NgramCache(); context_cache.update(context, 1, 4)
+    >>> draft_tokens(context, 1, 1, 4, context_cache, NgramCache(), NgramCache())
+    [5]
+    >>> static_cache = NgramCache(); static_cache.update([3, 4, 6], 2, 2)   # "3 4" -> 6
+    >>> draft_tokens(context, 1, 1, 4, context_cache, NgramCache(), static_cache)
+    [6]
+    """
+    if max_tokens < 1 or len(context) < NGRAM_STATIC:
+        return []
+    # Only the last ngram_max tokens are ever looked up; copy them, the draft extends the copy.
+    sequence = [int(t) for t in context[-max(ngram_max, NGRAM_STATIC):]]
+    draft: List[int] = []
+    while len(draft) < max_tokens:
+        static_counts = static_cache.get(tuple(sequence[-NGRAM_STATIC:])) or {}
+        ngram_sizes = range(min(ngram_max, len(sequence)), ngram_min - 1, -1)
+        token = _draft_from_cache(context_cache, sequence, ngram_sizes, LAX_THRESHOLDS,
+                                  static_counts)
+        if token is None:
+            token = _draft_from_cache(dynamic_cache, sequence, ngram_sizes, STRICT_THRESHOLDS,
+                                      static_counts)
+        if token is None and static_counts:
+            token = _qualified_continuation(static_counts, NGRAM_STATIC, LAX_THRESHOLDS, {})
+        if token is None:
+            break
+        draft.append(token)
+        sequence.append(token)
+    return draft
+
+
+def _load_if_present(path: str) -> NgramCache:
+    """The cache at ``path``; an empty cache if ``path`` is empty or the file does not exist yet
+    (a dynamic cache is created by the first :meth:`LookupDrafter.close`)."""
+    return NgramCache.load(path) if path and Path(path).exists() else NgramCache()
+
+
+class LookupDrafter:
+    """The ``lookup`` drafter: n-gram drafts from the context, dynamic and static caches.
+
+    Implements :class:`~gemma_spec_ros.engine.types.Drafter`. Per request: :meth:`begin` with the
+    prompt, then :meth:`propose` (and :meth:`observe`) per step, :meth:`end` with the final tokens.
+    :meth:`close` saves the dynamic cache. Not thread-safe: one request at a time.
+
+    ``propose`` is incremental: the context handed to it may only grow by appending (prompt +
+    accepted tokens); each call adds only the new tokens to the context cache. A context that is
+    not an extension of the previous one (checked on its last 4 known tokens) rebuilds the
+    context cache from scratch.
+
+    ``static_cache`` / ``dynamic_cache`` inject ready caches (tests, or one static cache shared by
+    several drafters) instead of loading them from ``config``'s paths; a given ``dynamic_cache``
+    is still saved to ``config.dynamic_path`` if that is set.
+
+    Raises :class:`~gemma_spec_ros.engine.types.CacheFormatError` if the static cache file is
+    missing or corrupt, or the dynamic cache file exists but is corrupt.
+    """
+
+    name = "lookup"
+
+    def __init__(self, config: LookupConfig, static_cache: Optional[NgramCache] = None,
+                 dynamic_cache: Optional[NgramCache] = None) -> None:
+        if static_cache is not None and config.static_path:
+            raise ValueError("pass either a static cache or LookupConfig.static_path, not both")
+        self.config = config
+        self._static_path = expand_path(config.static_path)
+        self._dynamic_path = expand_path(config.dynamic_path)
+        if static_cache is not None:
+            self._static_cache = static_cache
+        else:  # a configured static cache must exist: it was built on purpose
+            self._static_cache = (NgramCache.load(self._static_path) if self._static_path
+                                  else NgramCache())
+        self._dynamic_cache = (dynamic_cache if dynamic_cache is not None
+                               else _load_if_present(self._dynamic_path))
+        self._context_cache = NgramCache()
+        self._context_length = 0  # tokens of the current request already in the context cache
+        # its last NGRAM_MAX tokens, to detect a context that is not a continuation
+        self._context_tail: Tuple[int, ...] = ()
+        self._dynamic_changed = False
+        # Counters, like llama.cpp's per-drafter n_drafted / n_accept / t_draft_us.
+        self.n_drafts = 0  #: verified non-empty drafts
+        self.n_drafted = 0  #: tokens in verified drafts
+        self.n_accepted = 0  #: accepted draft tokens
+        self.draft_time_s = 0.0  #: time spent in propose (cache updates + drafting)
+
+    # ---------------------------------------------------------------------------------- caches
+    @property
+    def context_cache(self) -> NgramCache:
+        """N-grams of the current request (read-only by convention)."""
+        return self._context_cache
+
+    @property
+    def dynamic_cache(self) -> NgramCache:
+        """N-grams learned from finished requests (read-only by convention)."""
+        return self._dynamic_cache
+
+    @property
+    def static_cache(self) -> NgramCache:
+        """Corpus 2-grams (read-only)."""
+        return self._static_cache
+
+    @property
+    def acceptance_rate(self) -> float:
+        """accepted / drafted over this drafter's lifetime (0 before any draft)."""
+        return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
+
+    def _reset_context(self) -> None:
+        self._context_cache = NgramCache()
+        self._context_length = 0
+        self._context_tail = ()
+
+    def _extend_context(self, tokens: Sequence[int]) -> None:
+        """Bring the context cache up to ``tokens``, adding only what is new since the last call."""
+        known = self._context_length
+        known_tail = tuple(tokens[max(0, known - NGRAM_MAX):known])
+        if len(tokens) < known or known_tail != self._context_tail:
+            self._reset_context()
+            known = 0
+        if len(tokens) == known:
+            return
+        self._context_cache.update(tokens, self.config.ngram_min, self.config.ngram_max,
+                                   start_index=known)
+        self._context_length = len(tokens)
+        self._context_tail = tuple(int(t) for t in tokens[-NGRAM_MAX:])
+
+    # --------------------------------------------------------------------------- Drafter protocol
+    def begin(self, prompt_tokens: Sequence[int]) -> None:
+        """Start a request: the context cache restarts from the prompt's n-grams."""
+        self._reset_context()
+        self._timed(self._extend_context, prompt_tokens)
+
+    def propose(self, context: Sequence[int], max_tokens: int) -> Draft:
+        """Up to ``max_tokens`` tokens to follow ``context`` (prompt + accepted tokens so far);
+        the empty draft if no n-gram qualifies. See :func:`draft_tokens`."""
+        tokens = self._timed(self._draft, context, max_tokens)
+        return Draft(tokens=tuple(tokens), probs=None, source=self.name) if tokens else EMPTY_DRAFT
+
+    def observe(self, num_proposed: int, num_accepted: int) -> None:
+        """Count a verified draft."""
+        if not 0 <= num_accepted <= num_proposed:
+            raise ValueError(
+                f"observe({num_proposed}, {num_accepted}): need 0 <= accepted <= proposed")
+        if num_proposed:
+            self.n_drafts += 1
+            self.n_drafted += num_proposed
+            self.n_accepted += num_accepted
+
+    def end(self, tokens: Sequence[int]) -> None:
+        """The request finished with ``tokens`` (prompt + generated): merge its n-grams into the
+        dynamic cache, as llama.cpp's lookup example does at exit. Call once per request."""
+        self._extend_context(tokens)
+        self._dynamic_cache.merge(self._context_cache)
+        self._dynamic_changed = self._dynamic_changed or len(self._context_cache) > 0
+        self._reset_context()
+
+    def close(self) -> None:
+        """Save the dynamic cache to ``LookupConfig.dynamic_path`` if that is set and the cache
+        learned something since it was loaded or last saved."""
+        if self._dynamic_path and self._dynamic_changed:
+            Path(self._dynamic_path).parent.mkdir(parents=True, exist_ok=True)
+            self._dynamic_cache.save(self._dynamic_path)
+            self._dynamic_changed = False
+
+    # ----------------------------------------------------------------------------------- helpers
+    def _draft(self, context: Sequence[int], max_tokens: int) -> List[int]:
+        self._extend_context(context)
+        return draft_tokens(context, max_tokens, self.config.ngram_min, self.config.ngram_max,
+                            self._context_cache, self._dynamic_cache, self._static_cache)
+
+    def _timed(self, function: Callable[..., _T], *args: object) -> _T:
+        started = time.perf_counter()
+        try:
+            return function(*args)
+        finally:
+            self.draft_time_s += time.perf_counter() - started
+

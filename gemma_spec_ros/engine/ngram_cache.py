@@ -1,0 +1,281 @@
+"""N-gram continuation counts, file-compatible with llama.cpp's ``common/ngram-cache``.
+
+An n-gram cache maps an n-gram (1 to :data:`NGRAM_MAX` tokens) to the tokens that followed it and
+how often: ``(5, 6) -> {7: 3, 9: 1}`` means "5 6" was followed by 7 three times and by 9 once.
+The lookup drafter (:mod:`gemma_spec_ros.engine.lookup`) drafts from three such caches.
+
+File format (llama.cpp's ``common_ngram_cache_save`` / ``_load``; little-endian, no header): a
+sequence of records, one per n-gram::
+
+    int32 ngram[4]      the n-gram's tokens, padded at the end with -1 (LLAMA_TOKEN_NULL)
+    int32 n             number of distinct continuations, >= 1
+    n x (int32 token, int32 count)     count >= 1
+
+Record order is unspecified (llama.cpp writes its hash-map order), so two caches are equal when
+they hold the same n-grams with the same counts, whatever their files' byte order.
+
+In memory an n-gram is a tuple of its real tokens (no padding): ``(5, 6)``, not ``(5, 6, -1, -1)``.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from pathlib import Path
+from typing import Dict, ItemsView, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from gemma_spec_ros.engine.types import CacheFormatError
+
+#: Longest n-gram the file format holds (llama.cpp's LLAMA_NGRAM_MAX).
+NGRAM_MAX = 4
+#: N-gram size of static caches built from a corpus (llama.cpp's LLAMA_NGRAM_STATIC).
+NGRAM_STATIC = 2
+#: Filler after the tokens of an n-gram shorter than NGRAM_MAX (llama.cpp's LLAMA_TOKEN_NULL).
+PAD_TOKEN = -1
+
+_INT32 = np.dtype("<i4")
+_WORD_BYTES = _INT32.itemsize
+#: int32 words before a record's (token, count) pairs: the padded n-gram and the pair count.
+_HEADER_WORDS = NGRAM_MAX + 1
+
+Ngram = Tuple[int, ...]
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+class CacheFileNotFoundError(CacheFormatError, FileNotFoundError):
+    """An n-gram cache file does not exist. Both a :class:`CacheFormatError` (what callers of the
+    engine catch) and a :class:`FileNotFoundError` (what file-handling code expects)."""
+
+
+def _check_ngram_sizes(ngram_min: int, ngram_max: int) -> None:
+    if not 1 <= ngram_min <= ngram_max <= NGRAM_MAX:
+        raise ValueError(
+            f"n-gram sizes {ngram_min}..{ngram_max}: need 1 <= min <= max <= {NGRAM_MAX}")
+
+
+def _as_ngram(tokens: Sequence[int]) -> Ngram:
+    """``tokens`` as an in-memory n-gram key: Python ints, trailing :data:`PAD_TOKEN` removed."""
+    ngram = [int(t) for t in tokens]
+    while ngram and ngram[-1] == PAD_TOKEN:
+        ngram.pop()
+    return tuple(ngram)
+
+
+class NgramCache:
+    """Counts of the tokens that followed each n-gram of some token sequences.
+
+    >>> cache = NgramCache()
+    >>> cache.update([5, 6, 7, 5, 6, 9], ngram_min=2, ngram_max=2)
+    >>> cache.get([5, 6])
+    {7: 1, 9: 1}
+    >>> cache.get([6, 9]) is None    # "6 9" ends the sequence: nothing followed it
+    True
+    """
+
+    def __init__(self) -> None:
+        # n-gram -> {continuation token: count}; dicts keep insertion order, so ties between
+        # continuations go to the one seen first (llama.cpp's go to its hash-map order).
+        self._table: Dict[Ngram, Dict[int, int]] = {}
+
+    # ----------------------------------------------------------------------------------- queries
+    def __len__(self) -> int:
+        """Number of distinct n-grams."""
+        return len(self._table)
+
+    def __contains__(self, ngram: Sequence[int]) -> bool:
+        return _as_ngram(ngram) in self._table
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, NgramCache):
+            return NotImplemented
+        return self._table == other._table
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+    def __repr__(self) -> str:
+        return f"NgramCache({len(self)} n-grams)"
+
+    def __iter__(self) -> Iterator[Ngram]:
+        return iter(self._table)
+
+    def items(self) -> ItemsView[Ngram, Dict[int, int]]:
+        """``(ngram, {token: count})`` pairs; read-only by convention."""
+        return self._table.items()
+
+    def get(self, ngram: Sequence[int]) -> Optional[Mapping[int, int]]:
+        """The continuations ``{token: count}`` of ``ngram`` (1 to 4 tokens; trailing -1 padding is
+        ignored), or None if it was never followed by anything. The mapping is the cache's own:
+        do not modify it. Fastest with a tuple of ints."""
+        if type(ngram) is not tuple or (ngram and ngram[-1] == PAD_TOKEN):  # noqa: E721
+            ngram = _as_ngram(ngram)
+        return self._table.get(ngram)
+
+    @property
+    def total_count(self) -> int:
+        """Sum of all counts: how many (n-gram, continuation) observations the cache holds."""
+        return sum(sum(part.values()) for part in self._table.values())
+
+    # --------------------------------------------------------------------------------- mutation
+    def update(self, tokens: Sequence[int], ngram_min: int, ngram_max: int,
+               start_index: int = 0, stop_index: Optional[int] = None) -> None:
+        """Count, for every position ``i`` in ``[start_index, stop_index)``, the token ``tokens[i]``
+        as a continuation of each n-gram of size ``ngram_min..ngram_max`` that ends at ``i - 1``.
+
+        This is llama.cpp's ``common_ngram_cache_update(cache, ngram_min, ngram_max, tokens, nnew)``
+        with ``start_index = len(tokens) - nnew``: to add tokens appended since the last update,
+        pass the previous length as ``start_index``. Only ``tokens[start_index - ngram_max:
+        stop_index]`` is read, so the cost is proportional to the new tokens, not to the sequence.
+
+        >>> cache = NgramCache()
+        >>> seq = [1, 2, 3]
+        >>> cache.update(seq, 1, 2)
+        >>> sorted(cache.items())
+        [((1,), {2: 1}), ((1, 2), {3: 1}), ((2,), {3: 1})]
+        >>> seq.append(1)
+        >>> cache.update(seq, 1, 2, start_index=3)     # only the n-grams ending before the new 1
+        >>> cache.get((3,)), cache.get((2, 3))
+        ({1: 1}, {1: 1})
+        """
+        _check_ngram_sizes(ngram_min, ngram_max)
+        stop = len(tokens) if stop_index is None else min(stop_index, len(tokens))
+        if start_index < 0:
+            raise ValueError(f"start_index={start_index}: must be >= 0")
+        window_start = max(0, start_index - ngram_max)
+        if stop <= max(start_index, ngram_min):
+            return
+        window = [int(t) for t in tokens[window_start:stop]]
+        table = self._table
+        for i in range(max(start_index, ngram_min) - window_start, len(window)):
+            continuation = window[i]
+            for size in range(ngram_min, min(ngram_max, i + window_start) + 1):
+                ngram = tuple(window[i - size:i])
+                part = table.get(ngram)
+                if part is None:
+                    table[ngram] = {continuation: 1}
+                else:
+                    part[continuation] = part.get(continuation, 0) + 1
+
+    def merge(self, other: "NgramCache") -> None:
+        """Add all counts of ``other`` to this cache (llama.cpp's ``common_ngram_cache_merge``).
+
+        >>> a, b = NgramCache(), NgramCache()
+        >>> a.update([1, 2], 1, 1); b.update([1, 2, 1, 3], 1, 1)
+        >>> a.merge(b); a.get((1,))
+        {2: 2, 3: 1}
+        """
+        table = self._table
+        for ngram, other_part in other._table.items():
+            part = table.get(ngram)
+            if part is None:
+                table[ngram] = dict(other_part)
+                continue
+            for token, count in other_part.items():
+                part[token] = part.get(token, 0) + count
+
+    def clear(self) -> None:
+        """Forget every n-gram."""
+        self._table.clear()
+
+    # ---------------------------------------------------------------------------- serialization
+    def to_bytes(self) -> bytes:
+        """The cache in llama.cpp's file format (see the module docstring)."""
+        words: List[int] = []
+        for ngram, part in self._table.items():
+            words.extend(ngram)
+            words.extend([PAD_TOKEN] * (NGRAM_MAX - len(ngram)))
+            words.append(len(part))
+            words.extend(itertools.chain.from_iterable(part.items()))
+        try:
+            return np.asarray(words, dtype=_INT32).tobytes()
+        except OverflowError as error:  # counts summed by many merges past int32
+            raise ValueError(f"an n-gram count does not fit the file's int32: {error}") from None
+
+    @classmethod
+    def from_bytes(cls, data: bytes, source: str = "<bytes>") -> "NgramCache":
+        """Parse llama.cpp's file format. ``source`` names the data in error messages.
+
+        Raises :class:`CacheFormatError` naming ``source`` and the byte offset of the first
+        record that is truncated or invalid (n-gram not 1-4 tokens >= 0 then -1 padding,
+        continuation count ``n < 1`` or larger than the bytes left, a token < 0 or count < 1,
+        a token or n-gram repeated); never anything else.
+        """
+        words = np.frombuffer(data, dtype=_INT32, count=len(data) // _WORD_BYTES).tolist()
+        n_words = len(words)
+        cache = cls()
+        table = cache._table
+
+        def fail(word_index: int, problem: str) -> CacheFormatError:
+            return CacheFormatError(
+                f"n-gram cache {source}: {problem} at byte offset {word_index * _WORD_BYTES} "
+                f"(file size {len(data)} bytes); the file is truncated or not an n-gram cache "
+                "written by gemma-spec-lookup-create or llama.cpp")
+
+        pos = 0
+        while pos < n_words:
+            if pos + _HEADER_WORDS > n_words:
+                raise fail(pos, "record header truncated")
+            padded = words[pos:pos + NGRAM_MAX]
+            ngram = _as_ngram(padded)
+            if not ngram or min(ngram) < 0:
+                raise fail(pos, f"invalid n-gram {padded}")
+            n_pairs = words[pos + NGRAM_MAX]
+            pairs_start = pos + _HEADER_WORDS
+            if n_pairs < 1:
+                raise fail(pos + NGRAM_MAX, f"continuation count {n_pairs} < 1")
+            pairs_end = pairs_start + 2 * n_pairs
+            if pairs_end > n_words:
+                raise fail(pos + NGRAM_MAX,
+                           f"continuation count {n_pairs} needs {8 * n_pairs} bytes, "
+                           f"{len(data) - pairs_start * _WORD_BYTES} left")
+            pairs = words[pairs_start:pairs_end]
+            tokens, counts = pairs[0::2], pairs[1::2]
+            if min(tokens) < 0 or min(counts) < 1:
+                bad = next(i for i, (t, c) in enumerate(zip(tokens, counts)) if t < 0 or c < 1)
+                raise fail(pairs_start + 2 * bad,
+                           f"invalid continuation (token {tokens[bad]}, count {counts[bad]})")
+            part = dict(zip(tokens, counts))
+            if len(part) != n_pairs:
+                raise fail(pairs_start, f"a continuation token of n-gram {list(ngram)} repeats")
+            if ngram in table:
+                raise fail(pos, f"n-gram {list(ngram)} appears twice")
+            table[ngram] = part
+            pos = pairs_end
+        if len(data) % _WORD_BYTES:  # a few bytes after the last whole record
+            raise fail(n_words, "record header truncated")
+        return cache
+
+    def save(self, path: PathLike) -> None:
+        """Write the cache to ``path`` atomically (a temporary file in the same directory, then a
+        rename): a reader never sees a half-written cache, and a failed save keeps the old file."""
+        target = Path(path)
+        data = self.to_bytes()
+        temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        try:
+            with open(temporary, "wb") as stream:
+                stream.write(data)
+                stream.flush()
+                os.fsync(stream.fileno())
+            os.replace(temporary, target)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def load(cls, path: PathLike) -> "NgramCache":
+        """Read a cache file written by :meth:`save`, ``gemma-spec-lookup-create``, or llama.cpp's
+        ``llama-lookup-create`` / ``llama-lookup``.
+
+        Raises :class:`CacheFileNotFoundError` if ``path`` does not exist and
+        :class:`CacheFormatError` if it cannot be read or is not a valid cache.
+        """
+        try:
+            data = Path(path).read_bytes()
+        except FileNotFoundError:
+            raise CacheFileNotFoundError(
+                f"n-gram cache file {os.fspath(path)} does not exist "
+                "(build a static cache with gemma-spec-lookup-create)") from None
+        except OSError as error:
+            raise CacheFormatError(
+                f"cannot read n-gram cache file {os.fspath(path)}: {error.strerror}") from None
+        return cls.from_bytes(data, source=os.fspath(path))
