@@ -50,7 +50,7 @@ def launch_node(context: LaunchContext) -> List[Any]:
         name="gemma_spec",
         namespace="",
         output="screen",
-        parameters=[params_file, overrides],
+        parameters=[params_file, overrides] if overrides else [params_file],
     )
     # Only after configure (configuring -> inactive): a later manual deactivate must stay inactive.
     activate_after_configure = RegisterEventHandler(OnStateTransition(
