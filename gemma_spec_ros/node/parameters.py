@@ -1,0 +1,301 @@
+"""The node's parameters: one table, and the pure functions that read it.
+
+Every parameter is declared from :data:`PARAMETERS` (name, default, description, range), so the
+descriptors ``ros2 param describe`` shows, the defaults and ``docs/parameters.md`` cannot drift apart
+(``python -m gemma_spec_ros.node.parameters --write docs/parameters.md`` regenerates the doc; a test
+checks it is in sync).
+
+Two kinds of parameter:
+
+- **configure-time** (``target.*``, ``draft.*``, ``lookup.*``): read by the configure transition to
+  load the models. They are *not* ``read_only``: an operator fixing a wrong model path expects
+  ``ros2 param set`` to work while the node is unconfigured. The node's set-parameters callback
+  refuses to change them in any other state, with a reason ("cleanup first"), because the loaded
+  models would no longer match the parameters.
+- **runtime** (``spec.*``, ``generation.*``, ``limits.*``, ``queue.*``, ``feedback.*``,
+  ``diagnostics.*``): validated by the callback and used from the next speculative step / the next
+  goal; ``spec.*`` never reloads the target.
+
+Defaults come from the engine's own config dataclasses where they exist, so there is one source.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, replace
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
+
+from rcl_interfaces.msg import (FloatingPointRange, IntegerRange, ParameterDescriptor,
+                                ParameterType)
+
+from ..engine.types import (SPEC_MODES, VERIFICATIONS, EngineConfig, LookupConfig, ModelConfig,
+                            SamplingParams, SpecConfig)
+
+ParamValue = Union[str, int, float, bool]
+
+#: Where scripts/setup.sh assembles the embedded default model (Gemma 3 270M Q4_K_M from PyPI).
+EMBEDDED_MODEL_PATH = "~/.cache/gemma_spec_ros/models/gemma-3-270m-q4_k_m.gguf"
+#: Prefixes of the parameters that only change while the node is unconfigured.
+CONFIGURE_TIME_PREFIXES: Tuple[str, ...] = ("target.", "draft.", "lookup.")
+_INT_MAX = 2**31 - 1
+_INT64_MAX = 2**63 - 1
+
+_MODEL = ModelConfig(path=EMBEDDED_MODEL_PATH)
+_SPEC = SpecConfig()
+_LOOKUP = LookupConfig()
+_SAMPLING = SamplingParams()
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One row of the parameter table. ``value_range`` is inclusive ``(low, high)``."""
+
+    name: str
+    default: ParamValue
+    description: str
+    value_range: Optional[Tuple[float, float]] = None
+    choices: Tuple[str, ...] = ()  # allowed strings (checked by the set-parameters callback)
+
+    @property
+    def configure_time(self) -> bool:
+        """True if the parameter is only read by the configure transition."""
+        return self.name.startswith(CONFIGURE_TIME_PREFIXES)
+
+    @property
+    def type_name(self) -> str:
+        return type(self.default).__name__
+
+    def descriptor(self) -> ParameterDescriptor:
+        """The ``ParameterDescriptor`` rclpy enforces (type, range) and ``ros2 param describe`` shows."""
+        descriptor = ParameterDescriptor(
+            name=self.name, type=_ROS_TYPES[type(self.default)], description=self.description,
+            additional_constraints=self.constraints, read_only=False)
+        if self.value_range is not None:
+            low, high = self.value_range
+            if isinstance(self.default, float):
+                descriptor.floating_point_range = [
+                    FloatingPointRange(from_value=float(low), to_value=float(high), step=0.0)]
+            else:
+                descriptor.integer_range = [IntegerRange(from_value=int(low), to_value=int(high), step=1)]
+        return descriptor
+
+    @property
+    def constraints(self) -> str:
+        """Human-readable constraints beyond the type and range."""
+        parts = []
+        if self.choices:
+            parts.append("one of: " + ", ".join(self.choices))
+        if self.configure_time:
+            parts.append("configure-time: set only while unconfigured")
+        return "; ".join(parts)
+
+
+_ROS_TYPES = {str: ParameterType.PARAMETER_STRING, int: ParameterType.PARAMETER_INTEGER,
+              float: ParameterType.PARAMETER_DOUBLE, bool: ParameterType.PARAMETER_BOOL}
+
+
+def _model_rows(prefix: str, what: str, path_default: str, path_help: str,
+                with_batch: bool) -> Tuple[ParamSpec, ...]:
+    """The rows shared by ``target.*`` and ``draft.*``."""
+    rows = [
+        ParamSpec(f"{prefix}.model_path", path_default, path_help),
+        ParamSpec(f"{prefix}.n_gpu_layers", _MODEL.n_gpu_layers,
+                  f"{what} layers offloaded to the GPU; -1 = all", (-1, 10_000)),
+        ParamSpec(f"{prefix}.n_ctx", _MODEL.n_ctx if with_batch else 0,
+                  f"{what} context length in tokens (prompt + generation)"
+                  + ("" if with_batch else "; 0 = target.n_ctx"),
+                  (16 if with_batch else 0, 1 << 20)),
+        ParamSpec(f"{prefix}.n_threads", _MODEL.n_threads,
+                  f"CPU threads for the {what}; 0 = all cores", (0, 1024)),
+    ]
+    if with_batch:
+        rows += [
+            ParamSpec(f"{prefix}.n_batch", _MODEL.n_batch,
+                      "largest batch one llama_decode call gets (prompt chunks)", (1, 1 << 16)),
+            ParamSpec(f"{prefix}.flash_attn", _MODEL.flash_attn,
+                      "flash attention for both models (GPU builds)"),
+        ]
+    return tuple(rows)
+
+
+#: The parameter table. Order = declaration order = order in docs/parameters.md.
+PARAMETERS: Tuple[ParamSpec, ...] = (
+    *_model_rows("target", "target", EMBEDDED_MODEL_PATH,
+                 "target model .gguf ('~' and $VARS expanded)", with_batch=True),
+    *_model_rows("draft", "draft", "",
+                 "draft model .gguf with the target's vocabulary; '' = no draft model",
+                 with_batch=False),
+    ParamSpec("spec.mode", _SPEC.mode, "speculative mode; applies from the next step, no reload",
+              choices=SPEC_MODES),
+    ParamSpec("spec.draft_max", _SPEC.draft_max,
+              "K: the most tokens drafted per step (the adaptive policy may use fewer)", (1, 64)),
+    ParamSpec("spec.draft_min", _SPEC.draft_min,
+              "a model draft shorter than this is dropped (0/1 = keep any); <= spec.draft_max",
+              (0, 64)),
+    ParamSpec("spec.p_min", _SPEC.p_min,
+              "model drafting stops when the draft's top probability falls below this", (0.0, 1.0)),
+    ParamSpec("spec.adaptive", _SPEC.adaptive,
+              "adapt K to measured acceptance and cost; false = always spec.draft_max"),
+    ParamSpec("spec.verification", _SPEC.verification,
+              "exact: lossless for any drafter; rejection: min(1, p/q) for stochastic model drafts",
+              choices=VERIFICATIONS),
+    ParamSpec("lookup.static_path", _LOOKUP.static_path,
+              "static n-gram cache (llama-lookup-create format); '' = none"),
+    ParamSpec("lookup.dynamic_path", _LOOKUP.dynamic_path,
+              "dynamic n-gram cache: loaded if present, saved at cleanup/shutdown; '' = memory only"),
+    ParamSpec("lookup.ngram_min", _LOOKUP.ngram_min, "shortest context n-gram tried", (1, 4)),
+    ParamSpec("lookup.ngram_max", _LOOKUP.ngram_max,
+              "longest context n-gram tried; >= lookup.ngram_min", (1, 4)),
+    ParamSpec("generation.max_tokens", 128,
+              "tokens generated when a goal's max_tokens is 0; <= limits.max_tokens", (1, 1 << 20)),
+    ParamSpec("generation.temperature", _SAMPLING.temperature,
+              "the node's advertised default temperature (0 = greedy); not applied to Generate goals, "
+              "which always carry their own (0 is greedy there)", (0.0, 100.0)),
+    ParamSpec("generation.top_p", _SAMPLING.top_p,
+              "nucleus mass used when a goal's top_p is 0; in (0, 1]", (0.0, 1.0)),
+    ParamSpec("generation.top_k", _SAMPLING.top_k,
+              "the node's advertised default top-k (0 = no limit); not applied to Generate goals, "
+              "which always carry their own (0 is 'no limit' there)", (0, _INT_MAX)),
+    ParamSpec("generation.seed", _SAMPLING.seed,
+              "sampler seed used when a goal's seed is -1; -1 = random", (-1, _INT64_MAX)),
+    ParamSpec("limits.max_prompt_tokens", 1536,
+              "goals whose (templated) prompt has more tokens are rejected", (1, 1 << 20)),
+    ParamSpec("limits.max_tokens", 1024,
+              "goals asking for more tokens are rejected", (1, 1 << 20)),
+    ParamSpec("queue.max_depth", 4,
+              "accepted goals that may wait behind the running one; more are rejected", (0, 1000)),
+    ParamSpec("feedback.min_period", 0.0,
+              "seconds between two feedback messages of a goal (text in between is kept); 0 = every "
+              "step", (0.0, 60.0)),
+    ParamSpec("diagnostics.period", 1.0, "seconds between /diagnostics and rolling stats messages",
+              (0.05, 3600.0)),
+    ParamSpec("diagnostics.hardware_id", "", "hardware_id of the diagnostic status; '' = host name"),
+)
+
+PARAMETERS_BY_NAME: Dict[str, ParamSpec] = {p.name: p for p in PARAMETERS}
+
+
+def defaults() -> Dict[str, ParamValue]:
+    """Every parameter's default value, by name."""
+    return {p.name: p.default for p in PARAMETERS}
+
+
+def check_choices(values: Mapping[str, Any]) -> str:
+    """'' if every string parameter in ``values`` is one of its choices, else the reason."""
+    for name, value in values.items():
+        spec = PARAMETERS_BY_NAME.get(name)
+        if spec is not None and spec.choices and value not in spec.choices:
+            return f"{name}={value!r}: expected one of {', '.join(spec.choices)}"
+    return ""
+
+
+def spec_config_from(values: Mapping[str, Any]) -> SpecConfig:
+    """``spec.*`` parameters -> SpecConfig; raises ValueError with a user-facing reason."""
+    return SpecConfig(mode=values["spec.mode"], draft_max=values["spec.draft_max"],
+                      draft_min=values["spec.draft_min"], p_min=values["spec.p_min"],
+                      adaptive=values["spec.adaptive"], verification=values["spec.verification"])
+
+
+def sampling_from(values: Mapping[str, Any]) -> SamplingParams:
+    """``generation.*`` defaults -> SamplingParams; raises ValueError with a user-facing reason."""
+    return SamplingParams(temperature=values["generation.temperature"],
+                          top_k=values["generation.top_k"], top_p=values["generation.top_p"],
+                          seed=values["generation.seed"])
+
+
+def engine_config_from(values: Mapping[str, Any]) -> EngineConfig:
+    """All parameters -> EngineConfig; raises ValueError with a user-facing reason.
+
+    The draft model shares the target's ``n_batch`` and ``flash_attn``; ``draft.n_ctx`` 0 means the
+    target's context length.
+    """
+    target = ModelConfig(path=values["target.model_path"], n_gpu_layers=values["target.n_gpu_layers"],
+                         n_ctx=values["target.n_ctx"], n_batch=values["target.n_batch"],
+                         n_threads=values["target.n_threads"], flash_attn=values["target.flash_attn"])
+    draft = None
+    if values["draft.model_path"]:
+        draft = replace(target, path=values["draft.model_path"],
+                        n_gpu_layers=values["draft.n_gpu_layers"],
+                        n_ctx=values["draft.n_ctx"] or target.n_ctx,
+                        n_threads=values["draft.n_threads"])
+    lookup = LookupConfig(static_path=values["lookup.static_path"],
+                          dynamic_path=values["lookup.dynamic_path"],
+                          ngram_min=values["lookup.ngram_min"], ngram_max=values["lookup.ngram_max"])
+    return EngineConfig(target=target, draft=draft, spec=spec_config_from(values), lookup=lookup)
+
+
+def check_values(values: Mapping[str, Any], configured: bool) -> str:
+    """'' if a full set of parameter values is consistent, else the reason.
+
+    Checks what the descriptors' ranges cannot: choices, cross-parameter rules and, while the node is
+    unconfigured, the whole engine config (a configured node already holds a valid one and refuses
+    configure-time changes).
+    """
+    reason = check_choices(values)
+    if reason:
+        return reason
+    if values["generation.max_tokens"] > values["limits.max_tokens"]:
+        return (f"generation.max_tokens={values['generation.max_tokens']} exceeds "
+                f"limits.max_tokens={values['limits.max_tokens']}")
+    try:
+        sampling_from(values)
+        if configured:
+            spec_config_from(values)
+        else:
+            engine_config_from(values)
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def render_markdown() -> str:
+    """docs/parameters.md, generated from :data:`PARAMETERS`."""
+    lines = [
+        "# Parameters of the `gemma_spec` node",
+        "",
+        "Generated from `gemma_spec_ros/node/parameters.py` by",
+        "`python -m gemma_spec_ros.node.parameters --write docs/parameters.md`; do not edit by hand.",
+        "",
+        "Configure-time parameters (`target.*`, `draft.*`, `lookup.*`) are read by the configure",
+        "transition. They can be set (`ros2 param set`) only while the node is unconfigured: in any other",
+        "state the node refuses the change with a reason, since the loaded models would no longer match.",
+        "Runtime parameters are validated when set and apply from the next speculative step (`spec.*`,",
+        "no reload of the target) or the next goal.",
+        "",
+        "| name | type | default | range | description |",
+        "|---|---|---|---|---|",
+    ]
+    for p in PARAMETERS:
+        low_high = "" if p.value_range is None else f"[{_fmt(p.value_range[0])}, {_fmt(p.value_range[1])}]"
+        extra = f" ({p.constraints})" if p.constraints else ""
+        lines.append(f"| `{p.name}` | {p.type_name} | `{_fmt(p.default)}` | {low_high} | "
+                     f"{p.description}{extra} |")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(value: ParamValue) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str):
+        return repr(value) if not value else value
+    if isinstance(value, float) and value.is_integer():
+        return f"{value:.1f}"
+    return str(value)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Print docs/parameters.md, or write it with ``--write PATH``."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--write", metavar="PATH", help="write the table to PATH")
+    args = parser.parse_args(argv)
+    text = render_markdown()
+    if args.write:
+        with open(args.write, "w", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
