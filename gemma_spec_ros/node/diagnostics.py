@@ -1,0 +1,244 @@
+"""Formatting of the engine's statistics for ROS: SpecStats messages and /diagnostics statuses.
+
+The node formats the engine's stats; it never recomputes them. The only arithmetic here is over
+things the node itself measures (request latency percentiles, counters) and
+:meth:`SpecStats.merge` of recent requests into a window.
+
+Status levels of ``<node>: speculative decoding`` (the convention rqt_robot_monitor reads):
+
+- STALE: the node is not active (unconfigured or inactive).
+- ERROR: the last request failed in the engine (cleared by the next request that does not).
+- WARN: speculation measured slower than plain decoding over the window
+  (``measured_speedup`` < :data:`SLOWER_THAN_PLAIN`), the policy predicts no gain
+  (``predicted_speedup`` < 1, i.e. tau below break-even), or the goal queue is full.
+- OK otherwise.
+"""
+from __future__ import annotations
+
+import collections
+import math
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+from builtin_interfaces.msg import Time
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from gemma_spec_msgs.msg import SpecStats as SpecStatsMsg
+
+from ..engine.stats import SpecStats
+
+#: Below this measured speedup the status warns. 5% under 1.0 so that timing noise of a policy that
+#: has switched speculation off (speedup ~1) does not flap the level.
+SLOWER_THAN_PLAIN = 0.95
+#: Finished requests kept for the latency percentiles and the windowed stats.
+WINDOW = 50
+
+OK, WARN, ERROR, STALE = (DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.ERROR,
+                          DiagnosticStatus.STALE)
+
+
+def spec_stats_msg(stats: SpecStats, stamp: Time) -> SpecStatsMsg:
+    """The one conversion SpecStats dataclass -> gemma_spec_msgs/SpecStats (from ``as_dict``)."""
+    values = stats.as_dict()
+    msg = SpecStatsMsg()
+    msg.header.stamp = stamp
+    for name, ros_type in msg.get_fields_and_field_types().items():
+        if name == "header":
+            continue
+        value = values[name]
+        if ros_type == "string":
+            setattr(msg, name, str(value))
+        elif ros_type.startswith("sequence<"):
+            setattr(msg, name, [float(v) for v in value])
+        elif ros_type.startswith(("uint", "int")):
+            setattr(msg, name, int(value))
+        else:
+            setattr(msg, name, float(value))
+    return msg
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); NaN for no values.
+
+    >>> percentile([4.0, 1.0, 3.0, 2.0], 50), percentile([4.0, 1.0, 3.0, 2.0], 95)
+    (2.0, 4.0)
+    """
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process from /proc/self/status (0 where unavailable)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+@dataclass
+class RequestLog:
+    """What the node measures about requests: counts, recent latencies, recent stats."""
+
+    ok: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    rejected: int = 0
+    last_failed: bool = False
+    last_error: str = ""
+    last_rejection: str = ""
+    latencies: Deque[float] = field(default_factory=lambda: collections.deque(maxlen=WINDOW))
+    recent: Deque[SpecStats] = field(default_factory=lambda: collections.deque(maxlen=WINDOW))
+
+    def record(self, finish_reason: str, latency: float, stats: Optional[SpecStats], error: str = "") -> None:
+        """A request ended with ``finish_reason`` after ``latency`` seconds from acceptance."""
+        if finish_reason == "error":
+            self.failed += 1
+            self.last_error = error
+        elif finish_reason == "cancelled":
+            self.cancelled += 1
+        else:
+            self.ok += 1
+        self.last_failed = finish_reason == "error"
+        self.latencies.append(latency)
+        if stats is not None and stats.num_generated_tokens:
+            self.recent.append(stats)
+
+    def reject(self, reason: str) -> None:
+        self.rejected += 1
+        self.last_rejection = reason
+
+    def window_stats(self) -> Optional[SpecStats]:
+        """The recent requests' stats merged (SpecStats.merge), or None before the first one."""
+        if not self.recent:
+            return None
+        window = SpecStats()
+        for stats in self.recent:
+            window.merge(stats)
+        return window
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """What the status formatter needs to know about the node at one instant."""
+
+    node_name: str
+    hardware_id: str
+    lifecycle_state: str  # unconfigured | inactive | active | ...
+    queue_depth: int
+    queue_max_depth: int
+    running: bool
+    spec: Optional[Any]  # the engine's SpecConfig, None when unconfigured
+    model_info: Mapping[str, Any]
+    configure_error: str = ""
+
+
+def hardware_id(configured: str) -> str:
+    """The configured id, or the host name."""
+    return configured or socket.gethostname()
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else f"{value:.4g}"
+    return str(value)
+
+
+def _kv(pairs: Iterable[Tuple[str, Any]]) -> List[KeyValue]:
+    return [KeyValue(key=k, value=_fmt(v)) for k, v in pairs]
+
+
+def spec_status(view: NodeView, log: RequestLog, rolling: Optional[SpecStats]) -> DiagnosticStatus:
+    """``<node>: speculative decoding``: level, message and the key-values operators watch.
+
+    ``rolling`` is the engine's lifetime stats (for mode, K, tau, acceptance); tokens/s, TTFT and
+    the speedup come from the window of recent requests.
+    """
+    window = log.window_stats()
+    current = rolling or SpecStats()
+    recent = window or SpecStats()
+    latencies = list(log.latencies)
+    level, message = _spec_level(view, log, window)
+    mode = current.spec_mode if rolling is not None else (view.spec.mode if view.spec else "")
+    pairs = [
+        ("state", view.lifecycle_state),
+        ("mode", view.spec.mode if view.spec else mode),
+        ("mode in effect", mode),
+        ("verification", view.spec.verification if view.spec else ""),
+        ("tau (mean acceptance length)", current.mean_acceptance_length),
+        ("acceptance rate", current.acceptance_rate),
+        ("K (draft_max)", view.spec.draft_max if view.spec else 0),
+        ("draft length last", current.draft_last),
+        ("tokens/s", recent.tokens_per_second),
+        ("TTFT ms", recent.time_to_first_token * 1e3),
+        ("latency p50 s", percentile(latencies, 50)),
+        ("latency p95 s", percentile(latencies, 95)),
+        ("measured speedup", recent.measured_speedup),
+        ("predicted speedup", current.predicted_speedup),
+        ("queue depth", view.queue_depth),
+        ("queue max depth", view.queue_max_depth),
+        ("running", view.running),
+        ("requests ok", log.ok),
+        ("requests failed", log.failed),
+        ("requests cancelled", log.cancelled),
+        ("requests rejected", log.rejected),
+        ("last rejection", log.last_rejection),
+        ("last error", log.last_error),
+        ("RSS MiB", rss_bytes() / 2**20),
+    ]
+    return DiagnosticStatus(level=level, name=f"{view.node_name}: speculative decoding",
+                            message=message, hardware_id=view.hardware_id, values=_kv(pairs))
+
+
+def _spec_level(view: NodeView, log: RequestLog, window: Optional[SpecStats]) -> Tuple[bytes, str]:
+    if view.lifecycle_state != "active":
+        note = f": configure failed: {view.configure_error}" if view.configure_error else ""
+        return STALE, f"{view.lifecycle_state}{note}"
+    if log.last_failed:
+        return ERROR, f"last request failed: {log.last_error}"
+    warnings = []
+    speculating = view.spec is not None and view.spec.mode != "off"
+    if speculating and window is not None and window.measured_speedup < SLOWER_THAN_PLAIN:
+        warnings.append(f"speculation slower than plain decoding (x{window.measured_speedup:.2f})")
+    if speculating and window is not None and window.predicted_speedup < 1.0:
+        warnings.append(f"tau below break-even (predicted x{window.predicted_speedup:.2f})")
+    if view.queue_depth >= max(1, view.queue_max_depth):
+        warnings.append(f"queue backing up ({view.queue_depth}/{view.queue_max_depth} waiting)")
+    if warnings:
+        return WARN, "; ".join(warnings)
+    return OK, "serving" if view.running else "ready"
+
+
+def models_status(view: NodeView) -> DiagnosticStatus:
+    """``<node>: models``: paths, sizes, n_gpu_layers, vocabulary, from ``engine.model_info()``."""
+    level, message = (OK, "loaded") if view.model_info else (STALE, "no models loaded")
+    pairs = list(_flatten(view.model_info))
+    return DiagnosticStatus(level=level, name=f"{view.node_name}: models", message=message,
+                            hardware_id=view.hardware_id, values=_kv(pairs))
+
+
+def _flatten(info: Mapping[str, Any], prefix: str = "") -> Iterable[Tuple[str, Any]]:
+    """Nested dicts as dotted keys: {"target": {"n_vocab": 5}} -> ("target.n_vocab", 5)."""
+    for key, value in info.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            yield from _flatten(value, name + ".")
+        elif value is not None:
+            yield name, value
+
+
+def diagnostic_array(stamp: Time, statuses: Sequence[DiagnosticStatus]) -> DiagnosticArray:
+    msg = DiagnosticArray(status=list(statuses))
+    msg.header.stamp = stamp
+    return msg
+
+
+def key_values(status: DiagnosticStatus) -> Dict[str, str]:
+    """A status's key-values as a dict (for clients and tests)."""
+    return {kv.key: kv.value for kv in status.values}

@@ -1,0 +1,228 @@
+"""Goals of the Generate action: validation into engine requests, and the FIFO they wait in.
+
+Nothing here blocks or touches the model except :func:`check_fits`, which asks the engine to count
+prompt tokens (thread-safe, about a millisecond).
+"""
+from __future__ import annotations
+
+import collections
+import math
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Deque, Dict, List, Mapping, Optional
+
+from ..engine.types import (SPEC_MODES, EngineError, GenerationRequest, SamplingParams)
+
+
+class GoalRejected(ValueError):
+    """A goal cannot be served; the message says why (it is logged and kept for diagnostics)."""
+
+
+def request_from_goal(goal: Any, values: Mapping[str, Any]) -> GenerationRequest:
+    """A Generate goal + the node's parameter values -> GenerationRequest, or GoalRejected.
+
+    Goal conventions (see Generate.action): ``max_tokens`` 0 = ``generation.max_tokens``; ``top_p`` 0
+    = ``generation.top_p``; ``seed`` -1 = ``generation.seed`` (itself -1 = random by default);
+    empty ``spec_mode`` = the node's ``spec.mode``.
+
+    >>> from types import SimpleNamespace as G
+    >>> v = {"generation.max_tokens": 64, "generation.top_p": 0.9, "generation.seed": -1,
+    ...      "limits.max_tokens": 256}
+    >>> goal = G(prompt="Hi", system_prompt="", use_chat_template=False, max_tokens=0,
+    ...          temperature=0.0, top_p=0.0, top_k=0, seed=7, stop=[], spec_mode="")
+    >>> r = request_from_goal(goal, v); (r.max_tokens, r.sampling.top_p, r.spec_mode)
+    (64, 0.9, None)
+    """
+    if not goal.prompt:
+        raise GoalRejected("prompt is empty")
+    if not math.isfinite(goal.temperature) or goal.temperature < 0:
+        raise GoalRejected(f"temperature={goal.temperature}: must be finite and >= 0")
+    if not math.isfinite(goal.top_p) or not 0.0 <= goal.top_p <= 1.0:
+        raise GoalRejected(f"top_p={goal.top_p}: must be in (0, 1], or 0 for the node's default")
+    if goal.top_k < 0:
+        raise GoalRejected(f"top_k={goal.top_k}: must be >= 0 (0 = no limit)")
+    if goal.spec_mode and goal.spec_mode not in SPEC_MODES:
+        raise GoalRejected(f"spec_mode {goal.spec_mode!r}: expected one of {', '.join(SPEC_MODES)} "
+                           "or empty for the node's spec.mode")
+    if goal.seed < -1:
+        raise GoalRejected(f"seed={goal.seed}: must be >= 0, or -1 for a random seed")
+    max_tokens = goal.max_tokens or values["generation.max_tokens"]
+    if max_tokens > values["limits.max_tokens"]:
+        raise GoalRejected(f"max_tokens={max_tokens} exceeds limits.max_tokens={values['limits.max_tokens']}")
+    try:
+        sampling = SamplingParams(temperature=float(goal.temperature), top_k=int(goal.top_k),
+                                  top_p=float(goal.top_p or values["generation.top_p"]),
+                                  seed=int(values["generation.seed"] if goal.seed == -1 else goal.seed))
+        return GenerationRequest(prompt=goal.prompt, max_tokens=int(max_tokens), sampling=sampling,
+                                 system_prompt=goal.system_prompt,
+                                 use_chat_template=bool(goal.use_chat_template),
+                                 stop=tuple(goal.stop), spec_mode=goal.spec_mode or None)
+    except ValueError as exc:
+        raise GoalRejected(str(exc)) from exc
+
+
+def check_fits(engine: Any, request: GenerationRequest, max_prompt_tokens: int) -> None:
+    """Raise GoalRejected if the request's mode is unusable or its prompt is too long.
+
+    Uses the engine's own token count (the templated prompt) and its context check
+    (prompt + max_tokens <= n_ctx).
+    """
+    if request.spec_mode is not None:
+        reason = engine.check_spec(replace(engine.spec, mode=request.spec_mode))
+        if reason:
+            raise GoalRejected(f"spec_mode {request.spec_mode!r}: {reason}")
+    prompt_tokens = engine.count_prompt_tokens(request)
+    if prompt_tokens > max_prompt_tokens:
+        raise GoalRejected(
+            f"prompt has {prompt_tokens} tokens, more than limits.max_prompt_tokens={max_prompt_tokens}")
+    try:
+        engine.check_request(request)
+    except (EngineError, ValueError) as exc:
+        raise GoalRejected(str(exc)) from exc
+
+
+@dataclass(eq=False)
+class Job:
+    """An accepted goal. ``cancel`` is handed to ``engine.generate``; setting it stops the request
+    at the next step. ``drop_reason`` set = finish without generating (the node was deactivated)."""
+
+    goal_handle: Any  # rclpy.action.server.ServerGoalHandle
+    request: Optional[GenerationRequest]  # None: the goal ends unstarted with drop_reason
+    accepted_at: float = field(default_factory=time.monotonic)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    drop_reason: str = ""
+
+    @property
+    def key(self) -> bytes:
+        return bytes(self.goal_handle.goal_id.uuid)
+
+
+class JobQueue:
+    """The bounded FIFO of accepted goals and the one running goal.
+
+    Goals start one at a time, in acceptance order; a goal that was cancelled or dropped while
+    waiting is handed out at once (out of order) so its client gets the result without waiting for
+    the running goal. ``max_depth`` counts waiting goals, not the running one.
+
+    All methods are thread-safe; :meth:`next_to_start` blocks until there is something to start.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._waiting: Deque[Job] = collections.deque()
+        self._running: Optional[Job] = None
+        self._jobs: Dict[bytes, Job] = {}
+        self._closed = False
+
+    # -- producers ---------------------------------------------------------------------------------
+    def depth(self) -> int:
+        """Goals waiting behind the running one.
+
+        A goal accepted while none runs counts as the next to run, not as waiting, even in the
+        instant before the dispatcher starts it; so with ``max_depth`` N exactly N goals wait.
+        """
+        with self._cond:
+            waiting = len(self._waiting)
+            return waiting if self._running is not None else max(0, waiting - 1)
+
+    def busy(self) -> bool:
+        """True if a goal runs or waits."""
+        with self._cond:
+            return self._running is not None or bool(self._waiting)
+
+    def push(self, job: Job) -> None:
+        """Queue an accepted goal."""
+        with self._cond:
+            self._waiting.append(job)
+            self._jobs[job.key] = job
+            self._cond.notify_all()
+
+    def get(self, key: bytes) -> Optional[Job]:
+        with self._cond:
+            return self._jobs.get(key)
+
+    def has_running(self) -> bool:
+        with self._cond:
+            return self._running is not None
+
+    def is_running(self, job: Job) -> bool:
+        with self._cond:
+            return self._running is job
+
+    def cancel(self, key: bytes) -> bool:
+        """Ask a goal to stop (at its next step, or before it starts). False if it is unknown."""
+        with self._cond:
+            job = self._jobs.get(key)
+            if job is None:
+                return False
+            job.cancel.set()
+            self._cond.notify_all()
+            return True
+
+    def drop_all(self, reason: str) -> None:
+        """Cancel the running goal and mark every waiting goal to finish unstarted with ``reason``."""
+        with self._cond:
+            for job in self._waiting:
+                job.drop_reason = reason
+                job.cancel.set()
+            if self._running is not None:
+                self._running.drop_reason = reason
+                self._running.cancel.set()
+            self._cond.notify_all()
+
+    def finished(self, job: Job) -> None:
+        """A goal's execute callback is done with it."""
+        with self._cond:
+            if self._running is job:
+                self._running = None
+            self._jobs.pop(job.key, None)
+            self._cond.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Block until no goal runs or waits; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._running is None and not self._waiting, timeout)
+
+    def close(self) -> None:
+        """Wake :meth:`next_to_start` for good (it returns None from now on)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    # -- the consumer ------------------------------------------------------------------------------
+    def next_to_start(self, poll: float = 0.01) -> Optional[Job]:
+        """The next goal to execute, or None once closed.
+
+        A goal whose cancel was requested while waiting is returned only once its goal handle
+        reports the cancel (rclpy updates the goal state just *after* the cancel callback), so that
+        the execute callback can end it as CANCELED; until then this polls every ``poll`` seconds.
+        """
+        with self._cond:
+            while not self._closed:
+                job = self._pick()
+                if job is not None:
+                    return job
+                self._cond.wait(poll if self._cancel_in_flight() else None)
+            return None
+
+    def _pick(self) -> Optional[Job]:
+        for job in self._waiting:
+            if job.drop_reason or (job.cancel.is_set() and job.goal_handle.is_cancel_requested):
+                self._waiting.remove(job)
+                return job
+        if self._running is None:
+            for job in self._waiting:
+                if not job.cancel.is_set():  # a cancel in flight ends unstarted, above
+                    self._waiting.remove(job)
+                    self._running = job
+                    return job
+        return None
+
+    def _cancel_in_flight(self) -> bool:
+        return any(job.cancel.is_set() and not job.drop_reason for job in self._waiting)
+
+    def snapshot(self) -> List[Job]:
+        """Running goal (if any) first, then the waiting goals in order."""
+        with self._cond:
+            return ([self._running] if self._running else []) + list(self._waiting)

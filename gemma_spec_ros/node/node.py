@@ -1,0 +1,435 @@
+"""``GemmaSpecNode``: the lifecycle node serving the Generate action over the engine.
+
+Thin by design: the engine does the work; this module wires parameters, goals, feedback and
+diagnostics to it.
+
+Lifecycle (the standard ``~/change_state`` / ``~/get_state`` services):
+
+- configure: parameters -> EngineConfig -> Engine (loads target, draft, n-gram caches); creates the
+  ``~/generate`` action server and the stats publishers. A missing/corrupt file, an out-of-memory
+  load or a vocabulary mismatch returns FAILURE with the reason (naming the files) logged and shown
+  in diagnostics; the node stays unconfigured and configures again once the parameter is fixed.
+- activate: goals are accepted. deactivate: no new goals; the running goal stops at its next step
+  (result ``finish_reason`` cancelled, status ABORTED unless its client cancelled it) and waiting
+  goals end unstarted the same way.
+- cleanup / shutdown (from any state) / error: stop goals as in deactivate, then ``engine.close()``
+  (frees the models, saves the dynamic n-gram cache).
+
+Goals wait in a bounded FIFO (:class:`~gemma_spec_ros.node.goals.JobQueue`); a dispatcher thread
+starts them one at a time, so waiting goals hold no executor thread. The action server sits in its
+own mutually exclusive callback group so that "is the queue full?" and "enqueue" of one goal cannot
+interleave with another goal's; everything else uses a reentrant group. Run the node with a
+``MultiThreadedExecutor`` of at least :data:`MIN_EXECUTOR_THREADS` threads.
+
+``/diagnostics`` uses a plain publisher created with the node (not a lifecycle publisher), so the
+status is published in every state: STALE while unconfigured/inactive, with the last configure
+failure in its message, which is where an operator looks first.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+from diagnostic_msgs.msg import DiagnosticArray
+from gemma_spec_msgs.action import Generate
+from gemma_spec_msgs.msg import SpecStats as SpecStatsMsg
+from rcl_interfaces.msg import SetParametersResult
+from rclpy.action import ActionServer, CancelResponse, GoalResponse
+from rclpy.action.server import ServerGoalHandle
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
+from rclpy.lifecycle import Node as LifecycleNode
+from rclpy.lifecycle import Publisher as LifecyclePublisher
+from rclpy.lifecycle import State as LifecycleState
+from rclpy.lifecycle import TransitionCallbackReturn
+from rclpy.parameter import Parameter
+from rclpy.timer import Timer
+
+from ..engine.stats import SpecStats
+from ..engine.types import EngineError
+from . import diagnostics
+from .goals import GoalRejected, Job, JobQueue, check_fits, request_from_goal
+from .parameters import (PARAMETERS, PARAMETERS_BY_NAME, check_values, engine_config_from,
+                         spec_config_from)
+
+#: Default node name.
+NODE_NAME = "gemma_spec"
+#: Executor threads the node needs: a transition or parameter call, the running goal's execute
+#: callback, goal/cancel requests and the diagnostics timer must be able to run at once.
+MIN_EXECUTOR_THREADS = 4
+#: Seconds a transition waits for the running goal to stop (it stops at its next step).
+STOP_TIMEOUT = 30.0
+
+_SUCCESS = TransitionCallbackReturn.SUCCESS
+_FAILURE = TransitionCallbackReturn.FAILURE
+
+
+class GemmaSpecNode(LifecycleNode):
+    """Lifecycle node serving ``~/generate`` (gemma_spec_msgs/action/Generate) with speculation.
+
+    Topics: ``/diagnostics`` (DiagnosticArray), ``~/spec_stats`` (SpecStats of each finished
+    request), ``~/spec_stats_rolling`` (the engine's lifetime SpecStats every diagnostics.period).
+    Parameters: see :mod:`gemma_spec_ros.node.parameters` and docs/parameters.md.
+    """
+
+    def __init__(self, node_name: str = NODE_NAME, **kwargs: Any) -> None:
+        self._engine: Optional[Any] = None  # gemma_spec_ros.engine.engine.Engine
+        self._model_info: Dict[str, Any] = {}
+        self._action_server: Optional[ActionServer] = None
+        self._stats_pub: Optional[LifecyclePublisher] = None
+        self._rolling_pub: Optional[LifecyclePublisher] = None
+        self._jobs: Optional[JobQueue] = None
+        self._dispatcher: Optional[threading.Thread] = None
+        self._diag_timer: Optional[Timer] = None
+        self._state = "unconfigured"  # mirrors the lifecycle state for diagnostics and checks
+        self._accepting = False
+        self._configure_error = ""
+        self._log_lock = threading.Lock()
+        self._requests = diagnostics.RequestLog()
+        super().__init__(node_name, **kwargs)
+
+        self._group = ReentrantCallbackGroup()
+        self._goal_group = MutuallyExclusiveCallbackGroup()
+        for spec in PARAMETERS:
+            self.declare_parameter(spec.name, spec.default, spec.descriptor())
+        self.add_on_set_parameters_callback(self._on_set_parameters)
+        self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
+        self._diag_timer = self.create_timer(self._value("diagnostics.period"),
+                                             self._publish_diagnostics, callback_group=self._group)
+
+    # -- parameters --------------------------------------------------------------------------------
+    def _value(self, name: str) -> Any:
+        return self.get_parameter(name).value
+
+    def _values(self) -> Dict[str, Any]:
+        """Every table parameter's current value, by name."""
+        return {spec.name: self._value(spec.name) for spec in PARAMETERS}
+
+    def _on_set_parameters(self, params: List[Parameter]) -> SetParametersResult:
+        """Validate a set of parameter changes; apply ``spec.*`` to the engine when accepted.
+
+        rclpy has already checked types and ranges. Runs before the values are stored (and on
+        Humble there is no post-set callback), so the engine is updated here, after every check.
+        """
+        changes = {p.name: p.value for p in params if p.name in PARAMETERS_BY_NAME}
+        reason = self._check_changes(changes)
+        if not reason and self._engine is not None and any(n.startswith("spec.") for n in changes):
+            try:
+                self._engine.update_spec(spec_config_from({**self._values(), **changes}))
+            except ValueError as exc:
+                reason = str(exc)
+        if reason:
+            self.get_logger().warning(f"parameter change refused: {reason}")
+            return SetParametersResult(successful=False, reason=reason)
+        if "diagnostics.period" in changes and self._diag_timer is not None:
+            self._diag_timer.timer_period_ns = int(changes["diagnostics.period"] * 1e9)
+        return SetParametersResult(successful=True)
+
+    def _check_changes(self, changes: Dict[str, Any]) -> str:
+        """'' if the changes can be accepted in the current state, else the reason."""
+        if any(value is None for value in changes.values()):
+            return "the node's parameters cannot be undeclared"
+        frozen = sorted(n for n in changes if PARAMETERS_BY_NAME[n].configure_time)
+        if frozen and self._engine is not None:
+            return (f"{', '.join(frozen)} can only change while unconfigured (the node is "
+                    f"{self._state}; the models are loaded): run the cleanup transition first")
+        values = {**self._values(), **changes}
+        reason = check_values(values, configured=self._engine is not None)
+        if not reason and self._engine is not None and any(n.startswith("spec.") for n in changes):
+            reason = self._engine.check_spec(spec_config_from(values))
+        return reason
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
+        """Load the models and create the action server; FAILURE (logged) if a file is unusable."""
+        from ..engine.engine import Engine  # the engine module loads llama_cpp
+
+        try:
+            config = engine_config_from(self._values())
+        except ValueError as exc:
+            return self._configure_failed(f"invalid parameters: {exc}")
+        files = f"target {config.target.resolved_path!r}"
+        if config.draft is not None:
+            files += f", draft {config.draft.resolved_path!r}"
+        self.get_logger().info(f"configuring: loading {files}")
+        started = time.monotonic()
+        try:
+            self._engine = Engine(config)
+        except (EngineError, ValueError, OSError, MemoryError) as exc:
+            return self._configure_failed(f"cannot load {files}: {exc}")
+        self._model_info = dict(self._engine.model_info())
+        self._configure_error = ""
+        self._jobs = JobQueue()
+        self._dispatcher = threading.Thread(target=self._dispatch, name="gemma_spec_dispatch",
+                                            daemon=True)
+        self._dispatcher.start()
+        self._stats_pub = self.create_lifecycle_publisher(SpecStatsMsg, "~/spec_stats", 10)
+        self._rolling_pub = self.create_lifecycle_publisher(SpecStatsMsg, "~/spec_stats_rolling", 10)
+        self._action_server = ActionServer(
+            self, Generate, "~/generate", execute_callback=self._execute,
+            goal_callback=self._on_goal, handle_accepted_callback=self._on_accepted,
+            cancel_callback=self._on_cancel, callback_group=self._goal_group)
+        self._state = "inactive"
+        self.get_logger().info(
+            f"configured in {time.monotonic() - started:.1f} s: spec.mode={config.spec.mode}, "
+            f"n_ctx={self._engine.n_ctx}")
+        return _SUCCESS
+
+    def _configure_failed(self, reason: str) -> TransitionCallbackReturn:
+        self._configure_error = reason
+        self.get_logger().error(f"configure failed: {reason}")
+        return _FAILURE
+
+    def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        """Accept goals from now on."""
+        self._accepting = True
+        self._state = "active"
+        self.get_logger().info("active: accepting goals on ~/generate")
+        return super().on_activate(state)
+
+    def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        """Refuse new goals; stop the running one at its next step; end the waiting ones."""
+        self._stop_goals("the node was deactivated")
+        self._state = "inactive"
+        return super().on_deactivate(state)
+
+    def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
+        """Free the models (saving the dynamic n-gram cache) and the ROS entities of configure."""
+        self.release("the node was cleaned up")
+        self._state = "unconfigured"
+        return _SUCCESS
+
+    def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
+        """From any state: stop goals, free everything, save the dynamic cache."""
+        self.release("the node is shutting down")
+        self._state = "finalized"
+        return _SUCCESS
+
+    def on_error(self, state: LifecycleState) -> TransitionCallbackReturn:
+        """A transition raised: release everything and go back to unconfigured."""
+        self.get_logger().error(f"error during a transition from {state.label}; releasing the engine")
+        self.release("the node hit an error")
+        self._state = "unconfigured"
+        return _SUCCESS
+
+    def _stop_goals(self, reason: str) -> None:
+        self._accepting = False
+        if self._jobs is None:
+            return
+        self._jobs.drop_all(reason)
+        if not self._jobs.wait_idle(STOP_TIMEOUT):
+            self.get_logger().error(f"goals still running {STOP_TIMEOUT:.0f} s after: {reason}")
+
+    def release(self, reason: str) -> None:
+        """Stop goals and undo configure (free the models, save the dynamic cache). Idempotent.
+
+        What cleanup and shutdown do; callable directly when no transition can run.
+        """
+        self._stop_goals(reason)
+        if self._jobs is not None:
+            self._jobs.close()
+        if self._dispatcher is not None:
+            self._dispatcher.join(timeout=STOP_TIMEOUT)
+        if self._action_server is not None:
+            self._action_server.destroy()
+        for publisher in (self._stats_pub, self._rolling_pub):
+            if publisher is not None:
+                self.destroy_lifecycle_publisher(publisher)
+        engine, self._engine = self._engine, None
+        self._jobs = self._dispatcher = self._action_server = None
+        self._stats_pub = self._rolling_pub = None
+        self._model_info = {}
+        if engine is not None:
+            engine.close()
+            self.get_logger().info("engine closed (models freed, dynamic n-gram cache saved)")
+
+    @property
+    def lifecycle_state(self) -> str:
+        """unconfigured | inactive | active | finalized (as of the last completed transition)."""
+        return self._state
+
+    @property
+    def configure_error(self) -> str:
+        """Why the last configure failed ('' if it did not)."""
+        return self._configure_error
+
+    # -- goals -------------------------------------------------------------------------------------
+    def _on_goal(self, goal: Generate.Goal) -> GoalResponse:
+        """Accept or reject a goal without blocking; a rejection's reason is logged and kept."""
+        try:
+            self._check_goal(goal)
+        except GoalRejected as exc:
+            reason = str(exc)
+            with self._log_lock:
+                self._requests.reject(reason)
+            self.get_logger().warning(f"goal rejected: {reason}")
+            return GoalResponse.REJECT
+        return GoalResponse.ACCEPT
+
+    def _check_goal(self, goal: Generate.Goal) -> None:
+        engine, jobs = self._engine, self._jobs
+        if not self._accepting or engine is None or jobs is None:
+            raise GoalRejected(f"the node is {self._state}, not active")
+        values = self._values()
+        request = request_from_goal(goal, values)
+        max_depth = values["queue.max_depth"]
+        if jobs.busy() and jobs.depth() >= max_depth:
+            raise GoalRejected(f"queue full: {jobs.depth()} goals waiting (queue.max_depth={max_depth})")
+        check_fits(engine, request, values["limits.max_prompt_tokens"])
+
+    def _on_accepted(self, goal_handle: ServerGoalHandle) -> None:
+        """Queue an accepted goal; the dispatcher starts it in turn."""
+        jobs = self._jobs
+        if jobs is None:  # cleaned up between accept and here
+            goal_handle.execute(self._execute)
+            return
+        try:
+            job = Job(goal_handle, request_from_goal(goal_handle.request, self._values()))
+        except GoalRejected as exc:  # parameters changed since the goal callback
+            job = Job(goal_handle, None, drop_reason=str(exc))
+        if not self._accepting:
+            job.drop_reason = f"the node is {self._state}, not active"
+        jobs.push(job)
+
+    def _on_cancel(self, goal_handle: ServerGoalHandle) -> CancelResponse:
+        """Accept a cancel for a known goal; it stops at its next step (or before it starts)."""
+        jobs = self._jobs
+        if jobs is not None and jobs.cancel(bytes(goal_handle.goal_id.uuid)):
+            return CancelResponse.ACCEPT
+        return CancelResponse.REJECT
+
+    def _dispatch(self) -> None:
+        """Dispatcher thread: execute goals one at a time, in FIFO order (see JobQueue)."""
+        jobs = self._jobs
+        while jobs is not None:
+            job = jobs.next_to_start()
+            if job is None:
+                return
+            try:
+                job.goal_handle.execute()
+            except Exception as exc:  # noqa: BLE001  the context went away; nothing to serve
+                self.get_logger().error(f"cannot start a goal: {exc}")
+                jobs.finished(job)
+
+    def _execute(self, goal_handle: ServerGoalHandle) -> Generate.Result:
+        """Execute callback: run the goal if it is the running one, else end it unstarted."""
+        jobs = self._jobs
+        job = jobs.get(bytes(goal_handle.goal_id.uuid)) if jobs is not None else None
+        if job is None:
+            result = Generate.Result(finish_reason="cancelled", error="the node was cleaned up")
+            self._end_goal(goal_handle, result)
+            return result
+        try:
+            if jobs.is_running(job) and job.request is not None:
+                result, stats = self._generate(job)
+            else:
+                reason = job.drop_reason or "cancelled before it started"
+                result, stats = Generate.Result(finish_reason="cancelled", error=reason), None
+            self._end_goal(goal_handle, result)
+            self._record(job, result, stats)
+            return result
+        finally:
+            jobs.finished(job)
+
+    def _generate(self, job: Job) -> Tuple[Generate.Result, Optional[SpecStats]]:
+        """Stream one request through the engine; never raises."""
+        engine = self._engine
+        goal_handle = job.goal_handle
+        min_period = self._value("feedback.min_period")
+        parts: List[str] = []
+        unsent: List[str] = []
+        last_feedback = -math.inf
+        step = None
+        try:
+            for step in engine.generate(job.request, cancel=job.cancel):
+                parts.append(step.text)
+                unsent.append(step.text)
+                if goal_handle.is_cancel_requested:
+                    job.cancel.set()
+                now = time.monotonic()
+                if step.finish_reason is not None or now - last_feedback >= min_period:
+                    goal_handle.publish_feedback(_feedback(step, "".join(unsent)))
+                    unsent.clear()
+                    last_feedback = now
+        except EngineError as exc:
+            return self._failed(job, parts, step, str(exc)), None
+        except Exception as exc:  # noqa: BLE001  a bug in one request must not stop the node
+            self.get_logger().error(f"unexpected error in the engine: {exc!r}")
+            return self._failed(job, parts, step, f"internal error: {exc!r}"), None
+        if step is None:
+            return self._failed(job, parts, step, "the engine produced no step"), None
+        result = Generate.Result(
+            text="".join(parts), finish_reason=step.finish_reason or "length",
+            prompt_tokens=step.stats.num_prompt_tokens,
+            completion_tokens=step.stats.num_generated_tokens, spec_mode=step.spec_mode,
+            stats=diagnostics.spec_stats_msg(step.stats, self.get_clock().now().to_msg()))
+        if result.finish_reason == "cancelled" and job.drop_reason:
+            result.error = job.drop_reason
+        return result, step.stats
+
+    def _failed(self, job: Job, parts: List[str], step: Any, error: str) -> Generate.Result:
+        self.get_logger().error(f"request failed: {error}")
+        result = Generate.Result(text="".join(parts), finish_reason="error", error=error)
+        if step is not None:
+            result.spec_mode = step.spec_mode
+            result.completion_tokens = step.stats.num_generated_tokens
+            result.prompt_tokens = step.stats.num_prompt_tokens
+            result.stats = diagnostics.spec_stats_msg(step.stats, self.get_clock().now().to_msg())
+        return result
+
+    def _end_goal(self, goal_handle: ServerGoalHandle, result: Generate.Result) -> None:
+        """Set the goal's terminal state from the result's finish_reason."""
+        try:
+            if result.finish_reason in ("stop", "length"):
+                goal_handle.succeed()
+            elif result.finish_reason == "cancelled" and goal_handle.is_cancel_requested:
+                goal_handle.canceled()
+            else:  # engine error, or stopped by a transition rather than by its client
+                goal_handle.abort()
+        except Exception as exc:  # noqa: BLE001  the context is shutting down
+            self.get_logger().warning(f"cannot set the goal's final state: {exc}")
+
+    def _record(self, job: Job, result: Generate.Result, stats: Optional[SpecStats]) -> None:
+        with self._log_lock:
+            self._requests.record(result.finish_reason, time.monotonic() - job.accepted_at, stats,
+                                  result.error)
+        if stats is not None and self._stats_pub is not None:
+            self._stats_pub.publish(result.stats)
+
+    # -- diagnostics -------------------------------------------------------------------------------
+    def _view(self) -> diagnostics.NodeView:
+        engine, jobs = self._engine, self._jobs
+        return diagnostics.NodeView(
+            node_name=self.get_name(),
+            hardware_id=diagnostics.hardware_id(self._value("diagnostics.hardware_id")),
+            lifecycle_state=self._state, queue_depth=jobs.depth() if jobs else 0,
+            queue_max_depth=self._value("queue.max_depth"),
+            running=jobs.has_running() if jobs is not None else False,
+            spec=engine.spec if engine is not None else None, model_info=self._model_info,
+            configure_error=self._configure_error)
+
+    def _publish_diagnostics(self) -> None:
+        """Timer: /diagnostics (both statuses) and the rolling SpecStats."""
+        try:
+            engine = self._engine
+            rolling = engine.rolling_stats() if engine is not None else None
+            view = self._view()
+            stamp = self.get_clock().now().to_msg()
+            with self._log_lock:
+                statuses = [diagnostics.spec_status(view, self._requests, rolling),
+                            diagnostics.models_status(view)]
+            self._diag_pub.publish(diagnostics.diagnostic_array(stamp, statuses))
+            if rolling is not None and self._rolling_pub is not None:
+                self._rolling_pub.publish(diagnostics.spec_stats_msg(rolling, stamp))
+        except Exception as exc:  # noqa: BLE001  e.g. the engine closed during this tick
+            self.get_logger().warning(f"diagnostics skipped: {exc!r}", throttle_duration_sec=10.0)
+
+
+def _feedback(step: Any, text: str) -> Generate.Feedback:
+    """Feedback for one engine step with the text accumulated since the last feedback."""
+    return Generate.Feedback(
+        text=text, completion_tokens=step.stats.num_generated_tokens,
+        mean_acceptance_length=step.stats.mean_acceptance_length,
+        tokens_per_second=step.stats.tokens_per_second, spec_mode=step.spec_mode,
+        draft_max=step.draft_max)
