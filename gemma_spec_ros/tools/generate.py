@@ -1,0 +1,155 @@
+"""``gemma-spec-generate "prompt"``: send one Generate goal and print the text and the stats.
+
+Like ``ros2 action send_goal --feedback /gemma_spec/generate ...``: with ``--stream`` the text is
+printed as feedback arrives; otherwise once, from the result. The text goes to stdout, the goal's
+status and the request's speculative-decoding stats to stderr. Ctrl-C cancels the goal.
+
+Exit status: 0 succeeded, 1 no action server / timed out, 2 rejected, 3 aborted, 4 cancelled.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from typing import Any, List, Optional, Sequence
+
+import rclpy
+from action_msgs.msg import GoalStatus
+from gemma_spec_msgs.action import Generate
+from rclpy.action import ActionClient
+from rclpy.node import Node
+from rclpy.signals import SignalHandlerOptions
+from rclpy.utilities import remove_ros_args
+
+from ..node.node import NODE_NAME
+
+EXIT_OK, EXIT_UNAVAILABLE, EXIT_REJECTED, EXIT_ABORTED, EXIT_CANCELLED = range(5)
+_EXIT_BY_STATUS = {GoalStatus.STATUS_SUCCEEDED: EXIT_OK, GoalStatus.STATUS_ABORTED: EXIT_ABORTED,
+                   GoalStatus.STATUS_CANCELED: EXIT_CANCELLED}
+_STATUS_NAMES = {GoalStatus.STATUS_SUCCEEDED: "SUCCEEDED", GoalStatus.STATUS_ABORTED: "ABORTED",
+                 GoalStatus.STATUS_CANCELED: "CANCELED"}
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="gemma-spec-generate", description=__doc__.split("\n")[0])
+    parser.add_argument("prompt")
+    parser.add_argument("--spec-mode", default="", help="off|draft|lookup|draft+lookup|auto "
+                        "(default: the node's spec.mode)")
+    parser.add_argument("--stream", action="store_true", help="print text as feedback arrives")
+    parser.add_argument("--max-tokens", type=int, default=0, help="0 = the node's default")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=0.0, help="0 = the node's default")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = no limit")
+    parser.add_argument("--seed", type=int, default=-1, help="-1 = random")
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--system", default="", help="system prompt (with --chat)")
+    parser.add_argument("--chat", action="store_true", help="wrap in the model's chat template")
+    parser.add_argument("--node", default=NODE_NAME,
+                        help="node name or full path; the action is <node>/generate")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds to wait for the server and for the result")
+    return parser.parse_args(argv)
+
+
+def goal_from_args(args: argparse.Namespace) -> Generate.Goal:
+    return Generate.Goal(prompt=args.prompt, system_prompt=args.system,
+                         use_chat_template=args.chat, max_tokens=args.max_tokens,
+                         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                         seed=args.seed, stop=list(args.stop), spec_mode=args.spec_mode)
+
+
+def format_stats(result: Generate.Result) -> str:
+    """The result's stats as a few ``key: value`` lines."""
+    s = result.stats
+    lines = [
+        f"finish_reason: {result.finish_reason}" + (f" ({result.error})" if result.error else ""),
+        f"tokens: prompt {result.prompt_tokens}, completion {result.completion_tokens}",
+        f"spec_mode: {result.spec_mode} ({s.verification}), K {s.draft_max}",
+        f"tau (mean acceptance length): {_num(s.mean_acceptance_length)}, acceptance rate: "
+        f"{_num(s.acceptance_rate)} ({s.num_accepted_tokens}/{s.num_draft_tokens} in {s.num_drafts} drafts)",
+        f"tokens/s: {_num(s.tokens_per_second)}, TTFT: {_num(s.time_to_first_token_ms)} ms, "
+        f"measured speedup: {_num(s.measured_speedup)}",
+    ]
+    return "\n".join(lines)
+
+
+def _num(value: float) -> str:
+    return "n/a" if math.isnan(value) else f"{value:.3g}"
+
+
+class _Printer:
+    """Prints streamed text once: feedback first, then whatever the result adds."""
+
+    def __init__(self, stream: bool) -> None:
+        self.stream = stream
+        self.printed: List[str] = []
+
+    def feedback(self, message: Any) -> None:
+        if self.stream and message.feedback.text:
+            self.printed.append(message.feedback.text)
+            sys.stdout.write(message.feedback.text)
+            sys.stdout.flush()
+
+    def result(self, text: str) -> None:
+        done = "".join(self.printed)
+        sys.stdout.write(text[len(done):] if text.startswith(done) else "\n" + text)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+
+def _action_name(node: str) -> str:
+    return f"{node.rstrip('/')}/generate"
+
+
+def send(client_node: Node, args: argparse.Namespace) -> int:
+    """Send the goal, print, and return the exit status."""
+    client = ActionClient(client_node, Generate, _action_name(args.node))
+    if not client.wait_for_server(timeout_sec=args.timeout):
+        print(f"no action server {_action_name(args.node)} (is the node active?)", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    printer = _Printer(args.stream)
+    deadline = time.monotonic() + args.timeout
+    goal_future = client.send_goal_async(goal_from_args(args), feedback_callback=printer.feedback)
+    rclpy.spin_until_future_complete(client_node, goal_future, timeout_sec=args.timeout)
+    handle = goal_future.result()
+    if handle is None:
+        print("timed out sending the goal", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    if not handle.accepted:
+        print("goal rejected (the node's log and /diagnostics 'last rejection' say why)",
+              file=sys.stderr)
+        return EXIT_REJECTED
+    result_future = handle.get_result_async()
+    try:
+        rclpy.spin_until_future_complete(client_node, result_future,
+                                         timeout_sec=max(0.0, deadline - time.monotonic()))
+    except KeyboardInterrupt:
+        cancel = handle.cancel_goal_async()
+        rclpy.spin_until_future_complete(client_node, cancel, timeout_sec=5.0)
+        rclpy.spin_until_future_complete(client_node, result_future, timeout_sec=10.0)
+    response = result_future.result()
+    if response is None:
+        print("timed out waiting for the result", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    printer.result(response.result.text)
+    print(f"status: {_STATUS_NAMES.get(response.status, response.status)}", file=sys.stderr)
+    print(format_stats(response.result), file=sys.stderr)
+    return _EXIT_BY_STATUS.get(response.status, EXIT_ABORTED)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv if argv is None else argv)
+    args = parse_args(remove_ros_args(argv)[1:])
+    # Ctrl-C must raise KeyboardInterrupt (to cancel the goal), not shut the context down.
+    rclpy.init(args=argv, signal_handler_options=SignalHandlerOptions.NO)
+    node = Node("gemma_spec_generate")
+    try:
+        return send(node, args)
+    finally:
+        node.destroy_node()
+        rclpy.try_shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

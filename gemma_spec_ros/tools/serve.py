@@ -1,0 +1,116 @@
+"""Run the gemma_spec node.
+
+``gemma-spec-serve --params-file config/embedded.yaml [--node-name N] [ROS args...]`` starts the
+node and takes it through configure + activate itself (for machines without ``ros2 launch``). It
+exits 1 with the reason when configure fails.
+
+``gemma_spec_node`` (for ``ros2 run`` and the launch file) runs the same node without the automatic
+transitions: a lifecycle manager (the launch file's events, ``ros2 lifecycle set``) drives it.
+``gemma-spec-serve --no-autostart`` does the same.
+
+Both shut the node down cleanly on Ctrl-C / SIGTERM: the lifecycle shutdown transition runs while
+the executor still spins (the running goal ends as cancelled, the models are freed, the dynamic
+n-gram cache is saved), then ROS shuts down.
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from typing import List, Optional, Sequence
+
+import rclpy
+from rclpy.executors import MultiThreadedExecutor
+from rclpy.lifecycle import TransitionCallbackReturn
+from rclpy.signals import SignalHandlerOptions
+from rclpy.utilities import remove_ros_args
+
+from ..node.node import MIN_EXECUTOR_THREADS, NODE_NAME, GemmaSpecNode
+
+
+def parse_args(argv: Sequence[str], autostart_default: bool) -> argparse.Namespace:
+    """Our options; ROS arguments (``--ros-args ...``) are left for rclpy."""
+    parser = argparse.ArgumentParser(
+        prog="gemma-spec-serve" if autostart_default else "gemma_spec_node",
+        description="Serve gemma_spec_msgs/action/Generate with speculative decoding.",
+        epilog="Arguments after --ros-args go to ROS (e.g. -p spec.mode:=off, -r __ns:=/robot).")
+    parser.add_argument("--params-file", action="append", default=[], metavar="YAML",
+                        help="ROS parameters file (the /**: ros__parameters: layout); repeatable")
+    parser.add_argument("--node-name", default=NODE_NAME, help="node name (default: %(default)s)")
+    parser.add_argument("--no-autostart", dest="autostart", action="store_false",
+                        default=autostart_default,
+                        help="do not configure + activate; wait for lifecycle transitions")
+    return parser.parse_args(remove_ros_args(list(argv))[1:])
+
+
+def ros_args(argv: Sequence[str], params_files: Sequence[str]) -> List[str]:
+    """The argument list for ``rclpy.init``: ``argv`` plus a ROS section for our params files.
+
+    rcl ignores the non-ROS options; ``-p name:=value`` overrides still win over the files.
+    """
+    files = [arg for path in params_files for arg in ("--params-file", path)]
+    return [*argv, "--ros-args", *files] if files else list(argv)
+
+
+def run(argv: Sequence[str], autostart_default: bool) -> int:
+    """Run the node until Ctrl-C / SIGTERM; returns the process exit status."""
+    args = parse_args(argv, autostart_default)
+    # rclpy's own handlers would shut the context down at once, before the shutdown transition
+    # could end the running goal and save the dynamic cache; ours only ask the main loop to stop.
+    rclpy.init(args=ros_args(argv, args.params_file),
+               signal_handler_options=SignalHandlerOptions.NO)
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    node = GemmaSpecNode(args.node_name)
+    executor = MultiThreadedExecutor(num_threads=MIN_EXECUTOR_THREADS + 2)
+    executor.add_node(node)
+    spinner = threading.Thread(target=executor.spin, name="executor", daemon=True)
+    spinner.start()
+    status = 0
+    try:
+        if args.autostart:
+            status = _bring_up(node)
+        while status == 0 and not stop.wait(0.2) and spinner.is_alive():
+            pass
+    finally:
+        _shut_down(node, executor)
+    return status
+
+
+def _bring_up(node: GemmaSpecNode) -> int:
+    """configure + activate; 1 (with the reason on stderr) if either fails."""
+    for name, trigger in (("configure", node.trigger_configure), ("activate", node.trigger_activate)):
+        if trigger() != TransitionCallbackReturn.SUCCESS:
+            reason = node.configure_error if name == "configure" else "see the log"
+            print(f"gemma-spec-serve: {name} failed: {reason}", file=sys.stderr)
+            return 1
+    node.get_logger().info("ready: send goals to ~/generate (Ctrl-C to stop)")
+    return 0
+
+
+def _shut_down(node: GemmaSpecNode, executor: MultiThreadedExecutor) -> None:
+    if node.lifecycle_state != "finalized":
+        try:
+            node.trigger_shutdown()
+        except Exception as exc:  # noqa: BLE001  e.g. a transition in progress; still free the engine
+            node.get_logger().warning(f"shutdown transition failed ({exc}); releasing directly")
+            node.release("the node is shutting down")
+    executor.shutdown(timeout_sec=5.0)
+    node.destroy_node()
+    rclpy.try_shutdown()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``gemma-spec-serve``: configure + activate automatically."""
+    return run(sys.argv if argv is None else argv, autostart_default=True)
+
+
+def node_main(argv: Optional[Sequence[str]] = None) -> int:
+    """``gemma_spec_node``: wait for lifecycle transitions (launch files, ros2 lifecycle)."""
+    return run(sys.argv if argv is None else argv, autostart_default=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
