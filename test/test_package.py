@@ -279,8 +279,9 @@ def test_colcon_style_install_puts_the_executable_where_ros2_launch_finds_it(
     assert out.returncode == 0, out.stdout + out.stderr
     node = prefix / "lib" / PACKAGE / "gemma_spec_node"
     assert node.is_file() and os.access(node, os.X_OK), sorted(map(str, prefix.rglob("*")))[:40]
+    # The launch file drives configure/activate itself: this executable must not autostart.
     entry_points = "".join(p.read_text() for p in prefix.rglob("entry_points.txt"))
-    assert "gemma_spec_node = gemma_spec_ros.tools.serve:main" in entry_points
+    assert "gemma_spec_node = gemma_spec_ros.tools.serve:node_main" in entry_points
     assert_share_layout(share_directory(venv_python, str(prefix)), repo_root)
 
 
