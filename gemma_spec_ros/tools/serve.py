@@ -45,12 +45,18 @@ def parse_args(argv: Sequence[str], autostart_default: bool) -> argparse.Namespa
 
 
 def ros_args(argv: Sequence[str], params_files: Sequence[str]) -> List[str]:
-    """The argument list for ``rclpy.init``: ``argv`` plus a ROS section for our params files.
+    """The argument list for ``rclpy.init``: a ROS section with our params files, then ``argv``.
 
-    rcl ignores the non-ROS options; ``-p name:=value`` overrides still win over the files.
+    Later ROS arguments win, so the user's own ``--ros-args -p name:=value`` overrides the files.
+    rcl ignores the non-ROS options.
+
+    >>> ros_args(["serve", "--ros-args", "-p", "a:=1"], ["x.yaml"])
+    ['serve', '--ros-args', '--params-file', 'x.yaml', '--', '--ros-args', '-p', 'a:=1']
     """
+    if not params_files:
+        return list(argv)
     files = [arg for path in params_files for arg in ("--params-file", path)]
-    return [*argv, "--ros-args", *files] if files else list(argv)
+    return [argv[0], "--ros-args", *files, "--", *argv[1:]]
 
 
 def run(argv: Sequence[str], autostart_default: bool) -> int:
@@ -75,7 +81,7 @@ def run(argv: Sequence[str], autostart_default: bool) -> int:
         while status == 0 and not stop.wait(0.2) and spinner.is_alive():
             pass
     finally:
-        _shut_down(node, executor)
+        _shut_down(node, executor, spinner)
     return status
 
 
@@ -90,7 +96,9 @@ def _bring_up(node: GemmaSpecNode) -> int:
     return 0
 
 
-def _shut_down(node: GemmaSpecNode, executor: MultiThreadedExecutor) -> None:
+def _shut_down(node: GemmaSpecNode, executor: MultiThreadedExecutor,
+               spinner: threading.Thread) -> None:
+    """Shutdown transition while the executor spins, then stop it and ROS."""
     if node.lifecycle_state != "finalized":
         try:
             node.trigger_shutdown()
@@ -98,6 +106,7 @@ def _shut_down(node: GemmaSpecNode, executor: MultiThreadedExecutor) -> None:
             node.get_logger().warning(f"shutdown transition failed ({exc}); releasing directly")
             node.release("the node is shutting down")
     executor.shutdown(timeout_sec=5.0)
+    spinner.join(timeout=5.0)
     node.destroy_node()
     rclpy.try_shutdown()
 

@@ -1,0 +1,163 @@
+"""``gemma-spec-serve`` in a process of its own, ``gemma-spec-generate`` and a ROS client against it.
+
+The served text must equal the engine's own output for the same seeded request: the reference
+Engine runs in this process with the same parameters (read from the same YAML + overrides) and sees
+the same requests in the same order, so its n-gram caches, drafts and batch shapes match the node's.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Iterator, List
+
+import pytest
+import rclpy
+import yaml
+from action_msgs.msg import GoalStatus
+from gemma_spec_msgs.action import Generate
+
+from gemma_spec_ros.engine.engine import Engine
+from gemma_spec_ros.node.goals import request_from_goal
+from gemma_spec_ros.node.parameters import defaults, engine_config_from
+from gemma_spec_ros.tools.generate import EXIT_OK, EXIT_REJECTED
+from test_node_harness import Client, wait_until
+
+NODE = "gemma_spec_serve_test"
+PROMPT = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n"
+# Sampled (seeded) rather than greedy, so the sampler's determinism is part of the check.
+GOAL: Dict[str, Any] = dict(prompt=PROMPT, max_tokens=24, temperature=0.7, top_p=0.0, top_k=0,
+                            seed=5, spec_mode="")
+READY = "ready: send goals"
+
+
+def bin_path(venv_python: Path, name: str) -> str:
+    return str(Path(venv_python).parent / name)
+
+
+def yaml_parameters(path: Path) -> Dict[str, Any]:
+    """The ``/**: ros__parameters:`` tree of a params file, flattened to dotted names."""
+    def flatten(tree: Dict[str, Any], prefix: str = "") -> Iterator[tuple]:
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                yield from flatten(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}", value
+    return dict(flatten(yaml.safe_load(path.read_text())["/**"]["ros__parameters"]))
+
+
+@pytest.fixture(scope="module")
+def overrides(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
+    """Command-line overrides of config/embedded.yaml: small context, fixed K (not adaptive, so the
+    drafts do not depend on timing), a dynamic n-gram cache file in a temporary folder."""
+    return {"target.n_ctx": 512, "spec.adaptive": False, "spec.draft_max": 3,
+            "lookup.dynamic_path": str(tmp_path_factory.mktemp("serve") / "dynamic.bin")}
+
+
+@pytest.fixture(scope="module")
+def server(repo_root: Path, venv_python: Path, overrides: Dict[str, Any],
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen]:
+    """gemma-spec-serve on config/embedded.yaml, configured and active."""
+    log = tmp_path_factory.mktemp("serve_log") / "serve.log"
+    ros_args: List[str] = []
+    for name, value in overrides.items():
+        ros_args += ["-p", f"{name}:={str(value).lower() if isinstance(value, bool) else value}"]
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            [bin_path(venv_python, "gemma-spec-serve"), "--params-file", "config/embedded.yaml",
+             "--node-name", NODE, "--ros-args", *ros_args],
+            cwd=repo_root, stdout=out, stderr=subprocess.STDOUT)
+    process.log = log  # type: ignore[attr-defined]
+    try:
+        wait_until(lambda: READY in log.read_text() or process.poll() is not None, 300, "the server")
+        assert process.poll() is None, log.read_text()
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+@dataclass
+class Reference:
+    """The engine with the server's parameters, its dynamic n-gram cache in memory only."""
+
+    engine: Engine
+    values: Dict[str, Any]
+
+    def text(self) -> str:
+        """The engine's own text for GOAL (the node's goal -> request conversion included)."""
+        request = request_from_goal(Generate.Goal(**GOAL), self.values)
+        return "".join(step.text for step in self.engine.generate(request))
+
+
+@pytest.fixture(scope="module")
+def reference(repo_root: Path, overrides: Dict[str, Any]) -> Iterator[Reference]:
+    values = {**defaults(), **yaml_parameters(repo_root / "config" / "embedded.yaml"), **overrides,
+              "lookup.dynamic_path": ""}
+    engine = Engine(engine_config_from(values), calibrate=False)  # fixed K: costs are not used
+    yield Reference(engine, values)
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def client(server: subprocess.Popen) -> Iterator[Client]:
+    rclpy.init()
+    ros = Client(f"/{NODE}", name="gemma_spec_serve_test_client")
+    yield ros
+    ros.close()
+    rclpy.try_shutdown()
+
+
+@pytest.mark.timeout(400)
+def test_round_trip_streams_the_engines_text(client: Client, reference: Reference) -> None:
+    run = client.send(**GOAL)
+    assert run.accepted
+    result = run.wait_result()
+    expected = reference.text()
+    assert run.status == GoalStatus.STATUS_SUCCEEDED and result.finish_reason == "length"
+    assert result.text == expected and result.completion_tokens == 24
+    assert len(run.feedback) >= 2 and run.feedback[-1].completion_tokens == 24
+    wait_until(lambda: run.streamed_text == result.text, 5.0, "all text streamed as feedback")
+    assert result.spec_mode == "lookup" and result.stats.num_generated_tokens == 24
+    assert result.stats.num_draft_tokens >= result.stats.num_accepted_tokens
+
+
+@pytest.mark.timeout(120)
+def test_generate_cli_prints_the_same_text(client: Client, reference: Reference,
+                                           venv_python: Path, repo_root: Path) -> None:
+    """Second identical request (server and reference both have learned from the first)."""
+    cli = [bin_path(venv_python, "gemma-spec-generate"), GOAL["prompt"], "--stream",
+           "--max-tokens", str(GOAL["max_tokens"]), "--temperature", str(GOAL["temperature"]),
+           "--seed", str(GOAL["seed"]), "--node", NODE, "--timeout", "60"]
+    out = subprocess.run(cli, cwd=repo_root, capture_output=True, text=True, timeout=100)
+    assert out.returncode == EXIT_OK, out.stderr
+    assert out.stdout == reference.text() + "\n"
+    assert "status: SUCCEEDED" in out.stderr and "tau (mean acceptance length)" in out.stderr
+
+    rejected = subprocess.run(cli + ["--spec-mode", "draft"], cwd=repo_root, capture_output=True,
+                              text=True, timeout=100)
+    assert rejected.returncode == EXIT_REJECTED, rejected.stderr
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_shuts_down_cleanly_and_saves_the_dynamic_cache(
+        server: subprocess.Popen, client: Client, overrides: Dict[str, Any]) -> None:
+    server.send_signal(signal.SIGTERM)
+    assert server.wait(timeout=45) == 0, server.log.read_text()  # type: ignore[attr-defined]
+    assert "dynamic n-gram cache saved" in server.log.read_text()  # type: ignore[attr-defined]
+    assert Path(overrides["lookup.dynamic_path"]).stat().st_size > 0
+
+
+@pytest.mark.timeout(60)
+def test_serve_exits_nonzero_naming_the_missing_model(venv_python: Path, repo_root: Path) -> None:
+    missing = "/nonexistent/gemma_spec_test/missing.gguf"
+    out = subprocess.run(
+        [bin_path(venv_python, "gemma-spec-serve"), "--params-file", "config/embedded.yaml",
+         "--node-name", "gemma_spec_serve_fail", "--ros-args", "-p", f"target.model_path:={missing}"],
+        cwd=repo_root, capture_output=True, text=True, timeout=50,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "configure failed" in out.stderr and missing in out.stderr
