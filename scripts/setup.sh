@@ -102,7 +102,8 @@ fi
 #    --symlink-install` lays them out (setuptools' editable install skips data_files; a real,
 #    non-editable install of setup.py is checked by test/test_package.py).
 pkg_key="$(cat "$ROOT"/setup.py "$ROOT"/setup.cfg | sha1sum | cut -c1-12)"
-if ! stamp_ok "$VENV/.gemma_spec_pkg" "$pkg_key"; then
+if ! stamp_ok "$VENV/.gemma_spec_pkg" "$pkg_key" ||
+   ! (cd / && "$VENV/bin/python" -c "import gemma_spec_ros" 2>/dev/null); then
   log "installing gemma_spec_ros into the venv (editable)"
   "${PIP[@]}" install --no-deps --no-build-isolation -e "$ROOT"
   echo "$pkg_key" > "$VENV/.gemma_spec_pkg"

@@ -39,7 +39,8 @@ class SpecStats:
     num_drafts: int = 0  # verify passes with a non-empty draft
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    num_generated_tokens: int = 0
+    num_generated_tokens: int = 0  # all tokens emitted, the first (sampled from the prompt pass) too
+    num_step_tokens: int = 0  # tokens emitted by decode steps after the prompt (for tokens/s)
     num_steps: int = 0  # target passes after the prompt (verify or plain)
     num_prompt_tokens: int = 0
     accepted_at: List[int] = field(default_factory=list)  # drafts accepted at position i
@@ -50,7 +51,7 @@ class SpecStats:
     verify_time: float = 0.0  # target decode passes (with or without a draft)
     sample_time: float = 0.0
     time_to_first_token: float = math.nan
-    generation_time: float = 0.0  # wall time from the first generated token's pass to the last
+    generation_time: float = 0.0  # wall time of the decode steps after the prompt pass
     predicted_speedup: float = math.nan
     plain_token_time: float = math.nan  # measured cost of one plain decode step on this device
 
@@ -84,7 +85,7 @@ class SpecStats:
     def merge(self, other: "SpecStats") -> None:
         """Add another request's counters and times (for rolling, per-engine stats)."""
         for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_generated_tokens",
-                     "num_steps", "num_prompt_tokens", "prompt_time", "draft_time", "verify_time",
+                     "num_step_tokens", "num_steps", "num_prompt_tokens", "prompt_time", "draft_time", "verify_time",
                      "sample_time", "generation_time"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_at, other.drafted_at), (self.accepted_at, other.accepted_at)):
@@ -126,14 +127,17 @@ class SpecStats:
 
     @property
     def tokens_per_second(self) -> float:
-        return _ratio(self.num_generated_tokens, self.generation_time)
+        """Decode speed: tokens emitted by steps after the prompt pass / time of those steps
+        (llama.cpp's eval tokens/s; the prompt pass and its first token are in TTFT instead)."""
+        return _ratio(self.num_step_tokens, self.generation_time)
 
     @property
     def measured_speedup(self) -> float:
-        """Tokens/s relative to plain decoding at the measured plain step cost on this device."""
-        if math.isnan(self.plain_token_time) or not self.generation_time or not self.num_generated_tokens:
+        """Decode speed relative to plain decoding at the measured plain step cost on this device
+        (tokens/s x seconds per plain step)."""
+        if math.isnan(self.plain_token_time) or not self.generation_time or not self.num_step_tokens:
             return math.nan
-        return (self.num_generated_tokens * self.plain_token_time) / self.generation_time
+        return (self.num_step_tokens * self.plain_token_time) / self.generation_time
 
     def as_dict(self) -> Dict[str, object]:
         """Plain dict of counters and derived values (times in ms) for JSON and ROS messages."""
@@ -142,7 +146,8 @@ class SpecStats:
             "draft_max": self.draft_max, "draft_last": self.draft_last,
             "num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
-            "num_generated_tokens": self.num_generated_tokens, "num_steps": self.num_steps,
+            "num_generated_tokens": self.num_generated_tokens,
+            "num_step_tokens": self.num_step_tokens, "num_steps": self.num_steps,
             "num_prompt_tokens": self.num_prompt_tokens,
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,

@@ -1,0 +1,380 @@
+"""One thin class over llama-cpp-python's low-level API (0.3.36): what a draft-verify loop needs.
+
+- load a GGUF into a model + context (never ``logits_all``: logits exist only for requested rows),
+- tokenize, detokenize incrementally without splitting a UTF-8 sequence, apply the chat template,
+- decode a batch asking logits only for the rows that need them, and time it,
+- roll the KV cache back to a position (checking llama.cpp's answer),
+- report the vocabulary's identity (for the draft/target compatibility check).
+
+Only one sequence (id 0) is used. Not thread-safe for decoding; tokenization is read-only on the
+vocabulary and may run from another thread.
+"""
+from __future__ import annotations
+
+import codecs
+import ctypes
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .types import KVCacheError, ModelConfig, ModelLoadError, VocabMismatchError
+
+_BACKEND_LOCK = threading.Lock()
+_BACKEND_READY = False
+
+
+def _llama():  # imported lazily so that importing the engine package never needs llama_cpp
+    import llama_cpp  # noqa: WPS433
+
+    return llama_cpp
+
+
+def _init_backend() -> None:
+    global _BACKEND_READY
+    with _BACKEND_LOCK:
+        if not _BACKEND_READY:
+            llama_cpp = _llama()
+            llama_cpp.llama_backend_init()
+            if not os.environ.get("GEMMA_SPEC_LLAMA_LOG"):
+                # llama.cpp logs every load at INFO on stderr; keep errors only.
+                _install_quiet_logger(llama_cpp)
+            _BACKEND_READY = True
+
+
+_LOG_CALLBACK = None  # keep a reference: llama.cpp holds the C pointer
+_GGML_LOG_LEVEL_ERROR = 4  # ggml_log_level: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5
+
+
+def _install_quiet_logger(llama_cpp) -> None:
+    global _LOG_CALLBACK
+
+    @llama_cpp.llama_log_callback
+    def _quiet(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        if level == _GGML_LOG_LEVEL_ERROR:
+            try:
+                os.write(2, text)
+            except OSError:
+                pass
+
+    _LOG_CALLBACK = _quiet
+    llama_cpp.llama_log_set(_quiet, ctypes.c_void_p(0))
+
+
+@dataclass(frozen=True)
+class VocabIdentity:
+    """What must match between a draft and a target model (llama.cpp's rule)."""
+
+    vocab_type: int
+    n_vocab: int
+    bos: int
+    eos: int
+    add_bos: bool
+    token_texts_digest: str  # digest of all token texts, to compare without holding both lists
+
+
+def check_vocab_compatible(target: "LlamaBackend", draft: "LlamaBackend") -> None:
+    """Raise VocabMismatchError unless ``draft`` can draft for ``target``.
+
+    llama.cpp's rule (common/speculative): same vocab type, same BOS/EOS (and add-BOS), sizes within
+    128 of each other, identical token texts over the common range (we compare all tokens after
+    the first 5 control ids like llama.cpp does, over the shared range).
+    """
+    t, d = target.vocab_identity, draft.vocab_identity
+    problems = []
+    if t.vocab_type != d.vocab_type:
+        problems.append(f"vocab type {d.vocab_type} != target's {t.vocab_type}")
+    if abs(t.n_vocab - d.n_vocab) > 128:
+        problems.append(f"vocab size {d.n_vocab} differs from target's {t.n_vocab} by more than 128")
+    if (t.bos, t.eos, t.add_bos) != (d.bos, d.eos, d.add_bos):
+        problems.append(f"BOS/EOS {d.bos}/{d.eos} != target's {t.bos}/{t.eos}")
+    if not problems:
+        n_common = min(t.n_vocab, d.n_vocab)
+        for token in range(5, n_common):
+            if target.token_text(token) != draft.token_text(token):
+                problems.append(f"token {token} is {draft.token_text(token)!r} in the draft but "
+                                f"{target.token_text(token)!r} in the target")
+                break
+    if problems:
+        raise VocabMismatchError(
+            f"draft model {draft.path} cannot draft for target {target.path}: " + "; ".join(problems))
+
+
+class Utf8Stream:
+    """Bytes in, whole characters out: a multi-byte character split across tokens is held back.
+
+    >>> s = Utf8Stream(); s.push(b"caf\\xc3"), s.push(b"\\xa9!")
+    ('caf', 'é!')
+    """
+
+    __slots__ = ("_decoder",)
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, data: bytes) -> str:
+        return self._decoder.decode(data, final=False)
+
+    def flush(self) -> str:
+        return self._decoder.decode(b"", final=True)
+
+
+class LlamaBackend:
+    """A loaded GGUF model with one context and one sequence.
+
+    ``n_past`` is the number of positions in the KV cache; ``kv_tokens`` the tokens they hold.
+    """
+
+    def __init__(self, config: ModelConfig, *, max_batch_rows: int = 65) -> None:
+        _init_backend()
+        llama_cpp = _llama()
+        self._llama_cpp = llama_cpp
+        self.config = config
+        self.path = config.resolved_path
+        self._model = None
+        self._ctx = None
+        self._batch = None
+        if not os.path.isfile(self.path):
+            raise ModelLoadError(f"model file not found: {self.path}")
+        with open(self.path, "rb") as fh:
+            if fh.read(4) != b"GGUF":
+                raise ModelLoadError(f"not a GGUF file (bad magic): {self.path}")
+        mparams = llama_cpp.llama_model_default_params()
+        mparams.n_gpu_layers = 999 if config.n_gpu_layers < 0 else config.n_gpu_layers
+        self._model = llama_cpp.llama_model_load_from_file(self.path.encode(), mparams)
+        if not self._model:
+            raise ModelLoadError(
+                f"llama.cpp could not load {self.path} (corrupt file, unsupported architecture, "
+                f"or not enough memory for n_gpu_layers={config.n_gpu_layers})")
+        try:
+            self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+            self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+            cparams = llama_cpp.llama_context_default_params()
+            cparams.n_ctx = config.n_ctx
+            cparams.n_batch = config.n_batch
+            cparams.n_ubatch = config.n_batch
+            cparams.n_seq_max = 1
+            threads = config.n_threads or (os.cpu_count() or 1)
+            cparams.n_threads = threads
+            cparams.n_threads_batch = threads
+            cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if config.flash_attn
+                                       else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+            # Full-size sliding-window cache: rolling back rejected draft tokens must not leave
+            # the window without the older tokens it evicted (Gemma 3/4 use 512/1024-token windows).
+            cparams.swa_full = True
+            self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
+            if not self._ctx:
+                raise ModelLoadError(
+                    f"llama.cpp could not create a context for {self.path} with n_ctx={config.n_ctx} "
+                    f"(not enough memory?)")
+            self.n_ctx = int(llama_cpp.llama_n_ctx(self._ctx))
+            self._mem = llama_cpp.llama_get_memory(self._ctx)
+            self.max_batch_rows = max(1, min(max_batch_rows, config.n_batch))
+            self._batch_capacity = max(config.n_batch, self.max_batch_rows)
+            self._batch = llama_cpp.llama_batch_init(self._batch_capacity, 0, 1)
+            self.bos = int(llama_cpp.llama_vocab_bos(self._vocab))
+            self.eos = int(llama_cpp.llama_vocab_eos(self._vocab))
+            self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
+            self.vocab_type = int(llama_cpp.llama_vocab_type(self._vocab))
+        except Exception:
+            self.close()
+            raise
+        self.kv_tokens: List[int] = []
+        self._piece_buf = ctypes.create_string_buffer(256)
+        self._vocab_identity: Optional[VocabIdentity] = None
+        self._eog_cache: dict = {}
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def close(self) -> None:
+        llama_cpp = self._llama_cpp
+        if self._batch is not None:
+            llama_cpp.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx:
+            llama_cpp.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            llama_cpp.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- vocabulary -----------------------------------------------------------------------------
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> List[int]:
+        """Tokens of ``text``; BOS added when the model wants it and ``add_special``."""
+        llama_cpp = self._llama_cpp
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        buf = (llama_cpp.llama_token * capacity)()
+        n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, parse_special)
+        if n < 0:
+            capacity = -n
+            buf = (llama_cpp.llama_token * capacity)()
+            n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special,
+                                         parse_special)
+        return list(buf[:n])
+
+    def token_bytes(self, token: int) -> bytes:
+        """The raw bytes of one token (special tokens render as nothing)."""
+        llama_cpp = self._llama_cpp
+        n = llama_cpp.llama_token_to_piece(self._vocab, token, self._piece_buf, len(self._piece_buf), 0, False)
+        if n < 0:
+            self._piece_buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token, self._piece_buf, -n, 0, False)
+        return self._piece_buf.raw[:n]
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
+
+    def token_text(self, token: int) -> bytes:
+        text = self._llama_cpp.llama_vocab_get_text(self._vocab, token)
+        return text or b""
+
+    def is_eog(self, token: int) -> bool:
+        cached = self._eog_cache.get(token)
+        if cached is None:
+            cached = bool(self._llama_cpp.llama_vocab_is_eog(self._vocab, token))
+            self._eog_cache[token] = cached
+        return cached
+
+    @property
+    def vocab_identity(self) -> VocabIdentity:
+        if self._vocab_identity is None:
+            import hashlib
+
+            digest = hashlib.sha1()
+            for token in range(self.n_vocab):
+                digest.update(self.token_text(token))
+                digest.update(b"\0")
+            self._vocab_identity = VocabIdentity(self.vocab_type, self.n_vocab, self.bos, self.eos,
+                                                 self.add_bos, digest.hexdigest())
+        return self._vocab_identity
+
+    def chat_prompt(self, prompt: str, system_prompt: str = "") -> str:
+        """``prompt`` wrapped in the model's own chat template (GGUF ``tokenizer.chat_template``)."""
+        llama_cpp = self._llama_cpp
+        template = llama_cpp.llama_model_chat_template(self._model, None)
+        if not template:
+            raise ValueError(f"model {self.path} has no chat template; send use_chat_template=false")
+        messages = ([("system", system_prompt)] if system_prompt else []) + [("user", prompt)]
+        chat = (llama_cpp.llama_chat_message * len(messages))()
+        keep = []
+        for i, (role, content) in enumerate(messages):
+            role_b, content_b = role.encode(), content.encode("utf-8")
+            keep.extend((role_b, content_b))
+            chat[i].role, chat[i].content = role_b, content_b
+        size = 2 * sum(len(c) for c in keep) + 1024
+        buf = ctypes.create_string_buffer(size)
+        n = llama_cpp.llama_chat_apply_template(template, chat, len(messages), True, buf, size)
+        if n > size:
+            buf = ctypes.create_string_buffer(n)
+            n = llama_cpp.llama_chat_apply_template(template, chat, len(messages), True, buf, n)
+        if n < 0:
+            raise ValueError(f"llama.cpp does not support the chat template of {self.path}")
+        return buf.raw[:n].decode("utf-8", errors="replace")
+
+    def model_info(self) -> dict:
+        llama_cpp = self._llama_cpp
+        desc = ctypes.create_string_buffer(256)
+        llama_cpp.llama_model_desc(self._model, desc, len(desc))
+        return {
+            "path": self.path,
+            "size_bytes": os.path.getsize(self.path),
+            "n_params": int(llama_cpp.llama_model_n_params(self._model)),
+            "description": desc.value.decode(errors="replace"),
+            "n_gpu_layers": self.config.n_gpu_layers,
+            "n_ctx": self.n_ctx,
+            "n_vocab": self.n_vocab,
+            "vocab_type": self.vocab_type,
+        }
+
+    # -- decoding -------------------------------------------------------------------------------
+    @property
+    def n_past(self) -> int:
+        return len(self.kv_tokens)
+
+    def decode(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> List[np.ndarray]:
+        """Append ``tokens`` to the sequence; return logits (views, valid until the next decode)
+        for the requested row indices of this batch only.
+
+        Batches longer than ``n_batch`` are split (logits may then be requested only for rows of
+        the last chunk, which is all the prompt path needs).
+        """
+        if not tokens:
+            raise ValueError("decode of an empty batch")
+        if self.n_past + len(tokens) > self.n_ctx:
+            raise KVCacheError(f"context full: {self.n_past} + {len(tokens)} tokens > n_ctx {self.n_ctx}")
+        llama_cpp = self._llama_cpp
+        wanted = set(logit_rows)
+        chunk = self._batch_capacity
+        start = 0
+        out: List[np.ndarray] = []
+        while start < len(tokens):
+            part = tokens[start:start + chunk]
+            batch = self._batch
+            base = self.n_past
+            batch.n_tokens = len(part)
+            rows_here = []
+            for i, token in enumerate(part):
+                batch.token[i] = token
+                batch.pos[i] = base + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = 0
+                want = (start + i) in wanted
+                batch.logits[i] = 1 if want else 0
+                if want:
+                    rows_here.append(i)
+            rc = llama_cpp.llama_decode(self._ctx, batch)
+            if rc != 0:
+                # Failed decodes leave the KV in an unknown state past base: drop it.
+                llama_cpp.llama_memory_seq_rm(self._mem, 0, base, -1)
+                raise KVCacheError(f"llama_decode failed with code {rc} at position {base} "
+                                   f"({len(part)} tokens; 1 = no KV slot, <0 = error)")
+            self.kv_tokens.extend(part)
+            for i in rows_here:
+                ptr = llama_cpp.llama_get_logits_ith(self._ctx, i)
+                out.append(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)))
+            start += len(part)
+        return out
+
+    def rollback(self, n_keep: int) -> None:
+        """Drop KV positions >= ``n_keep``; raise KVCacheError if llama.cpp refuses."""
+        if n_keep >= self.n_past:
+            return
+        if n_keep < 0:
+            raise ValueError(f"rollback to {n_keep}")
+        ok = self._llama_cpp.llama_memory_seq_rm(self._mem, 0, n_keep, -1)
+        if not ok:
+            raise KVCacheError(f"llama.cpp refused to remove KV positions >= {n_keep} of {self.n_past} "
+                               f"({self.path}); the sequence cannot be rolled back")
+        del self.kv_tokens[n_keep:]
+
+    def reuse_prefix(self, tokens: Sequence[int], *, keep_last: int = 0) -> int:
+        """Keep the longest common prefix of the KV cache and ``tokens`` (minus ``keep_last`` tokens
+        that must be re-decoded, e.g. to get their logits); return how many tokens remain to decode
+        from ``tokens``."""
+        limit = min(len(self.kv_tokens), len(tokens) - keep_last)
+        n = 0
+        kv = self.kv_tokens
+        while n < limit and kv[n] == tokens[n]:
+            n += 1
+        self.rollback(n)
+        return n
+
+    def clear(self) -> None:
+        self._llama_cpp.llama_memory_clear(self._mem, True)
+        self.kv_tokens = []
+
+    def timed_decode(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> Tuple[List[np.ndarray], float]:
+        """``decode`` plus its wall time in seconds (logits ready: llama_decode is synchronous on
+        the CPU; on a GPU ``llama_get_logits_ith`` synchronises)."""
+        t0 = time.perf_counter()
+        rows = self.decode(tokens, logit_rows)
+        return rows, time.perf_counter() - t0

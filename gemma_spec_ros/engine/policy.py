@@ -1,0 +1,189 @@
+"""Adaptive draft length from measured acceptance and a measured cost model.
+
+Speculation pays only when the tokens a verify pass emits outweigh what it costs. With
+
+- ``a_i``: probability that draft position i is accepted given positions 0..i-1 were (measured per
+  drafter, decayed so the estimate follows the text),
+- ``E(k) = 1 + sum_{j<k} prod_{i<=j} a_i``: expected tokens emitted by a pass over a k-token draft,
+- ``V(n)``: measured seconds of one target pass over n rows (``V(1)`` is plain decoding),
+- ``D(k)``: measured seconds to draft k tokens,
+
+the predicted speedup of drafting k tokens over plain decoding is
+
+    S(k) = E(k) * V(1) / (D(k) + V(k + 1))
+
+and the policy drafts ``k* = argmax_k S(k)`` for k in 1..K, or nothing when ``S(k*) < 1``.
+
+Worked example (2-core CPU, Gemma 3 270M): V(1) = 26 ms, V(4) = 40 ms, n-gram drafting ~0.1 ms.
+With a_i = (0.8, 0.7, 0.6): E(3) = 1 + 0.8 + 0.56 + 0.336 = 2.70, so S(3) = 2.70 * 26 / 40.1 = 1.75.
+With a_i = (0.3, 0.2, 0.2): E(3) = 1.37 and S(3) = 0.89, but E(1) = 1.3 and V(2) = 31 ms give
+S(1) = 1.09: draft one token. Below a_0 ~ 0.2 no k pays and the policy turns speculation off,
+probing again after a growing number of plain steps (hysteresis: off below ``1 - margin``,
+on again only above ``1 + margin``).
+
+This is the break-even condition tau > 1 + K*c of the brief with c = draft cost / target cost,
+generalised to a verify cost that grows with the batch (it does on a CPU; on a GPU V(k+1) ~ V(1)).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+
+class CostModel:
+    """Exponential moving averages of measured costs on this device (seconds)."""
+
+    def __init__(self, smoothing: float = 0.1) -> None:
+        self.smoothing = smoothing
+        self._verify: Dict[int, float] = {}
+        self._draft_per_token: Dict[str, float] = {}
+
+    def _ema(self, table: Dict, key, value: float) -> None:
+        old = table.get(key)
+        table[key] = value if old is None else old + self.smoothing * (value - old)
+
+    def observe_verify(self, n_rows: int, seconds: float) -> None:
+        """One target pass over ``n_rows`` tokens (all rows asking for logits) took ``seconds``."""
+        self._ema(self._verify, n_rows, seconds)
+
+    def observe_draft(self, source: str, n_tokens: int, seconds: float) -> None:
+        """Drafting ``n_tokens`` (>= 1) with ``source`` took ``seconds`` (catch-up included)."""
+        if n_tokens > 0:
+            self._ema(self._draft_per_token, source, seconds / n_tokens)
+
+    def verify_cost(self, n_rows: int) -> Optional[float]:
+        """Measured cost of an ``n_rows`` pass, interpolated linearly between measured sizes and
+        extrapolated from the two largest beyond them; None before any measurement."""
+        table = self._verify
+        if not table:
+            return None
+        if n_rows in table:
+            return table[n_rows]
+        sizes = sorted(table)
+        if len(sizes) == 1:
+            return table[sizes[0]] * n_rows / sizes[0] if n_rows > sizes[0] else table[sizes[0]]
+        lower = [s for s in sizes if s < n_rows]
+        upper = [s for s in sizes if s > n_rows]
+        if lower and upper:
+            lo, hi = lower[-1], upper[0]
+        elif upper:  # below the smallest measured size
+            return table[sizes[0]]
+        else:
+            lo, hi = sizes[-2], sizes[-1]
+        slope = max(0.0, (table[hi] - table[lo]) / (hi - lo))
+        return table[lo] + slope * (n_rows - lo)
+
+    def draft_cost(self, source: str, n_tokens: int) -> float:
+        return self._draft_per_token.get(source, 0.0) * n_tokens
+
+    @property
+    def plain_token_time(self) -> float:
+        cost = self.verify_cost(1)
+        return math.nan if cost is None else cost
+
+
+class AcceptanceModel:
+    """Conditional acceptance per draft position with a Beta prior, decayed over time.
+
+    ``tried[i]``: drafts that reached position i with positions 0..i-1 accepted;
+    ``accepted[i]``: those that also accepted position i. a_i = (accepted + prior_a) / (tried + prior_n).
+    """
+
+    def __init__(self, max_positions: int = 64, prior_acceptance: float = 0.5, prior_weight: float = 2.0,
+                 decay: float = 0.98) -> None:
+        self.tried: List[float] = [0.0] * max_positions
+        self.accepted: List[float] = [0.0] * max_positions
+        self.prior_a = prior_acceptance * prior_weight
+        self.prior_n = prior_weight
+        self.decay = decay
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        d = self.decay
+        self.tried = [t * d for t in self.tried]
+        self.accepted = [a * d for a in self.accepted]
+        for i in range(min(num_accepted + 1, num_drafted)):
+            self.tried[i] += 1.0
+            if i < num_accepted:
+                self.accepted[i] += 1.0
+
+    def conditional(self, k: int) -> List[float]:
+        return [(self.accepted[i] + self.prior_a) / (self.tried[i] + self.prior_n) for i in range(k)]
+
+    def expected_tokens(self, k: int) -> float:
+        """E(k) = 1 + sum_j prod_{i<=j} a_i: tokens a pass over a k-token draft emits on average."""
+        total, survive = 1.0, 1.0
+        for a in self.conditional(k):
+            survive *= a
+            total += survive
+        return total
+
+
+@dataclass
+class Decision:
+    draft_len: int  # 0 = plain step
+    predicted_speedup: float  # of the chosen length (1.0 for a plain step)
+    probing: bool = False
+
+
+class DraftLengthPolicy:
+    """Chooses how many tokens one drafter may propose at the next step.
+
+    ``adaptive=False`` always drafts ``draft_max`` (still measured, for the stats).
+    """
+
+    def __init__(self, source: str, costs: CostModel, *, margin: float = 0.03,
+                 probe_min: int = 8, probe_max: int = 128) -> None:
+        self.source = source
+        self.costs = costs
+        self.acceptance = AcceptanceModel()
+        self.margin = margin
+        self.probe_min, self.probe_max = probe_min, probe_max
+        self.enabled = True
+        self._probe_interval = probe_min
+        self._steps_off = 0
+
+    def predicted_speedup(self, k: int) -> float:
+        """S(k) of the module docstring; NaN when costs are not measured yet."""
+        plain = self.costs.verify_cost(1)
+        verify = self.costs.verify_cost(k + 1)
+        if plain is None or verify is None:
+            return math.nan
+        return self.acceptance.expected_tokens(k) * plain / (self.costs.draft_cost(self.source, k) + verify)
+
+    def best(self, draft_max: int) -> Decision:
+        best_k, best_s = 0, 1.0
+        for k in range(1, draft_max + 1):
+            s = self.predicted_speedup(k)
+            if math.isnan(s):  # nothing measured yet: trust the drafter, draft the most
+                return Decision(draft_max, math.nan)
+            if s > best_s or best_k == 0:
+                best_k, best_s = k, s
+        return Decision(best_k, best_s)
+
+    def decide(self, draft_max: int, adaptive: bool) -> Decision:
+        if not adaptive:
+            return Decision(draft_max, self.predicted_speedup(draft_max))
+        choice = self.best(draft_max)
+        speedup = choice.predicted_speedup
+        if self.enabled:
+            if not math.isnan(speedup) and speedup < 1.0 - self.margin:
+                self.enabled = False
+                self._steps_off = 0
+        elif math.isnan(speedup) or speedup > 1.0 + self.margin:
+            self.enabled = True
+            self._probe_interval = self.probe_min
+        if self.enabled:
+            return choice
+        self._steps_off += 1
+        if self._steps_off >= self._probe_interval:  # look again: the text may have changed
+            self._steps_off = 0
+            self._probe_interval = min(self.probe_max, self._probe_interval * 2)
+            return Decision(max(1, choice.draft_len), speedup, probing=True)
+        return Decision(0, 1.0)
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        self.acceptance.observe(num_drafted, num_accepted)
+
+    def acceptance_per_position(self, k: int) -> Sequence[float]:
+        return self.acceptance.conditional(k)
