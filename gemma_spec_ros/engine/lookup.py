@@ -208,7 +208,7 @@ class LookupDrafter:
         self.n_drafts = 0  #: verified non-empty drafts
         self.n_drafted = 0  #: tokens in verified drafts
         self.n_accepted = 0  #: accepted draft tokens
-        self.draft_time_s = 0.0  #: time spent in propose (cache updates + drafting)
+        self.draft_time_s = 0.0  #: time spent in begin and propose (cache updates + drafting)
 
     # ---------------------------------------------------------------------------------- caches
     @property
@@ -281,9 +281,10 @@ class LookupDrafter:
         self._reset_context()
 
     def close(self) -> None:
-        """Save the dynamic cache to ``LookupConfig.dynamic_path`` if that is set and the cache
-        learned something since it was loaded or last saved."""
-        if self._dynamic_path and self._dynamic_changed:
+        """Save the dynamic cache to ``LookupConfig.dynamic_path`` if that is set, unless the file
+        exists and the cache learned nothing since it was loaded or last saved (a large cache is
+        not rewritten for nothing). Safe to call more than once."""
+        if self._dynamic_path and (self._dynamic_changed or not Path(self._dynamic_path).exists()):
             Path(self._dynamic_path).parent.mkdir(parents=True, exist_ok=True)
             self._dynamic_cache.save(self._dynamic_path)
             self._dynamic_changed = False

@@ -138,18 +138,20 @@ class NgramCache:
         ({1: 1}, {1: 1})
         """
         _check_ngram_sizes(ngram_min, ngram_max)
-        stop = len(tokens) if stop_index is None else min(stop_index, len(tokens))
         if start_index < 0:
             raise ValueError(f"start_index={start_index}: must be >= 0")
+        stop = len(tokens) if stop_index is None else min(stop_index, len(tokens))
         window_start = max(0, start_index - ngram_max)
         if stop <= max(start_index, ngram_min):
             return
         window = [int(t) for t in tokens[window_start:stop]]
         table = self._table
-        for i in range(max(start_index, ngram_min) - window_start, len(window)):
-            continuation = window[i]
-            for size in range(ngram_min, min(ngram_max, i + window_start) + 1):
-                ngram = tuple(window[i - size:i])
+        for size in range(ngram_min, ngram_max + 1):
+            first = max(start_index, size) - window_start  # first continuation, window index
+            continuations = window[first:]
+            # the n-grams ending just before each continuation, built as tuples by zip
+            ngrams = zip(*(window[first - size + k:len(window) - size + k] for k in range(size)))
+            for ngram, continuation in zip(ngrams, continuations):
                 part = table.get(ngram)
                 if part is None:
                     table[ngram] = {continuation: 1}
@@ -195,15 +197,12 @@ class NgramCache:
     def from_bytes(cls, data: bytes, source: str = "<bytes>") -> "NgramCache":
         """Parse llama.cpp's file format. ``source`` names the data in error messages.
 
-        Raises :class:`CacheFormatError` naming ``source`` and the byte offset of the first
-        record that is truncated or invalid (n-gram not 1-4 tokens >= 0 then -1 padding,
+        Raises :class:`CacheFormatError` naming ``source`` and the byte offset of a record that
+        is truncated or invalid (n-gram not 1-4 tokens >= 0 then -1 padding,
         continuation count ``n < 1`` or larger than the bytes left, a token < 0 or count < 1,
         a token or n-gram repeated); never anything else.
         """
-        words = np.frombuffer(data, dtype=_INT32, count=len(data) // _WORD_BYTES).tolist()
-        n_words = len(words)
-        cache = cls()
-        table = cache._table
+        words = np.frombuffer(data, dtype=_INT32, count=len(data) // _WORD_BYTES)
 
         def fail(word_index: int, problem: str) -> CacheFormatError:
             return CacheFormatError(
@@ -211,38 +210,74 @@ class NgramCache:
                 f"(file size {len(data)} bytes); the file is truncated or not an n-gram cache "
                 "written by gemma-spec-lookup-create or llama.cpp")
 
+        # 1. Find the records (a walk over the headers only), up to the first broken one.
+        #    Problems are (word index, description); the one earliest in the file is reported.
+        problems: List[Tuple[int, str]] = []
+        record_starts: List[int] = []
+        word_list = words.tolist()
+        n_words = len(word_list)
         pos = 0
         while pos < n_words:
-            if pos + _HEADER_WORDS > n_words:
-                raise fail(pos, "record header truncated")
-            padded = words[pos:pos + NGRAM_MAX]
-            ngram = _as_ngram(padded)
-            if not ngram or min(ngram) < 0:
-                raise fail(pos, f"invalid n-gram {padded}")
-            n_pairs = words[pos + NGRAM_MAX]
             pairs_start = pos + _HEADER_WORDS
+            if pairs_start > n_words:
+                problems.append((pos, "record header truncated"))
+                break
+            n_pairs = word_list[pos + NGRAM_MAX]
             if n_pairs < 1:
-                raise fail(pos + NGRAM_MAX, f"continuation count {n_pairs} < 1")
-            pairs_end = pairs_start + 2 * n_pairs
-            if pairs_end > n_words:
-                raise fail(pos + NGRAM_MAX,
-                           f"continuation count {n_pairs} needs {8 * n_pairs} bytes, "
-                           f"{len(data) - pairs_start * _WORD_BYTES} left")
-            pairs = words[pairs_start:pairs_end]
-            tokens, counts = pairs[0::2], pairs[1::2]
-            if min(tokens) < 0 or min(counts) < 1:
-                bad = next(i for i, (t, c) in enumerate(zip(tokens, counts)) if t < 0 or c < 1)
-                raise fail(pairs_start + 2 * bad,
-                           f"invalid continuation (token {tokens[bad]}, count {counts[bad]})")
-            part = dict(zip(tokens, counts))
+                problems.append((pos + NGRAM_MAX, f"continuation count {n_pairs} < 1"))
+                break
+            if pairs_start + 2 * n_pairs > n_words:
+                problems.append((pos + NGRAM_MAX,
+                                 f"continuation count {n_pairs} needs {8 * n_pairs} bytes, "
+                                 f"{len(data) - pairs_start * _WORD_BYTES} left"))
+                break
+            record_starts.append(pos)
+            pos = pairs_start + 2 * n_pairs
+        if not problems and len(data) % _WORD_BYTES:  # a few bytes after the last record
+            problems.append((n_words, "record header truncated"))
+
+        # 2. Check the values of all whole records at once (numpy).
+        starts = np.asarray(record_starts, dtype=np.int64)
+        ngram_words = words[starts[:, None] + np.arange(NGRAM_MAX)]
+        is_pad = ngram_words == PAD_TOKEN
+        bad_ngram = ((ngram_words[:, 0] < 0) | (ngram_words < PAD_TOKEN).any(axis=1)
+                     | (is_pad[:, :-1] & ~is_pad[:, 1:]).any(axis=1))  # padding only at the end
+        if bad_ngram.any():
+            record = int(np.argmax(bad_ngram))
+            problems.append((record_starts[record],
+                             f"invalid n-gram {ngram_words[record].tolist()}"))
+        is_pair_word = np.ones(pos, dtype=bool)
+        is_pair_word[(starts[:, None] + np.arange(_HEADER_WORDS)).ravel()] = False
+        pair_word_index = np.flatnonzero(is_pair_word)
+        pairs = words[pair_word_index].reshape(-1, 2)
+        bad_pair = (pairs[:, 0] < 0) | (pairs[:, 1] < 1)
+        if bad_pair.any():
+            pair = int(np.argmax(bad_pair))
+            token, count = pairs[pair].tolist()
+            problems.append((int(pair_word_index[2 * pair]),
+                             f"invalid continuation (token {token}, count {count})"))
+        if problems:
+            raise fail(*min(problems))
+
+        # 3. Build the table.
+        cache = cls()
+        table = cache._table
+        ngram_sizes = (NGRAM_MAX - is_pad.sum(axis=1)).tolist()
+        pair_values = pairs.ravel().tolist()
+        pair_offset = 0
+        for record, (padded, size) in enumerate(zip(ngram_words.tolist(), ngram_sizes)):
+            n_pairs = word_list[record_starts[record] + NGRAM_MAX]
+            pair_end = pair_offset + 2 * n_pairs
+            part = dict(zip(pair_values[pair_offset:pair_end:2],
+                            pair_values[pair_offset + 1:pair_end:2]))
+            ngram = tuple(padded[:size])
             if len(part) != n_pairs:
-                raise fail(pairs_start, f"a continuation token of n-gram {list(ngram)} repeats")
+                raise fail(record_starts[record] + _HEADER_WORDS,
+                           f"a continuation token of n-gram {list(ngram)} repeats")
             if ngram in table:
-                raise fail(pos, f"n-gram {list(ngram)} appears twice")
+                raise fail(record_starts[record], f"n-gram {list(ngram)} appears twice")
             table[ngram] = part
-            pos = pairs_end
-        if len(data) % _WORD_BYTES:  # a few bytes after the last whole record
-            raise fail(n_words, "record header truncated")
+            pair_offset = pair_end
         return cache
 
     def save(self, path: PathLike) -> None:

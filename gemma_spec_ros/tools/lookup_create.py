@@ -109,7 +109,8 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--ngram-min", type=int, default=NGRAM_STATIC,
                         help=f"shortest n-gram counted (default {NGRAM_STATIC}, as llama.cpp)")
     parser.add_argument("--ngram-max", type=int, default=NGRAM_STATIC,
-                        help=f"longest n-gram counted (default {NGRAM_STATIC}, at most {NGRAM_MAX})")
+                        help=f"longest n-gram counted (default {NGRAM_STATIC}, "
+                             f"at most {NGRAM_MAX})")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     parser.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
     args = parser.parse_args(argv)
