@@ -1,0 +1,416 @@
+"""``gemma-spec-bench``: prompt suites x speculative modes (x K), against same-run baselines.
+
+Every runner (an engine mode with a fixed or adaptive K, llama-cpp-python's plain and prompt-lookup
+generation, llama.cpp's native tools, the Generate action of a running node) runs in its own process,
+so its peak RSS is its own, and the runs are interleaved: for each repeat, for each prompt, each runner
+in turn (the order rotating), so machine noise hits all of them alike. Workers restart at each repeat:
+the engine's dynamic n-gram cache learns across the prompts of a repeat but never sees a prompt's own
+earlier output. Speedups are same-run ratios against ``off`` (see bench_metrics). Nothing is
+downloaded: models come from the params file or --target/--draft.
+
+Writes into --out: results.json, results.md (tables), results_per_prompt.md, four PNG plots and
+workers.log (the workers' stderr).
+
+Examples::
+
+    gemma-spec-bench --suites all --modes all --repeats 3             # the full run (embedded config)
+    gemma-spec-bench --smoke --out /tmp/bench                          # seconds; what the tests run
+    gemma-spec-bench --suites code,structured --modes lookup --k 1,2,3,4,8 --baselines none
+    gemma-spec-bench --target ~/.cache/gemma_spec_ros/models/gemma-3-270m-f16.gguf \\
+        --draft ~/.cache/gemma_spec_ros/models/gemma-3-270m-q4_k_m.gguf --modes all
+    gemma-spec-bench --temperature 0.7 --seed 7                        # a seeded sampled run
+    gemma-spec-bench --native-bin ~/.cache/gemma_spec_ros/native/bin   # + llama-lookup et al.
+    gemma-spec-bench --via-action gemma_spec                           # + through a running node
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Dict, IO, List, Mapping, Optional, Sequence, Tuple
+
+from ..engine.types import expand_path
+from .bench_config import (RunnerSpec, Suite, apply_overrides, default_params, find_data_dir,
+                           load_params, load_suites, model_config, parse_baselines, parse_ks,
+                           parse_modes, plan_runners, select_suites, thread_count)
+from .bench_metrics import decode_rate, finite, repeated_ngram_share, text_hash, tokens_hash
+from .bench_native import NativeRunner
+from .bench_report import add_speedups, markdown, markdown_per_prompt, nan_to_none, plot_all, summarize
+
+SCHEMA_VERSION = 1
+#: A short generation run once by each worker before it is measured (thread pools, page faults).
+WARMUP_REQUEST_TOKENS = 4
+WARMUP_PROMPT = "The quick brown fox"
+
+
+class RunnerError(RuntimeError):
+    """A runner failed to start or to serve a request (the bench records it and goes on)."""
+
+
+class WorkerHandle:
+    """The parent's side of one bench_worker process."""
+
+    def __init__(self, spec: RunnerSpec, params: Mapping[str, Any], node_name: str, log: IO[bytes],
+                 timeout_s: float) -> None:
+        self.spec = spec
+        self._timeout_s = timeout_s
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "gemma_spec_ros.tools.bench_worker"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1)
+        self.peak_rss_mb = 0.0
+        reply = self._call({"cmd": "init", "runner": asdict(spec), "params": dict(params),
+                            "node_name": node_name})
+        self.info: Dict[str, Any] = reply.get("info", {})
+        self.base_rss_mb: Optional[float] = reply.get("base_rss_mb")
+
+    def _call(self, message: Mapping[str, Any]) -> Dict[str, Any]:
+        if self._proc.poll() is not None:
+            raise RunnerError(f"worker of {self.spec.name} has exited ({self._proc.returncode}); see workers.log")
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        try:
+            self._proc.stdin.write(json.dumps(message) + "\n")
+            self._proc.stdin.flush()
+            line = self._proc.stdout.readline()
+        except (BrokenPipeError, OSError) as exc:
+            raise RunnerError(f"worker of {self.spec.name} is gone: {exc}; see workers.log") from None
+        if not line:
+            self._proc.wait(timeout=5)
+            raise RunnerError(f"worker of {self.spec.name} died ({self._proc.returncode}); see workers.log")
+        reply = json.loads(line)
+        self.peak_rss_mb = max(self.peak_rss_mb, float(reply.get("peak_rss_mb") or 0.0))
+        if not reply.get("ok"):
+            raise RunnerError(str(reply.get("error")))
+        return reply
+
+    def run(self, request: Mapping[str, Any]) -> Dict[str, Any]:
+        result = self._call({"cmd": "run", "request": dict(request)})["result"]
+        result["peak_rss_mb"] = self.peak_rss_mb
+        return result
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            try:
+                self._call({"cmd": "close"})
+                self._proc.wait(timeout=30)
+            except (RunnerError, subprocess.TimeoutExpired):
+                self._proc.kill()
+                self._proc.wait()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gemma-spec-bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="", help="node params file (/**: ros__parameters:); "
+                   "default: the installed config/embedded.yaml, else the embedded model")
+    p.add_argument("--target", default="", help="target model path (overrides target.model_path)")
+    p.add_argument("--draft", default="", help="draft model path (overrides draft.model_path; 'none' drops it)")
+    p.add_argument("--suites", default="all", help="comma-separated suite names, or all")
+    p.add_argument("--prompts-dir", default="", help="folder of suite files (default: the package's prompts/)")
+    p.add_argument("--modes", default="all", help="comma-separated of off,draft,lookup,draft+lookup,auto, "
+                   "or all (off always runs: it is the reference)")
+    p.add_argument("--k", default="adaptive", help="draft lengths: e.g. 2,3,4,8,adaptive (adaptive = the "
+                   "configured K with the policy)")
+    p.add_argument("--repeats", type=int, default=3, help="repeats of every (prompt, runner)")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--seed", type=int, default=1234, help="sampler seed of every request")
+    p.add_argument("--baselines", default="on", help="llama-cpp-python baselines: on, none, or "
+                   "plain,prompt-lookup")
+    p.add_argument("--native-bin", default="", help="folder with llama-lookup / llama-speculative-simple "
+                   "(scripts/build_native_tools.sh)")
+    p.add_argument("--native-k", default="3", help="draft lengths of the native tools (default 3)")
+    p.add_argument("--via-action", default="", metavar="NODE",
+                   help="also send the requests to /NODE/generate of a running node (e.g. gemma_spec)")
+    p.add_argument("--out", default="bench_out", help="output folder")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny run: first prompt of the first 2 suites, 16 tokens, 1 repeat")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds a worker may take to start")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--report-only", default="", metavar="DIR",
+                   help="re-write tables and plots from DIR/results.json, run nothing")
+    return p
+
+
+def machine_info() -> Dict[str, Any]:
+    """What the numbers were measured on."""
+    cpu = ""
+    mem_gib = None
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal"))
+            mem_gib = round(kib / 2 ** 20, 1)
+    except (OSError, StopIteration, ValueError):
+        pass
+    versions = {}
+    for dist in ("llama_cpp_python", "numpy"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            versions[dist] = None
+    return {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(), "mem_gib": mem_gib,
+            "python": platform.python_version(), "versions": versions, "git_commit": _git_commit(),
+            "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
+
+
+def _git_commit() -> Optional[str]:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
+                             capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def make_request(text: str, max_tokens: int, temperature: float, seed: int) -> Dict[str, Any]:
+    return {"prompt": text, "max_tokens": max_tokens, "temperature": temperature, "seed": seed}
+
+
+def make_record(spec: RunnerSpec, suite: str, prompt_id: str, repeat: int, request: Mapping[str, Any],
+                result: Optional[Mapping[str, Any]], error: str, keep_text: bool) -> Dict[str, Any]:
+    """One row of results.json from a runner's raw result (or its error)."""
+    record: Dict[str, Any] = {
+        "suite": suite, "prompt_id": prompt_id, "runner": spec.name, "kind": spec.kind, "mode": spec.mode,
+        "k": spec.k_label, "repeat": repeat, "temperature": request["temperature"], "seed": request["seed"],
+        "error": error or None,
+    }
+    if result is None:
+        return record
+    n_tokens = int(result["n_tokens"])
+    wall, ttft = float(result["wall_s"]), float(result["ttft_s"])
+    if "decode_s" in result:  # native tools print their own decode time
+        rate = n_tokens / result["decode_s"] if result["decode_s"] else float("nan")
+    else:
+        rate = decode_rate(n_tokens, int(result["n_first"]), wall, ttft)
+    tokens = result.get("tokens")
+    rep_tokens = tokens if tokens is not None else result.get("retokenized")
+    stats = result.get("stats") or {}
+    record.update({
+        "n_tokens": n_tokens, "wall_s": wall, "ttft_s": ttft, "tokens_per_s": rate,
+        "e2e_tokens_per_s": n_tokens / wall if wall > 0 else None,
+        "finish_reason": result.get("finish_reason"),
+        "tau": stats.get("mean_acceptance_length"), "acceptance_rate": stats.get("acceptance_rate"),
+        "acceptance_per_position": stats.get("acceptance_per_position"),
+        "accepted_at": stats.get("accepted_at"), "drafted_at": stats.get("drafted_at"),
+        "num_drafts": stats.get("num_drafts"), "num_draft_tokens": stats.get("num_draft_tokens"),
+        "num_accepted_tokens": stats.get("num_accepted_tokens"),
+        "tokens_per_pass": stats.get("tokens_per_pass"),
+        "predicted_speedup": stats.get("predicted_speedup"),
+        "engine_measured_speedup": stats.get("measured_speedup"),
+        "engine_tokens_per_s": stats.get("tokens_per_second"),
+        "engine_ttft_ms": stats.get("time_to_first_token_ms"),
+        "spec_modes": result.get("spec_modes"), "draft_max_last": result.get("draft_max_last"),
+        "repetition_4gram": repeated_ngram_share(rep_tokens) if rep_tokens is not None else None,
+        "output_hash": text_hash(result["text"]) if result.get("text") is not None else None,
+        "tokens_hash": tokens_hash(tokens) if tokens is not None else None,
+        "peak_rss_mb": result.get("peak_rss_mb"),
+        "text": result.get("text") if keep_text else None,
+    })
+    return record
+
+
+class Bench:
+    """One bench invocation: plans runners, runs the interleaved schedule, writes the outputs."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        params = load_params(args.config) if args.config else default_params()
+        self.params: Dict[str, Any] = apply_overrides(params, expand_path(args.target), args.draft)
+        if model_config(self.params, "target") is None:
+            raise ValueError("no target model: set target.model_path in --config or pass --target")
+        prompts_dir = Path(expand_path(args.prompts_dir)) if args.prompts_dir else find_data_dir("prompts")
+        if prompts_dir is None:
+            raise ValueError("prompt suites not found: pass --prompts-dir")
+        suites = select_suites(load_suites(prompts_dir), args.suites)
+        if args.smoke:
+            suites = [Suite(s.name, s.description, s.order, s.prompts[:1]) for s in suites[:2]]
+            args.max_tokens, args.repeats = 16, 1
+        if args.repeats < 1 or args.max_tokens < 1:
+            raise ValueError("--repeats and --max-tokens must be >= 1")
+        self.suites = suites
+        has_draft = model_config(self.params, "draft") is not None
+        native_ks = [k for k in parse_ks(args.native_k) if k is not None]
+        self.specs, self.notes = plan_runners(parse_modes(args.modes), parse_ks(args.k), has_draft,
+                                              parse_baselines(args.baselines), args.native_bin, native_ks,
+                                              args.via_action)
+        self.out_dir = Path(expand_path(args.out))
+        self.runner_info: Dict[str, Dict[str, Any]] = {
+            s.name: {**asdict(s), "k": s.k_label, "peak_rss_mb": None, "base_rss_mb": None, "info": None}
+            for s in self.specs}
+
+    # -- schedule ---------------------------------------------------------------------------------
+    def start(self, spec: RunnerSpec, repeat: int, log: IO[bytes]) -> Any:
+        if spec.kind == "native":
+            return NativeRunner(spec, self.params, self.args.native_bin, self.out_dir, repeat)
+        handle = WorkerHandle(spec, self.params, self.args.via_action, log, self.args.timeout)
+        handle.run(make_request(WARMUP_PROMPT, WARMUP_REQUEST_TOKENS, self.args.temperature, self.args.seed))
+        return handle
+
+    def run(self) -> Dict[str, Any]:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        machine = machine_info()
+        prompts = [p for s in self.suites for p in s.prompts]
+        records: List[Dict[str, Any]] = []
+        started = time.perf_counter()
+        progress = _progress(self.args.repeats * len(prompts) * len(self.specs), self.args.no_progress)
+        with open(self.out_dir / "workers.log", "wb") as log:
+            for repeat in range(self.args.repeats):
+                handles, failed = self._start_all(repeat, log, progress)
+                for index, prompt in enumerate(prompts):
+                    request = make_request(prompt.text, self.args.max_tokens, self.args.temperature,
+                                           self.args.seed)
+                    for spec in _rotate(self.specs, index + repeat):
+                        progress.set_postfix_str(f"r{repeat} {prompt.suite}/{prompt.id} {spec.name}", refresh=False)
+                        result, error = None, failed.get(spec.name, "")
+                        if not error:
+                            try:
+                                result = handles[spec.name].run(request)
+                            except (RunnerError, RuntimeError, ValueError) as exc:
+                                error = str(exc)
+                        records.append(make_record(spec, prompt.suite, prompt.id, repeat, request, result,
+                                                   error, keep_text=repeat == 0))
+                        progress.update()
+                self._close_all(handles)
+        progress.close()
+        machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+        return self._results(machine, records, time.perf_counter() - started)
+
+    def _start_all(self, repeat: int, log: IO[bytes], progress: Any) -> Tuple[Dict[str, Any], Dict[str, str]]:
+        handles: Dict[str, Any] = {}
+        failed: Dict[str, str] = {}
+        for spec in self.specs:
+            progress.set_postfix_str(f"r{repeat} starting {spec.name}", refresh=True)
+            try:
+                handles[spec.name] = self.start(spec, repeat, log)
+                self.runner_info[spec.name]["info"] = handles[spec.name].info
+            except (RunnerError, RuntimeError, ValueError, OSError) as exc:
+                failed[spec.name] = f"start failed: {exc}"
+                note = f"runner {spec.name} failed to start: {exc}"
+                if note not in self.notes:
+                    self.notes.append(note)
+        return handles, failed
+
+    def _close_all(self, handles: Mapping[str, Any]) -> None:
+        for name, handle in handles.items():
+            handle.close()
+            info = self.runner_info[name]
+            info["peak_rss_mb"] = max(info["peak_rss_mb"] or 0.0, handle.peak_rss_mb) or None
+            base = getattr(handle, "base_rss_mb", None)
+            if base is not None:
+                info["base_rss_mb"] = base
+
+    def _results(self, machine: Dict[str, Any], records: List[Dict[str, Any]], elapsed: float) -> Dict[str, Any]:
+        add_speedups(records, {s.name: s.reference for s in self.specs})
+        target = model_config(self.params, "target")
+        draft = model_config(self.params, "draft")
+        config = {
+            "target": target.resolved_path if target else None,
+            "target_size_bytes": _size(target.resolved_path if target else ""),
+            "draft": draft.resolved_path if draft else None,
+            "draft_size_bytes": _size(draft.resolved_path if draft else ""),
+            "params": self.params, "threads": thread_count(self.params),
+            "suites": [s.name for s in self.suites], "prompts_per_suite": {s.name: len(s.prompts) for s in self.suites},
+            "modes": self.args.modes, "k": self.args.k, "repeats": self.args.repeats,
+            "max_tokens": self.args.max_tokens, "temperature": self.args.temperature, "seed": self.args.seed,
+            "baselines": self.args.baselines, "native_bin": self.args.native_bin or None,
+            "via_action": self.args.via_action or None, "smoke": self.args.smoke,
+            "command": "gemma-spec-bench " + " ".join(sys.argv[1:]) if sys.argv else "",
+        }
+        runners = list(self.runner_info.values())
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "created": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "elapsed_s": round(elapsed, 1), "machine": machine, "config": config,
+            "rss_method": "each runner in its own process: peak RSS = that process's ru_maxrss (the "
+                          "llama.cpp native tools: the child's rusage from wait4); base = before loading "
+                          "the model; workers restart at each repeat and the maximum is reported",
+            "speed_method": "tokens/s = (tokens - tokens of the first output) / (wall - TTFT), measured by "
+                            "the bench around each request (native tools: their printed decode time); "
+                            "speedup = tokens/s / off's tokens/s on the same prompt in the same repeat",
+            "notes": self.notes, "runners": runners,
+            "summary": summarize(records, runners, [s.name for s in self.suites]),
+            "runs": records,
+        }
+
+
+def _size(path: str) -> Optional[int]:
+    return os.path.getsize(path) if path and os.path.isfile(path) else None
+
+
+def _rotate(specs: Sequence[RunnerSpec], shift: int) -> List[RunnerSpec]:
+    """The runner order for one prompt: rotated so no runner always runs right after another."""
+    shift %= max(1, len(specs))
+    return list(specs[shift:]) + list(specs[:shift])
+
+
+class _NoProgress:
+    def update(self, n: int = 1) -> None:
+        """Nothing to draw."""
+
+    def set_postfix_str(self, text: str, refresh: bool = True) -> None:
+        """Nothing to draw."""
+
+    def close(self) -> None:
+        """Nothing to draw."""
+
+
+def _progress(total: int, disabled: bool) -> Any:
+    if disabled:
+        return _NoProgress()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoProgress()
+    return tqdm(total=total, unit="run", file=sys.stderr, dynamic_ncols=True)
+
+
+def write_outputs(results: Mapping[str, Any], out_dir: Path) -> List[Path]:
+    """results.json, results.md, results_per_prompt.md and the plots; returns the paths written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "results.json", out_dir / "results.md", out_dir / "results_per_prompt.md"]
+    with open(paths[0], "w", encoding="utf-8") as f:
+        json.dump(nan_to_none(results), f, indent=1, allow_nan=False)
+        f.write("\n")
+    strict = json.loads(paths[0].read_text(encoding="utf-8"))  # the plots read what was written
+    paths[1].write_text(markdown(strict), encoding="utf-8")
+    paths[2].write_text(markdown_per_prompt(strict), encoding="utf-8")
+    return paths + plot_all(strict, out_dir)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``gemma-spec-bench``; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        if args.report_only:
+            out_dir = Path(expand_path(args.report_only))
+            results = json.loads((out_dir / "results.json").read_text(encoding="utf-8"))
+        else:
+            bench = Bench(args)
+            for note in bench.notes:
+                print(f"note: {note}", file=sys.stderr)
+            print(f"runners: {', '.join(s.name for s in bench.specs)}; "
+                  f"{sum(len(s.prompts) for s in bench.suites)} prompts x {args.repeats} repeat(s)",
+                  file=sys.stderr)
+            results = bench.run()
+            out_dir = bench.out_dir
+        paths = write_outputs(results, out_dir)
+    except (ValueError, OSError) as exc:
+        print(f"gemma-spec-bench: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(markdown(json.loads(paths[0].read_text(encoding="utf-8"))))
+    print(f"wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
+    failed = [r for r in results["runs"] if r.get("error")]
+    return 1 if failed and len(failed) == len(results["runs"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,346 @@
+"""What the bench runs: prompt suites, the node's parameters file, and the list of runners.
+
+A **runner** is one way of generating text that the bench measures: an engine mode with a draft
+length K, a llama-cpp-python baseline, one of llama.cpp's native tools, or a request through the
+Generate action of a running node. Runners are plain data (:class:`RunnerSpec`) so they can be sent
+to the worker process that runs each of them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import yaml
+
+from ..engine.types import (EngineConfig, LookupConfig, ModelConfig, SPEC_MODES, SpecConfig,
+                            expand_path)
+
+PACKAGE = "gemma_spec_ros"
+#: The embedded default model that scripts/setup.sh assembles (Gemma 3 270M base, Q4_K_M).
+EMBEDDED_MODEL = "~/.cache/gemma_spec_ros/models/gemma-3-270m-q4_k_m.gguf"
+#: Modes that need a draft model.
+DRAFT_MODES: Tuple[str, ...] = ("draft", "draft+lookup")
+#: llama-cpp-python baselines: plain generation and its built-in prompt lookup.
+BASELINES: Tuple[str, ...] = ("plain", "prompt-lookup")
+#: Draft length of llama-cpp-python's built-in prompt lookup in the baseline (its documented example).
+PROMPT_LOOKUP_TOKENS = 10
+#: Name of the runner every speedup is measured against.
+REFERENCE_RUNNER = "off"
+
+
+# -- prompt suites ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Prompt:
+    """One completion-style prompt of a suite."""
+
+    suite: str
+    id: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Suite:
+    """A named set of prompts loaded from ``prompts/<name>.yaml``."""
+
+    name: str
+    description: str
+    order: int
+    prompts: Tuple[Prompt, ...]
+
+
+def share_dirs() -> List[Path]:
+    """``share/gemma_spec_ros`` folders to look in: the source tree first, then installed prefixes."""
+    dirs = [Path(__file__).resolve().parents[2]]
+    for prefix in os.environ.get("AMENT_PREFIX_PATH", "").split(os.pathsep) + [sys.prefix]:
+        if prefix:
+            dirs.append(Path(prefix) / "share" / PACKAGE)
+    return dirs
+
+
+def find_data_dir(name: str) -> Optional[Path]:
+    """The first ``<share dir>/<name>`` folder that exists (``prompts`` or ``config``)."""
+    for base in share_dirs():
+        if (base / name).is_dir():
+            return base / name
+    return None
+
+
+def load_suite(path: Path) -> Suite:
+    """Read one suite file; raises ValueError with the file name on a malformed file."""
+    with open(path, encoding="utf-8") as f:
+        data = yaml.safe_load(f) or {}
+    name = str(data.get("name") or path.stem)
+    items = data.get("prompts") or []
+    if not isinstance(items, list) or not items:
+        raise ValueError(f"{path}: 'prompts' must be a non-empty list")
+    prompts: List[Prompt] = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict) or not item.get("id") or not item.get("text"):
+            raise ValueError(f"{path}: prompt #{i + 1} needs a non-empty 'id' and 'text'")
+        prompts.append(Prompt(name, str(item["id"]), str(item["text"])))
+    ids = [p.id for p in prompts]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{path}: prompt ids must be unique")
+    return Suite(name, str(data.get("description", "")), int(data.get("order", 100)), tuple(prompts))
+
+
+def load_suites(directory: Path) -> List[Suite]:
+    """All suites of a folder, in their ``order`` (then name)."""
+    suites = [load_suite(p) for p in sorted(directory.glob("*.yaml"))]
+    if not suites:
+        raise ValueError(f"no prompt suites (*.yaml) in {directory}")
+    return sorted(suites, key=lambda s: (s.order, s.name))
+
+
+def select_suites(suites: Sequence[Suite], names: str) -> List[Suite]:
+    """``all`` or a comma-separated list of suite names (unknown names raise ValueError)."""
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    if not wanted or wanted == ["all"]:
+        return list(suites)
+    by_name = {s.name: s for s in suites}
+    unknown = [n for n in wanted if n not in by_name]
+    if unknown:
+        raise ValueError(f"unknown suite(s) {', '.join(unknown)}; have {', '.join(by_name)}")
+    return [by_name[n] for n in wanted]
+
+
+# -- node parameters -------------------------------------------------------------------------------
+def flatten(tree: Mapping[str, object], prefix: str = "") -> Dict[str, object]:
+    """Nested mappings to dotted keys, as ROS 2 reads a parameters file.
+
+    >>> flatten({"target": {"model_path": "m.gguf", "n_ctx": 512}, "spec.mode": "off"})
+    {'target.model_path': 'm.gguf', 'target.n_ctx': 512, 'spec.mode': 'off'}
+    """
+    out: Dict[str, object] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def load_params(path: str) -> Dict[str, object]:
+    """The parameters of a node params file (``/**: ros__parameters: ...`` or ``<node>: ...``),
+    flattened to dotted keys. The first node section with ``ros__parameters`` is used."""
+    with open(expand_path(path), encoding="utf-8") as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a ROS 2 parameters file (expected a mapping)")
+    for section in data.values():
+        if isinstance(section, dict) and isinstance(section.get("ros__parameters"), dict):
+            return flatten(section["ros__parameters"])
+    raise ValueError(f"{path}: no 'ros__parameters' section (expected '/**: ros__parameters: ...')")
+
+
+def default_params() -> Dict[str, object]:
+    """Parameters when no --config is given: the installed config/embedded.yaml if there is one,
+    else the embedded model with the engine's defaults."""
+    config_dir = find_data_dir("config")
+    if config_dir is not None and (config_dir / "embedded.yaml").is_file():
+        return load_params(str(config_dir / "embedded.yaml"))
+    return {"target.model_path": EMBEDDED_MODEL}
+
+
+def _fields_from(params: Mapping[str, object], prefix: str, cls: type,
+                 renames: Mapping[str, str]) -> Dict[str, object]:
+    """Constructor arguments of dataclass ``cls`` from the ``<prefix>.<field>`` parameters."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    out: Dict[str, object] = {}
+    for key, value in params.items():
+        if not key.startswith(prefix + "."):
+            continue
+        name = renames.get(key[len(prefix) + 1:], key[len(prefix) + 1:])
+        if name in names:
+            out[name] = value
+    return out
+
+
+def model_config(params: Mapping[str, object], role: str,
+                 inherit: Optional[ModelConfig] = None) -> Optional[ModelConfig]:
+    """ModelConfig of ``target`` or ``draft`` (None when that role has no model path). A draft
+    inherits the target's context length and threads unless its own are given."""
+    kwargs = _fields_from(params, role, ModelConfig, {"model_path": "path"})
+    if not kwargs.get("path"):
+        return None
+    if inherit is not None:
+        for name in ("n_ctx", "n_threads", "n_batch"):
+            kwargs.setdefault(name, getattr(inherit, name))
+    return ModelConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def engine_config(params: Mapping[str, object], mode: str, draft_max: Optional[int]) -> EngineConfig:
+    """EngineConfig for one engine runner: the file's settings with the runner's mode and K.
+
+    ``draft_max`` None keeps the configured K and the adaptive policy; a number fixes K (policy off).
+    The dynamic n-gram cache stays in memory so a benchmark never writes the node's cache file, and a
+    fresh worker per repeat starts from the same state.
+    """
+    target = model_config(params, "target")
+    if target is None:
+        raise ValueError("no target model: set target.model_path in --config or pass --target")
+    spec = SpecConfig(**_fields_from(params, "spec", SpecConfig, {}))  # type: ignore[arg-type]
+    spec = dataclasses.replace(spec, mode=mode)
+    if draft_max is not None:
+        spec = dataclasses.replace(spec, draft_max=draft_max, adaptive=False,
+                                   draft_min=min(spec.draft_min, draft_max))
+    lookup = LookupConfig(**_fields_from(params, "lookup", LookupConfig, {}))  # type: ignore[arg-type]
+    lookup = dataclasses.replace(lookup, dynamic_path="")
+    return EngineConfig(target=target, draft=model_config(params, "draft", target), spec=spec,
+                        lookup=lookup)
+
+
+def apply_overrides(params: Mapping[str, object], target: str, draft: str) -> Dict[str, object]:
+    """--target / --draft model paths over the file's (``draft='none'`` removes the draft)."""
+    out = dict(params)
+    if target:
+        out["target.model_path"] = target
+    if draft:
+        out["draft.model_path"] = "" if draft == "none" else draft
+    return out
+
+
+def thread_count(params: Mapping[str, object]) -> int:
+    """CPU threads the engine uses (``target.n_threads``; 0 = all cores): baselines get the same."""
+    n = int(params.get("target.n_threads", 0) or 0)  # type: ignore[call-overload]
+    return n if n > 0 else (os.cpu_count() or 1)
+
+
+# -- runners ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RunnerSpec:
+    """One measured way of generating text.
+
+    kind: ``engine`` (our engine in a mode), ``llama-cpp`` (llama-cpp-python baseline), ``native``
+    (a llama.cpp example binary), ``action`` (the Generate action of a running node).
+    """
+
+    name: str
+    kind: str
+    mode: str = ""  # engine/action: spec mode; llama-cpp: plain | prompt-lookup; native: tool
+    draft_max: Optional[int] = None  # K; None = the configured K with the adaptive policy
+    reference: str = REFERENCE_RUNNER  # runner whose tokens/s this one's "own baseline" ratio uses
+
+    @property
+    def k_label(self) -> str:
+        return "adaptive" if self.draft_max is None else str(self.draft_max)
+
+
+def runner_name(mode: str, draft_max: Optional[int]) -> str:
+    """``lookup`` for the adaptive policy, ``lookup/K3`` for a fixed K; ``off`` has no K."""
+    return mode if draft_max is None or mode == "off" else f"{mode}/K{draft_max}"
+
+
+def parse_modes(text: str) -> List[str]:
+    """``all`` or a comma-separated list of SPEC_MODES."""
+    wanted = [m.strip() for m in text.split(",") if m.strip()]
+    if not wanted or wanted == ["all"]:
+        return list(SPEC_MODES)
+    unknown = [m for m in wanted if m not in SPEC_MODES]
+    if unknown:
+        raise ValueError(f"unknown mode(s) {', '.join(unknown)}; expected {', '.join(SPEC_MODES)} or all")
+    return wanted
+
+
+def parse_ks(text: str) -> List[Optional[int]]:
+    """``2,3,4,8,adaptive`` -> [2, 3, 4, 8, None] (None = adaptive policy)."""
+    out: List[Optional[int]] = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        if item == "adaptive":
+            out.append(None)
+            continue
+        try:
+            k = int(item)
+        except ValueError:
+            raise ValueError(f"--k item {item!r}: expected an integer or 'adaptive'") from None
+        if not 1 <= k <= 64:
+            raise ValueError(f"--k {k}: must be in [1, 64]")
+        out.append(k)
+    if not out:
+        raise ValueError("--k is empty")
+    return list(dict.fromkeys(out))
+
+
+def parse_baselines(text: str) -> List[str]:
+    """``on``/``all`` (both), ``none``/``off``, or a comma-separated list of BASELINES."""
+    text = text.strip()
+    if text in ("on", "all", ""):
+        return list(BASELINES)
+    if text in ("none", "off"):
+        return []
+    wanted = [b.strip() for b in text.split(",") if b.strip()]
+    unknown = [b for b in wanted if b not in BASELINES]
+    if unknown:
+        raise ValueError(f"unknown baseline(s) {', '.join(unknown)}; expected {', '.join(BASELINES)}")
+    return wanted
+
+
+NATIVE_TOOLS: Dict[str, str] = {"lookup": "llama-lookup", "speculative": "llama-speculative-simple"}
+
+
+def plan_runners(modes: Sequence[str], ks: Sequence[Optional[int]], has_draft: bool,
+                 baselines: Sequence[str], native_bin: str, native_ks: Sequence[int],
+                 via_action: str) -> Tuple[List[RunnerSpec], List[str]]:
+    """The runners of one bench invocation and notes on what was skipped and why.
+
+    ``off`` is always run (every speedup is measured against it). Each other mode runs once per K.
+    """
+    notes: List[str] = []
+    specs: List[RunnerSpec] = [RunnerSpec(REFERENCE_RUNNER, "engine", "off", None, "")]
+    for mode in modes:
+        if mode == "off":
+            continue
+        if mode in DRAFT_MODES and not has_draft:
+            notes.append(f"mode {mode} skipped: no draft model configured (draft.model_path or --draft)")
+            continue
+        specs.extend(RunnerSpec(runner_name(mode, k), "engine", mode, k) for k in ks)
+    if "plain" in baselines:
+        specs.append(RunnerSpec("lcp-plain", "llama-cpp", "plain", None))
+    if "prompt-lookup" in baselines:
+        specs.append(RunnerSpec("lcp-prompt-lookup", "llama-cpp", "prompt-lookup", PROMPT_LOOKUP_TOKENS,
+                                "lcp-plain" if "plain" in baselines else REFERENCE_RUNNER))
+    if native_bin:
+        specs.extend(_native_runners(native_bin, native_ks, has_draft, notes))
+    if via_action:
+        specs.extend(RunnerSpec(f"action:{s.name}", "action", s.mode, None, s.name)
+                     for s in list(specs) if s.kind == "engine" and s.draft_max is None)
+    return specs, notes
+
+
+def _native_runners(native_bin: str, native_ks: Sequence[int], has_draft: bool,
+                    notes: List[str]) -> List[RunnerSpec]:
+    """llama-lookup with K=0 (its plain decoding) and each K; llama-speculative-simple with a draft."""
+    bin_dir = Path(expand_path(native_bin))
+    specs: List[RunnerSpec] = []
+    if (bin_dir / NATIVE_TOOLS["lookup"]).is_file():
+        specs.append(RunnerSpec("native-plain", "native", "lookup", 0))
+        specs.extend(RunnerSpec(f"native-lookup/K{k}", "native", "lookup", k, "native-plain")
+                     for k in native_ks)
+    else:
+        notes.append(f"native lookup skipped: {bin_dir / NATIVE_TOOLS['lookup']} not found "
+                     "(scripts/build_native_tools.sh builds it)")
+    if not has_draft:
+        notes.append("native speculative skipped: no draft model configured")
+    elif (bin_dir / NATIVE_TOOLS["speculative"]).is_file():
+        reference = "native-plain" if specs else REFERENCE_RUNNER
+        specs.extend(RunnerSpec(f"native-spec/K{k}", "native", "speculative", k, reference)
+                     for k in native_ks)
+    else:
+        notes.append(f"native speculative skipped: {bin_dir / NATIVE_TOOLS['speculative']} not found")
+    return specs
+
+
+__all__ = [
+    "BASELINES", "DRAFT_MODES", "EMBEDDED_MODEL", "NATIVE_TOOLS", "PROMPT_LOOKUP_TOKENS", "Prompt",
+    "REFERENCE_RUNNER", "RunnerSpec", "Suite", "apply_overrides", "default_params", "engine_config",
+    "find_data_dir", "flatten", "load_params", "load_suite", "load_suites", "model_config",
+    "parse_baselines", "parse_ks", "parse_modes", "plan_runners", "runner_name", "select_suites",
+    "thread_count",
+]

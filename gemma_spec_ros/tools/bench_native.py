@@ -1,0 +1,153 @@
+"""llama.cpp's own tools as a reference: ``llama-lookup`` and ``llama-speculative-simple``, run on the
+bench's prompts, their printed timings parsed.
+
+Each request starts the tool afresh (model load is outside the timings the tool prints). The peak RSS
+is the child's own, from ``os.wait4``. ``llama-lookup`` with ``--spec-draft-n-max 0`` drafts nothing
+and is the native plain-decoding reference. A dynamic n-gram cache file per repeat lets
+``llama-lookup`` learn across the requests of a repeat, as the engine's in-memory dynamic cache does.
+The binaries come from scripts/build_native_tools.sh (the llama.cpp vendored in llama-cpp-python's
+sdist, so the same llama.cpp as the engine); see docs/native_tools.md.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from ..engine.types import expand_path
+from .bench_config import NATIVE_TOOLS, RunnerSpec, model_config, thread_count
+
+_NUMBER = r"([0-9]+(?:\.[0-9]+)?)"
+_PATTERNS: Dict[str, "re.Pattern[str]"] = {
+    "encoded": re.compile(rf"encoded\s+(\d+) tokens in\s+{_NUMBER} seconds"),
+    "decoded": re.compile(rf"decoded\s+(\d+) tokens in\s+{_NUMBER} seconds"),
+    "n_drafted": re.compile(r"n_drafted\s*=\s*(\d+)"),
+    "n_accept": re.compile(r"n_accept\s*=\s*(\d+)"),
+    "eval_runs": re.compile(rf"\beval time =\s+{_NUMBER} ms /\s+(\d+) runs"),
+}
+
+
+def parse_native_output(log: str) -> Dict[str, float]:
+    """Timings and counters from a llama-lookup / llama-speculative-simple log (stderr).
+
+    Keys: prompt_tokens, prompt_s, n_tokens, decode_s, n_drafted, n_accept, and eval_runs (the target's
+    decode passes; the *last* 'eval time' line is the target's). Missing lines raise ValueError.
+
+    >>> log = ("encoded   12 tokens in    0.110 seconds, speed:  109.091 t/s\\n"
+    ...        "decoded  129 tokens in    2.000 seconds, speed:   64.500 t/s\\n"
+    ...        "n_drafted    = 90\\nn_accept     = 60\\n"
+    ...        "llama_perf_context_print:        eval time =    1900.00 ms /    70 runs\\n")
+    >>> parse_native_output(log)["n_tokens"], parse_native_output(log)["eval_runs"]
+    (129.0, 70.0)
+    """
+    out: Dict[str, float] = {}
+    enc = _PATTERNS["encoded"].search(log)
+    dec = _PATTERNS["decoded"].search(log)
+    if enc is None or dec is None:
+        raise ValueError("no 'encoded ... / decoded ... tokens in ... seconds' lines in the tool's log")
+    out["prompt_tokens"], out["prompt_s"] = float(enc.group(1)), float(enc.group(2))
+    out["n_tokens"], out["decode_s"] = float(dec.group(1)), float(dec.group(2))
+    for key in ("n_drafted", "n_accept"):
+        match = _PATTERNS[key].search(log)
+        out[key] = float(match.group(1)) if match else math.nan
+    runs = _PATTERNS["eval_runs"].findall(log)
+    out["eval_runs"] = float(runs[-1][1]) if runs else math.nan
+    return out
+
+
+def generated_text(stdout: str, prompt: str) -> str:
+    """The generated text in a tool's stdout, which echoes the prompt and then the output."""
+    at = stdout.find(prompt)
+    text = stdout[at + len(prompt):] if at >= 0 else stdout
+    return text[:-2] if text.endswith("\n\n") else text
+
+
+class NativeRunner:
+    """Runs one native tool per request; same interface as a worker handle (run / close)."""
+
+    def __init__(self, spec: RunnerSpec, params: Mapping[str, Any], bin_dir: str, workdir: Path,
+                 repeat: int, timeout_s: float = 600.0) -> None:
+        target = model_config(params, "target")
+        if target is None:
+            raise ValueError("no target model")
+        self.spec = spec
+        self._exe = Path(expand_path(bin_dir)) / NATIVE_TOOLS[spec.mode]
+        self._timeout_s = timeout_s
+        self._base: List[str] = [str(self._exe), "-m", target.resolved_path, "-c", str(target.n_ctx),
+                                 "-t", str(thread_count(params)),
+                                 "--spec-draft-n-max", str(spec.draft_max or 0)]
+        if spec.mode == "lookup":
+            safe = spec.name.replace("/", "_")
+            self._base += ["-lcd", str(workdir / f"{safe}-repeat{repeat}.lcd")]
+            static = expand_path(str(params.get("lookup.static_path", "") or ""))
+            if static and spec.draft_max:
+                self._base += ["-lcs", static]
+        else:
+            draft = model_config(params, "draft", target)
+            if draft is None:
+                raise ValueError("llama-speculative-simple needs a draft model")
+            self._base += ["-md", draft.resolved_path]
+        self.peak_rss_mb = 0.0
+        self.info: Dict[str, Any] = {"command": self._base}
+
+    def command(self, request: Mapping[str, Any]) -> List[str]:
+        """The tool's command line for one request. ``-n`` is one less than max_tokens because the
+        tools stop only after generating more than ``-n`` tokens."""
+        return self._base + ["-p", str(request["prompt"]), "-n", str(max(1, int(request["max_tokens"]) - 1)),
+                             "--temp", str(float(request["temperature"])), "-s", str(int(request["seed"]))]
+
+    def run(self, request: Mapping[str, Any]) -> Dict[str, Any]:
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            proc = subprocess.Popen(self.command(request), stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+            try:
+                _, status, usage = _wait4(proc, self._timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                raise RuntimeError(f"{self._exe.name} ran past {self._timeout_s:.0f} s") from None
+            out.seek(0)
+            err.seek(0)
+            stdout = out.read().decode("utf-8", "replace")
+            log = err.read().decode("utf-8", "replace")
+        if status != 0:
+            tail = "\n".join(log.strip().splitlines()[-5:])
+            raise RuntimeError(f"{self._exe.name} exited with {status}: {tail}")
+        self.peak_rss_mb = max(self.peak_rss_mb, usage.ru_maxrss / 1024.0)
+        parsed = parse_native_output(log)
+        n_tokens = int(parsed["n_tokens"])
+        wall = parsed["prompt_s"] + parsed["decode_s"]
+        drafted, accepted = parsed["n_drafted"], parsed["n_accept"]
+        stats: Optional[Dict[str, Any]] = None
+        if self.spec.draft_max:
+            stats = {"num_draft_tokens": drafted, "num_accepted_tokens": accepted,
+                     "acceptance_rate": accepted / drafted if drafted else math.nan,
+                     "tokens_per_pass": n_tokens / parsed["eval_runs"] if parsed["eval_runs"] else math.nan}
+        return {"wall_s": wall, "ttft_s": parsed["prompt_s"], "n_first": 0, "n_tokens": n_tokens,
+                "decode_s": parsed["decode_s"], "text": generated_text(stdout, str(request["prompt"])),
+                "tokens": None, "finish_reason": "length" if n_tokens >= int(request["max_tokens"]) else "stop",
+                "stats": stats, "spec_modes": [], "draft_max_last": self.spec.draft_max,
+                "peak_rss_mb": self.peak_rss_mb}
+
+    def close(self) -> None:
+        """Nothing is held between requests."""
+
+
+def _wait4(proc: "subprocess.Popen[bytes]", timeout_s: float) -> Tuple[int, int, Any]:
+    """``os.wait4`` on the child, so the rusage (peak RSS) is that child's alone; with a timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid == proc.pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return pid, proc.returncode, usage
+        if time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired(proc.args, timeout_s)
+        time.sleep(0.02)
+
+
+__all__ = ["NativeRunner", "generated_text", "parse_native_output"]

@@ -1,0 +1,339 @@
+"""Summaries, markdown tables and PNG plots of a bench run's records.
+
+Input is the list of per-run records the bench writes to ``results.json`` (see ``bench.py``); every
+figure here is derived from those records, so a committed results.json can be re-plotted with
+``gemma-spec-bench --report-only DIR``.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from .bench_config import REFERENCE_RUNNER
+from .bench_metrics import (RunKey, Spread, finite, parity_share, pooled_acceptance, ratio_by_prompt,
+                            ratio_by_suite, same_run_ratios, spread)
+
+Record = Mapping[str, Any]
+
+PLOTS: Tuple[str, ...] = ("speedup_by_suite.png", "acceptance_by_position.png", "k_sweep.png",
+                          "predicted_vs_measured.png")
+
+
+def run_key(record: Record) -> RunKey:
+    return (str(record["suite"]), str(record["prompt_id"]), int(record["repeat"]))
+
+
+def rates_by_runner(records: Sequence[Record], field: str = "tokens_per_s") -> Dict[str, Dict[RunKey, float]]:
+    """{runner: {(suite, prompt, repeat): value}} of successful runs."""
+    out: Dict[str, Dict[RunKey, float]] = defaultdict(dict)
+    for r in records:
+        if not r.get("error") and finite(r.get(field)):
+            out[str(r["runner"])][run_key(r)] = float(r[field])
+    return dict(out)
+
+
+def add_speedups(records: List[Dict[str, Any]], references: Mapping[str, str]) -> None:
+    """Set each record's ``speedup`` (vs ``off``, same prompt and repeat) and ``speedup_vs_reference``
+    (vs the runner's own reference, e.g. native-plain for native-lookup)."""
+    rates = rates_by_runner(records)
+    for r in records:
+        key = run_key(r)
+        value = rates.get(str(r["runner"]), {}).get(key)
+        for field, ref in (("speedup", REFERENCE_RUNNER), ("speedup_vs_reference", references.get(str(r["runner"]), ""))):
+            base = rates.get(ref, {}).get(key) if ref else None
+            r[field] = value / base if finite(value) and finite(base) and base else None
+
+
+def summarize(records: Sequence[Record], runners: Sequence[Mapping[str, Any]],
+              suites: Sequence[str]) -> Dict[str, Any]:
+    """Per-runner figures: speedup per suite (median, min, max over same-run per-prompt ratios),
+    speedup against its own reference, rates, TTFT, tau, pooled acceptance, repetition, parity, RSS."""
+    rates = rates_by_runner(records)
+    hashes: Dict[str, Dict[RunKey, str]] = defaultdict(dict)
+    for r in records:
+        if not r.get("error") and r.get("output_hash"):
+            hashes[str(r["runner"])][run_key(r)] = str(r["output_hash"])
+    out: Dict[str, Any] = {"suites": list(suites), "runners": {}}
+    for runner in runners:
+        name = str(runner["name"])
+        mine = [r for r in records if r["runner"] == name and not r.get("error")]
+        stats = [r for r in mine if r.get("accepted_at") is not None]
+        entry: Dict[str, Any] = {
+            "kind": runner["kind"], "mode": runner["mode"], "k": runner["k"],
+            "reference": runner.get("reference", ""),
+            "runs": len(mine), "errors": sum(1 for r in records if r["runner"] == name and r.get("error")),
+            "speedup": _spreads(ratio_by_suite(same_run_ratios(rates, name, REFERENCE_RUNNER), suites)),
+            "tokens_per_s": spread(r.get("tokens_per_s") for r in mine).as_dict(),
+            "e2e_tokens_per_s": spread(r.get("e2e_tokens_per_s") for r in mine).as_dict(),
+            "ttft_ms": spread(_ms(r.get("ttft_s")) for r in mine).as_dict(),
+            "tau": spread(r.get("tau") for r in mine).as_dict(),
+            "acceptance_rate": spread(r.get("acceptance_rate") for r in mine).as_dict(),
+            "acceptance_per_position": pooled_acceptance((r["accepted_at"] for r in stats),
+                                                         (r["drafted_at"] for r in stats)),
+            "repetition_4gram": spread(r.get("repetition_4gram") for r in mine).as_dict(),
+            "parity_with_off": parity_share(hashes.get(name, {}), hashes.get(REFERENCE_RUNNER, {})),
+            "predicted_speedup": spread(r.get("predicted_speedup") for r in mine).as_dict(),
+            "peak_rss_mb": runner.get("peak_rss_mb"), "base_rss_mb": runner.get("base_rss_mb"),
+        }
+        ref = entry["reference"]
+        if ref and ref != REFERENCE_RUNNER:
+            entry["vs_reference"] = _spreads(ratio_by_suite(same_run_ratios(rates, name, ref), suites))
+        out["runners"][name] = entry
+    return out
+
+
+def _ms(seconds: Optional[float]) -> Optional[float]:
+    return seconds * 1e3 if finite(seconds) else None
+
+
+def _spreads(by_suite: Mapping[str, Spread]) -> Dict[str, Dict[str, float]]:
+    return {k: v.as_dict() for k, v in by_suite.items()}
+
+
+def _fmt(d: Optional[Mapping[str, float]], unit: str = "x", digits: int = 2) -> str:
+    if not d or not d.get("n"):
+        return "-"
+    return Spread(d["median"], d["min"], d["max"], int(d["n"])).format(unit, digits)
+
+
+def _num(value: Any, digits: int = 2, unit: str = "") -> str:
+    return f"{value:.{digits}f}{unit}" if finite(value) else "-"
+
+
+# -- markdown --------------------------------------------------------------------------------------
+def markdown(results: Mapping[str, Any]) -> str:
+    """The tables of a run: speedup per suite, per-runner figures, runner-vs-own-baseline ratios."""
+    summary = results["summary"]
+    suites: List[str] = summary["suites"]
+    runners: Dict[str, Any] = summary["runners"]
+    cfg = results["config"]
+    lines = [f"# Bench results ({results['created']})", "",
+             f"Target `{Path(str(cfg['target'])).name}`"
+             + (f", draft `{Path(str(cfg['draft'])).name}`" if cfg.get("draft") else ", no draft model")
+             + f"; {cfg['max_tokens']} tokens, temperature {cfg['temperature']}"
+             + (f" (seed {cfg['seed']})" if cfg["temperature"] else " (greedy)")
+             + f", {cfg['repeats']} repeat(s), {results['machine']['cpu_count']} CPU threads available,"
+             f" {cfg['threads']} used. Load average {results['machine'].get('loadavg_start')} at start,"
+             f" {results['machine'].get('loadavg_end')} at end.", ""]
+    lines += ["## Speedup vs `off`", "",
+              "Decode tokens/s of each runner divided by `off`'s on the same prompt in the same repeat; "
+              "median over prompts x repeats, (min-max) of those ratios.", ""]
+    header = ["runner", "K"] + suites + ["all"]
+    lines += [_row(header), _row(["---"] * len(header))]
+    for name, e in runners.items():
+        lines.append(_row([f"`{name}`", str(e["k"])] + [_fmt(e["speedup"].get(s)) for s in suites + ["all"]]))
+    lines += ["", "## Per runner", "",
+              "tokens/s: decode rate, median (min-max) over runs. TTFT: request start to first output. "
+              "tau: mean acceptance length (1 + accepted/drafts). acc.: accepted/drafted per run. "
+              "rep.: share of repeated 4-grams of the output. parity: share of outputs identical to `off`'s. "
+              "RSS: peak resident set of the runner's own process (base = before loading models).", ""]
+    header = ["runner", "tokens/s", "TTFT ms", "tau", "acc.", "rep.", "parity", "peak RSS MiB",
+              "base MiB", "errors"]
+    lines += [_row(header), _row(["---"] * len(header))]
+    for name, e in runners.items():
+        lines.append(_row([
+            f"`{name}`", _fmt(e["tokens_per_s"], "", 1), _fmt(e["ttft_ms"], "", 0), _fmt(e["tau"], "", 2),
+            _fmt(e["acceptance_rate"], "", 2), _fmt(e["repetition_4gram"], "", 2),
+            _num(e["parity_with_off"], 2), _num(e["peak_rss_mb"], 0), _num(e["base_rss_mb"], 0),
+            str(e["errors"])]))
+    pairs = [(n, e) for n, e in runners.items() if "vs_reference" in e]
+    overhead = _overhead(results)
+    if pairs or overhead:
+        lines += ["", "## Against their own baseline", "",
+                  "Same-run ratio of a runner to its own plain counterpart (native-lookup vs native-plain, "
+                  "llama-cpp-python prompt lookup vs its plain generation, the action vs the in-process "
+                  "engine in the same mode) and of `off` to llama-cpp-python's plain generation.", ""]
+        header = ["runner", "vs"] + suites + ["all"]
+        lines += [_row(header), _row(["---"] * len(header))]
+        for name, e in pairs:
+            lines.append(_row([f"`{name}`", f"`{e['reference']}`"]
+                              + [_fmt(e["vs_reference"].get(s)) for s in suites + ["all"]]))
+        if overhead:
+            lines.append(_row(["`off`", "`lcp-plain`"] + [_fmt(overhead.get(s)) for s in suites + ["all"]]))
+    ttff = _ttft_ratios(results)
+    if ttff:
+        lines += ["", "Time to first feedback through the action vs the engine's TTFT in-process "
+                  "(median ms, same prompts):", ""]
+        lines += [_row(["runner", "TTFF ms (action)", "TTFT ms (engine)"]), _row(["---"] * 3)]
+        lines += [_row([f"`{n}`", _num(a, 0), _num(b, 0)]) for n, (a, b) in ttff.items()]
+    if results.get("notes"):
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in results["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def markdown_per_prompt(results: Mapping[str, Any]) -> str:
+    """Speedup vs ``off`` per prompt: median (min-max over repeats), one row per prompt."""
+    records = results["runs"]
+    rates = rates_by_runner(records)
+    names = [n for n in results["summary"]["runners"] if n != REFERENCE_RUNNER]
+    per = {n: ratio_by_prompt(same_run_ratios(rates, n, REFERENCE_RUNNER)) for n in names}
+    reps: Dict[Tuple[str, str], Spread] = defaultdict(lambda: spread([]))
+    off = [r for r in records if r["runner"] == REFERENCE_RUNNER and not r.get("error")]
+    for key in {(r["suite"], r["prompt_id"]) for r in off}:
+        reps[key] = spread(r.get("repetition_4gram") for r in off if (r["suite"], r["prompt_id"]) == key)
+    keys = sorted({k for table in per.values() for k in table},
+                  key=lambda k: (results["summary"]["suites"].index(k[0]), k[1]))
+    header = ["suite", "prompt", "rep. (off)"] + [f"`{n}`" for n in names]
+    lines = ["# Speedup vs `off` per prompt", "", "Median (min-max) over repeats of the same-run ratio; "
+             "rep. = share of repeated 4-grams in `off`'s output.", "", _row(header), _row(["---"] * len(header))]
+    for k in keys:
+        lines.append(_row([k[0], k[1], reps[k].format("", 2)] + [per[n].get(k, spread([])).format() for n in names]))
+    return "\n".join(lines) + "\n"
+
+
+def _row(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _overhead(results: Mapping[str, Any]) -> Dict[str, Dict[str, float]]:
+    rates = rates_by_runner(results["runs"])
+    if "lcp-plain" not in rates or REFERENCE_RUNNER not in rates:
+        return {}
+    return _spreads(ratio_by_suite(same_run_ratios(rates, REFERENCE_RUNNER, "lcp-plain"),
+                                   results["summary"]["suites"]))
+
+
+def _ttft_ratios(results: Mapping[str, Any]) -> Dict[str, Tuple[float, float]]:
+    runners = results["summary"]["runners"]
+    return {n: (e["ttft_ms"]["median"], runners[e["reference"]]["ttft_ms"]["median"])
+            for n, e in runners.items() if e["kind"] == "action" and e["reference"] in runners}
+
+
+# -- plots -----------------------------------------------------------------------------------------
+def plot_all(results: Mapping[str, Any], out_dir: Path) -> List[Path]:
+    """Write the four PNGs (see PLOTS) into ``out_dir``; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for name, draw in zip(PLOTS, (_plot_speedup, _plot_acceptance, _plot_k_sweep, _plot_predicted)):
+        fig = draw(results, plt)
+        path = out_dir / name
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def _title(results: Mapping[str, Any]) -> str:
+    cfg = results["config"]
+    temp = "greedy" if not cfg["temperature"] else f"T={cfg['temperature']}"
+    return f"{Path(str(cfg['target'])).name}, {cfg['max_tokens']} tokens, {temp}"
+
+
+def _plot_speedup(results: Mapping[str, Any], plt: Any) -> Any:
+    runners = {n: e for n, e in results["summary"]["runners"].items() if n != REFERENCE_RUNNER}
+    groups = results["summary"]["suites"] + ["all"]
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.3 * len(groups) * max(1, len(runners)) ** 0.5), 4.2))
+    width = 0.8 / max(1, len(runners))
+    for i, (name, e) in enumerate(runners.items()):
+        xs, ys, lo, hi = [], [], [], []
+        for g, suite in enumerate(groups):
+            d = e["speedup"].get(suite)
+            if d and d.get("n"):
+                xs.append(g - 0.4 + width * (i + 0.5))
+                ys.append(d["median"])
+                lo.append(d["median"] - d["min"])
+                hi.append(d["max"] - d["median"])
+        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(groups)
+    ax.set_ylabel("tokens/s ratio vs off (median, min-max)")
+    ax.set_title(f"Speedup per suite - {_title(results)}", fontsize=10)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def _plot_acceptance(results: Mapping[str, Any], plt: Any) -> Any:
+    fig, ax = plt.subplots(figsize=(6.5, 4.0))
+    drawn = 0
+    for name, e in results["summary"]["runners"].items():
+        acc = e.get("acceptance_per_position") or []
+        if acc:
+            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=name)
+            drawn += 1
+    if not drawn:
+        ax.text(0.5, 0.5, "no drafts in this run", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate (pooled over runs)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(f"Acceptance per draft position - {_title(results)}", fontsize=10)
+    if drawn:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def _plot_k_sweep(results: Mapping[str, Any], plt: Any) -> Any:
+    fig, (ax_tau, ax_rate) = plt.subplots(1, 2, figsize=(10.0, 4.0))
+    by_mode: Dict[str, List[Tuple[int, Dict[str, Any]]]] = defaultdict(list)
+    for name, e in results["summary"]["runners"].items():
+        if e["kind"] in ("engine", "native") and str(e["k"]).isdigit() and int(e["k"]) > 0:
+            by_mode[f"{e['kind']}:{e['mode']}" if e["kind"] == "native" else e["mode"]].append((int(e["k"]), e))
+    off = results["summary"]["runners"].get(REFERENCE_RUNNER, {}).get("tokens_per_s", {})
+    for mode, points in sorted(by_mode.items()):
+        points.sort(key=lambda p: p[0])
+        ks = [k for k, _ in points]
+        ax_tau.plot(ks, [e["tau"]["median"] for _, e in points], marker="o", label=mode)
+        ax_rate.plot(ks, [e["tokens_per_s"]["median"] for _, e in points], marker="o", label=mode)
+    if off.get("n"):
+        ax_rate.axhline(off["median"], color="black", linewidth=0.8, linestyle="--", label="off")
+    if not by_mode:
+        for ax in (ax_tau, ax_rate):
+            ax.text(0.5, 0.5, "no fixed-K runs (use --k 1,2,3,4,8)", ha="center", va="center",
+                    transform=ax.transAxes)
+    ax_tau.set_xlabel("K (draft length)")
+    ax_tau.set_ylabel("tau (median)")
+    ax_rate.set_xlabel("K (draft length)")
+    ax_rate.set_ylabel("decode tokens/s (median)")
+    for ax in (ax_tau, ax_rate):
+        if by_mode:
+            ax.legend(fontsize=7)
+    fig.suptitle(f"tau and tokens/s against K - {_title(results)}", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def _plot_predicted(results: Mapping[str, Any], plt: Any) -> Any:
+    fig, ax = plt.subplots(figsize=(5.5, 5.0))
+    points: Dict[str, Tuple[List[float], List[float]]] = defaultdict(lambda: ([], []))
+    for r in results["runs"]:
+        if not r.get("error") and finite(r.get("predicted_speedup")) and finite(r.get("speedup")):
+            xs, ys = points[str(r["runner"])]
+            xs.append(float(r["predicted_speedup"]))
+            ys.append(float(r["speedup"]))
+    for name, (xs, ys) in sorted(points.items()):
+        ax.scatter(xs, ys, s=12, alpha=0.7, label=name)
+    values = [v for xs, ys in points.values() for v in xs + ys]
+    top = max(values + [2.0])
+    ax.plot([0, top], [0, top], color="black", linewidth=0.8)
+    if not points:
+        ax.text(0.5, 0.5, "no predicted speedups in this run", ha="center", va="center", transform=ax.transAxes)
+    else:
+        ax.legend(fontsize=7)
+    ax.set_xlabel("predicted speedup (engine's policy)")
+    ax.set_ylabel("measured speedup vs off (same run)")
+    ax.set_title(f"Predicted vs measured - {_title(results)}", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def nan_to_none(value: Any) -> Any:
+    """NaN and inf to None, recursively, so results.json is strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: nan_to_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [nan_to_none(v) for v in value]
+    return value
+
+
+__all__ = ["PLOTS", "add_speedups", "markdown", "markdown_per_prompt", "nan_to_none", "plot_all",
+           "rates_by_runner", "summarize"]

@@ -1,0 +1,286 @@
+"""The bench's worker process: holds one runner (an engine mode, a llama-cpp-python baseline, or an
+action client) and generates on request, so each runner's peak RSS is its own process's.
+
+Protocol: one JSON object per line. The parent writes ``{"cmd": "init", "runner": {...},
+"params": {...}, "threads": N}``, then ``{"cmd": "run", "request": {...}}`` any number of times, then
+``{"cmd": "close"}``; each gets one reply line ``{"ok": true, ...}`` or ``{"ok": false, "error": ...}``.
+The reply channel is a private copy of the original stdout; fd 1 is pointed at stderr so that anything
+a library prints cannot corrupt the protocol.
+
+Run as ``python -m gemma_spec_ros.tools.bench_worker`` (the parent does this).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, TextIO
+
+from .bench_config import RunnerSpec, engine_config, model_config, thread_count
+
+#: A request as the parent sends it: prompt, max_tokens, temperature, seed.
+Request = Dict[str, Any]
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size so far (ru_maxrss, KiB on Linux), in MiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+@dataclass
+class Timeline:
+    """Wall-clock marks of one generation, taken by the bench the same way for every runner."""
+
+    start: float = field(default_factory=time.perf_counter)
+    first: float = math.nan  # when the first non-empty output arrived
+    first_tokens: int = 0  # tokens in that first output
+    end: float = math.nan
+
+    def output(self, n_tokens: int) -> None:
+        """An output chunk of ``n_tokens`` tokens arrived (the first one sets TTFT)."""
+        if n_tokens > 0 and math.isnan(self.first):
+            self.first = time.perf_counter()
+            self.first_tokens = n_tokens
+
+    def finish(self) -> Dict[str, float]:
+        self.end = time.perf_counter()
+        return {"wall_s": self.end - self.start, "ttft_s": self.first - self.start,
+                "n_first": self.first_tokens}
+
+
+def stats_dict(stats: Any) -> Dict[str, Any]:
+    """A SpecStats as JSON-able data: its ``as_dict`` plus the raw per-position counters."""
+    out = dict(stats.as_dict())
+    out["accepted_at"] = list(stats.accepted_at)
+    out["drafted_at"] = list(stats.drafted_at)
+    return out
+
+
+class EngineRunner:
+    """Our engine in one mode, with K fixed or adaptive (one Engine per worker)."""
+
+    def __init__(self, spec: RunnerSpec, params: Dict[str, Any]) -> None:
+        from ..engine.engine import Engine  # imported here: the parent process never loads models
+
+        self._mode = spec.mode
+        self._engine = Engine(engine_config(params, spec.mode, spec.draft_max))
+        self.info = {"model_info": self._engine.model_info(), "spec": repr(self._engine.spec)}
+
+    def run(self, request: Request) -> Dict[str, Any]:
+        from ..engine.types import GenerationRequest, SamplingParams
+
+        sampling = SamplingParams(temperature=float(request["temperature"]), seed=int(request["seed"]))
+        req = GenerationRequest(prompt=request["prompt"], max_tokens=int(request["max_tokens"]),
+                                sampling=sampling, spec_mode=self._mode)
+        tokens: List[int] = []
+        texts: List[str] = []
+        modes: List[str] = []
+        last = None
+        timeline = Timeline()
+        for step in self._engine.generate(req, threading.Event()):
+            timeline.output(len(step.tokens))
+            tokens.extend(step.tokens)
+            texts.append(step.text)
+            if step.spec_mode not in modes:
+                modes.append(step.spec_mode)
+            last = step
+        out: Dict[str, Any] = timeline.finish()
+        out.update(text="".join(texts), tokens=tokens, n_tokens=len(tokens),
+                   finish_reason=last.finish_reason if last else "error",
+                   stats=stats_dict(last.stats) if last else None, spec_modes=modes,
+                   draft_max_last=last.draft_max if last else None)
+        return out
+
+    def close(self) -> None:
+        self._engine.close()
+
+
+class LlamaCppRunner:
+    """llama-cpp-python's high-level ``Llama.create_completion``: plain, or with its built-in
+    ``LlamaPromptLookupDecoding`` draft model (which forces logits for every row, as shipped)."""
+
+    def __init__(self, spec: RunnerSpec, params: Dict[str, Any]) -> None:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        target = model_config(params, "target")
+        if target is None:
+            raise ValueError("no target model")
+        threads = thread_count(params)
+        draft = None
+        if spec.mode == "prompt-lookup":
+            draft = LlamaPromptLookupDecoding(num_pred_tokens=spec.draft_max or 10)
+        self._llm = Llama(model_path=target.resolved_path, n_ctx=target.n_ctx, n_batch=target.n_batch,
+                          n_threads=threads, n_threads_batch=threads, n_gpu_layers=target.n_gpu_layers,
+                          draft_model=draft, verbose=False)
+        self.info = {"llama_cpp_version": __import__("llama_cpp").__version__,
+                     "logits_all": bool(getattr(self._llm, "_logits_all", False))}
+
+    def run(self, request: Request) -> Dict[str, Any]:
+        from llama_cpp import StoppingCriteriaList
+
+        sampled = [0]
+
+        def count(_ids: Any, _logits: Any) -> bool:  # called once per sampled token; never stops
+            sampled[0] += 1
+            return False
+
+        timeline = Timeline()
+        texts: List[str] = []
+        finish = "length"
+        stream = self._llm.create_completion(
+            request["prompt"], max_tokens=int(request["max_tokens"]),
+            temperature=float(request["temperature"]), top_k=0, top_p=1.0, min_p=0.0,
+            repeat_penalty=1.0, seed=int(request["seed"]), stream=True,
+            stopping_criteria=StoppingCriteriaList([count]))
+        for chunk in stream:
+            choice = chunk["choices"][0]
+            timeline.output(1 if choice["text"] else 0)
+            texts.append(choice["text"])
+            finish = choice.get("finish_reason") or finish
+        out: Dict[str, Any] = timeline.finish()
+        text = "".join(texts)
+        # The end-of-generation token is sampled (and counted) but not part of the completion.
+        n_tokens = sampled[0] - (1 if finish == "stop" else 0)
+        # Token ids for the repetition figure: the output re-tokenized, outside the timed span.
+        tokens = self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=True) if text else []
+        out.update(text=text, tokens=None, retokenized=list(tokens), n_tokens=n_tokens,
+                   finish_reason=finish, stats=None, spec_modes=[], draft_max_last=None)
+        return out
+
+    def close(self) -> None:
+        self._llm.close()
+
+
+class ActionRunner:
+    """A client of the Generate action of a running node (``/<node>/generate``)."""
+
+    def __init__(self, spec: RunnerSpec, params: Dict[str, Any], node_name: str,
+                 server_timeout_s: float = 30.0) -> None:
+        import rclpy
+        from rclpy.action import ActionClient
+        from gemma_spec_msgs.action import Generate
+
+        self._rclpy = rclpy
+        self._generate = Generate
+        self._mode = spec.mode
+        rclpy.init(args=None)
+        self._node = rclpy.create_node("gemma_spec_bench_client")
+        name = node_name if node_name.startswith("/") else "/" + node_name
+        self._action = f"{name.rstrip('/')}/generate"
+        self._client = ActionClient(self._node, Generate, self._action)
+        if not self._client.wait_for_server(timeout_sec=server_timeout_s):
+            self.close()
+            raise RuntimeError(f"no Generate action server at {self._action} after {server_timeout_s:.0f} s "
+                               "(start the node: gemma-spec-serve --params-file ...)")
+        self.info = {"action": self._action}
+
+    def _wait(self, future: Any) -> Any:
+        self._rclpy.spin_until_future_complete(self._node, future)
+        return future.result()
+
+    def run(self, request: Request) -> Dict[str, Any]:
+        goal = self._generate.Goal()
+        goal.prompt = request["prompt"]
+        goal.max_tokens = int(request["max_tokens"])
+        goal.temperature = float(request["temperature"])
+        goal.top_p = 1.0
+        goal.top_k = 0
+        goal.seed = int(request["seed"])
+        goal.spec_mode = self._mode
+        timeline = Timeline()
+        modes: List[str] = []
+
+        def on_feedback(message: Any) -> None:
+            fb = message.feedback
+            timeline.output(max(int(fb.completion_tokens), 1) if fb.text else 0)
+            if fb.spec_mode and fb.spec_mode not in modes:
+                modes.append(fb.spec_mode)
+
+        handle = self._wait(self._client.send_goal_async(goal, feedback_callback=on_feedback))
+        if handle is None or not handle.accepted:
+            raise RuntimeError(f"goal rejected by {self._action}")
+        wrapped = self._wait(handle.get_result_async())
+        out: Dict[str, Any] = timeline.finish()
+        result = wrapped.result
+        if result.finish_reason == "error":
+            raise RuntimeError(f"node reported an error: {result.error}")
+        stats = {name: getattr(result.stats, name) for name in (
+            "spec_mode", "draft_max", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
+            "num_generated_tokens", "acceptance_rate", "mean_acceptance_length", "tokens_per_second",
+            "time_to_first_token_ms", "predicted_speedup", "measured_speedup")}
+        stats["acceptance_per_position"] = list(result.stats.acceptance_per_position)
+        out.update(text=result.text, tokens=None, n_tokens=int(result.completion_tokens),
+                   finish_reason=result.finish_reason, stats=stats, spec_modes=modes or [result.spec_mode],
+                   draft_max_last=int(result.stats.draft_max))
+        return out
+
+    def close(self) -> None:
+        try:
+            self._node.destroy_node()
+        finally:
+            self._rclpy.try_shutdown()
+
+
+def make_runner(spec: RunnerSpec, params: Dict[str, Any], node_name: str) -> Any:
+    """The runner object for a spec (engine, llama-cpp or action)."""
+    if spec.kind == "engine":
+        return EngineRunner(spec, params)
+    if spec.kind == "llama-cpp":
+        return LlamaCppRunner(spec, params)
+    if spec.kind == "action":
+        return ActionRunner(spec, params, node_name)
+    raise ValueError(f"runner kind {spec.kind!r} does not run in a worker")
+
+
+def serve(lines: Iterable[str], reply: TextIO) -> int:
+    """Answer protocol lines until ``close`` or end of input; returns the exit status."""
+    runner = None
+
+    def send(obj: Dict[str, Any]) -> None:
+        obj["peak_rss_mb"] = peak_rss_mb()
+        reply.write(json.dumps(obj, allow_nan=True) + "\n")
+        reply.flush()
+
+    for line in lines:
+        if not line.strip():
+            continue
+        message = json.loads(line)
+        cmd = message.get("cmd")
+        try:
+            if cmd == "init":
+                base = peak_rss_mb()
+                runner = make_runner(RunnerSpec(**message["runner"]), message["params"],
+                                     message.get("node_name", ""))
+                send({"ok": True, "info": runner.info, "base_rss_mb": base})
+            elif cmd == "run":
+                if runner is None:
+                    raise RuntimeError("run before init")
+                send({"ok": True, "result": runner.run(message["request"])})
+            elif cmd == "close":
+                if runner is not None:
+                    runner.close()
+                send({"ok": True})
+                return 0
+            else:
+                raise ValueError(f"unknown command {cmd!r}")
+        except Exception as exc:  # noqa: BLE001 - every failure goes back to the parent as data
+            send({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+    return 0
+
+
+def main() -> int:
+    """Entry of ``python -m gemma_spec_ros.tools.bench_worker``."""
+    reply = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)  # stray prints (libraries) go to stderr, never into the protocol
+    sys.stdout = sys.stderr
+    return serve(sys.stdin, reply)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

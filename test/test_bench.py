@@ -1,0 +1,182 @@
+"""gemma-spec-bench: pure figures on fixed numbers, inputs (suites, params, runner plan), and a
+--smoke run on the embedded model that must write the JSON, tables and plots (schema, not speed)."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Dict
+
+import pytest
+
+from gemma_spec_ros.tools import bench, bench_config, bench_metrics, bench_native, bench_report
+
+REQUIRED_SUITES = {"code", "qa", "creative", "math", "structured", "planning"}
+RUN_FIELDS = {
+    "suite", "prompt_id", "runner", "kind", "mode", "k", "repeat", "temperature", "seed", "error",
+    "n_tokens", "wall_s", "ttft_s", "tokens_per_s", "e2e_tokens_per_s", "tau", "acceptance_rate",
+    "acceptance_per_position", "predicted_speedup", "speedup", "repetition_4gram", "output_hash",
+    "tokens_hash", "peak_rss_mb", "finish_reason",
+}
+
+
+# -- figures on fixed numbers ----------------------------------------------------------------------
+def test_repeated_ngram_share_fixed_numbers() -> None:
+    assert bench_metrics.repeated_ngram_share([]) == 0.0
+    assert bench_metrics.repeated_ngram_share([1, 2, 3]) == 0.0  # shorter than one 4-gram
+    assert bench_metrics.repeated_ngram_share([1, 2, 3, 4, 5, 6, 7]) == 0.0
+    # 8 tokens -> 5 four-grams, (1,2,3,4) occurs twice: one repeat in five
+    assert bench_metrics.repeated_ngram_share([1, 2, 3, 4, 1, 2, 3, 4]) == pytest.approx(0.2)
+    # a loop: 10 four-grams of a 3-token cycle, 3 distinct -> 7 repeats
+    assert bench_metrics.repeated_ngram_share([5, 6, 7] * 4 + [5]) == pytest.approx(0.7)
+    assert bench_metrics.repeated_ngram_share([9, 9, 9, 9, 9], n=2) == pytest.approx(0.75)
+    with pytest.raises(ValueError):
+        bench_metrics.repeated_ngram_share([1, 2], n=0)
+
+
+def test_same_run_ratio_median_and_min_max() -> None:
+    rates = {
+        "off": {("code", "a", 0): 30.0, ("code", "a", 1): 20.0, ("code", "b", 0): 40.0,
+                ("code", "b", 1): 40.0, ("qa", "x", 0): 50.0, ("qa", "x", 1): 50.0},
+        "lookup": {("code", "a", 0): 60.0, ("code", "a", 1): 30.0, ("code", "b", 0): 40.0,
+                   ("code", "b", 1): 36.0, ("qa", "x", 0): 45.0,
+                   ("qa", "y", 0): 99.0},  # no off run for ("qa", "y", 0): left out, not compared
+    }
+    ratios = bench_metrics.same_run_ratios(rates, "lookup", "off")
+    assert ratios == {("code", "a", 0): 2.0, ("code", "a", 1): 1.5, ("code", "b", 0): 1.0,
+                      ("code", "b", 1): 0.9, ("qa", "x", 0): 0.9}
+    by_suite = bench_metrics.ratio_by_suite(ratios, ["code", "qa"])
+    assert by_suite["code"] == bench_metrics.Spread(median=1.25, low=0.9, high=2.0, n=4)
+    assert by_suite["qa"] == bench_metrics.Spread(median=0.9, low=0.9, high=0.9, n=1)
+    assert by_suite["all"] == bench_metrics.Spread(median=1.0, low=0.9, high=2.0, n=5)
+    assert by_suite["code"].format() == "1.25x (0.90-2.00)"
+    by_prompt = bench_metrics.ratio_by_prompt(ratios)
+    assert by_prompt[("code", "a")] == bench_metrics.Spread(1.75, 1.5, 2.0, 2)
+    assert bench_metrics.spread([None, math.nan]).format() == "-"
+
+
+def test_other_figures() -> None:
+    assert bench_metrics.decode_rate(129, 1, 4.2, 0.2) == pytest.approx(32.0)
+    assert math.isnan(bench_metrics.decode_rate(1, 1, 1.0, 0.5))
+    assert bench_metrics.pooled_acceptance([[2, 1], [1]], [[3, 3], [2]]) == pytest.approx([0.6, 1 / 3])
+    assert bench_metrics.text_hash("abc") == bench_metrics.text_hash("abc") != bench_metrics.text_hash("abd")
+    assert math.isnan(bench_metrics.parity_share({("c", "a", 0): "h"}, {}))
+    assert bench_metrics.parity_share({("c", "a", 0): "h", ("c", "b", 0): "g"},
+                                      {("c", "a", 0): "h", ("c", "b", 0): "x"}) == 0.5
+
+
+def test_native_log_parsing() -> None:
+    log = ("main: some loading noise\n"
+           "encoded   57 tokens in    0.412 seconds, speed:  138.350 t/s\n"
+           "decoded  130 tokens in    2.150 seconds, speed:   60.465 t/s\n\n"
+           "n_draft      = 3\nn_predict    = 130\nn_drafted    = 141\n"
+           "t_draft      = 3.05 ms, 21.63 us per token\nn_accept     = 83\naccept       = 58.865%\n"
+           "llama_perf_context_print: prompt eval time =     401.00 ms /    57 tokens\n"
+           "llama_perf_context_print:        eval time =    2100.00 ms /    56 runs   (37.50 ms per token)\n")
+    parsed = bench_native.parse_native_output(log)
+    assert parsed["n_tokens"] == 130 and parsed["decode_s"] == pytest.approx(2.15)
+    assert parsed["prompt_tokens"] == 57 and parsed["prompt_s"] == pytest.approx(0.412)
+    assert (parsed["n_drafted"], parsed["n_accept"], parsed["eval_runs"]) == (141, 83, 56)
+    with pytest.raises(ValueError):
+        bench_native.parse_native_output("no timings here")
+    assert bench_native.generated_text("\n\n<bos>Hello world, and more\n\n", "Hello world") == ", and more"
+
+
+# -- inputs ----------------------------------------------------------------------------------------
+def test_prompt_suites(repo_root: Path) -> None:
+    suites = bench_config.load_suites(repo_root / "prompts")
+    assert REQUIRED_SUITES <= {s.name for s in suites}
+    for suite in suites:
+        assert len(suite.prompts) >= 6, suite.name
+        assert all(p.text.strip() and p.suite == suite.name for p in suite.prompts)
+    assert [s.name for s in bench_config.select_suites(suites, "math,code")] == ["math", "code"]
+    with pytest.raises(ValueError, match="unknown suite"):
+        bench_config.select_suites(suites, "nope")
+
+
+def test_params_file_and_runner_plan(tmp_path: Path) -> None:
+    params_file = tmp_path / "p.yaml"
+    params_file.write_text("/**:\n  ros__parameters:\n    target:\n      model_path: /m/t.gguf\n"
+                           "      n_ctx: 1024\n      n_threads: 2\n    spec:\n      mode: lookup\n"
+                           "      draft_max: 6\n    lookup:\n      dynamic_path: /tmp/dyn.bin\n"
+                           "    generation:\n      max_tokens: 99\n")
+    params = bench_config.load_params(str(params_file))
+    assert params["target.model_path"] == "/m/t.gguf" and params["generation.max_tokens"] == 99
+    config = bench_config.engine_config(params, "lookup", 3)
+    assert (config.target.n_ctx, config.spec.draft_max, config.spec.adaptive) == (1024, 3, False)
+    assert config.lookup.dynamic_path == ""  # the bench never writes the node's cache file
+    adaptive = bench_config.engine_config(params, "auto", None)
+    assert (adaptive.spec.mode, adaptive.spec.draft_max, adaptive.spec.adaptive) == ("auto", 6, True)
+    with_draft = bench_config.apply_overrides(params, "", "/m/d.gguf")
+    draft = bench_config.model_config(with_draft, "draft", config.target)
+    assert draft is not None and draft.n_ctx == 1024
+
+    specs, notes = bench_config.plan_runners(["off", "draft", "lookup"], [2, None], False,
+                                             ["plain", "prompt-lookup"], "", [3], "")
+    assert [s.name for s in specs] == ["off", "lookup/K2", "lookup", "lcp-plain", "lcp-prompt-lookup"]
+    assert any("draft skipped" in n for n in notes)
+    specs, notes = bench_config.plan_runners(["off", "lookup"], [None], False, [], str(tmp_path), [3],
+                                             "gemma_spec")
+    assert [s.name for s in specs] == ["off", "lookup", "action:off", "action:lookup"]
+    assert any("native lookup skipped" in n for n in notes)
+    assert bench_config.parse_ks("2, 8,adaptive,2") == [2, 8, None]
+    with pytest.raises(ValueError):
+        bench_config.parse_ks("0")
+
+
+# -- the smoke run ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smoke_results(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Dict[str, Any]:
+    try:
+        model = request.getfixturevalue("embedded_model_path")
+    except pytest.FixtureLookupError:
+        model = Path("~/.cache/gemma_spec_ros/models/gemma-3-270m-q4_k_m.gguf").expanduser()
+    out = tmp_path_factory.mktemp("bench")
+    assert bench.main(["--smoke", "--target", str(model), "--out", str(out), "--no-progress"]) == 0
+    return {"out": out, "results": json.loads((out / "results.json").read_text())}
+
+
+@pytest.mark.timeout(1200)
+def test_smoke_run_writes_results_schema(smoke_results: Dict[str, Any]) -> None:
+    results = smoke_results["results"]
+    assert results["schema_version"] == bench.SCHEMA_VERSION
+    assert {"machine", "config", "rss_method", "speed_method", "notes", "runners", "summary", "runs"} <= set(results)
+    assert results["machine"]["cpu_count"] >= 1 and results["config"]["smoke"] is True
+    assert results["config"]["max_tokens"] == 16 and results["config"]["repeats"] == 1
+    names = {r["name"] for r in results["runners"]}
+    assert {"off", "lookup", "auto", "lcp-plain", "lcp-prompt-lookup"} <= names
+    assert any("draft" in n for n in results["notes"])  # no draft model: draft modes noted as skipped
+    suites = results["config"]["suites"]
+    assert len(suites) == 2
+    runs = results["runs"]
+    assert len(runs) == 2 * len(names)  # 1 prompt x 2 suites x every runner
+    for run in runs:
+        assert RUN_FIELDS <= set(run), RUN_FIELDS - set(run)
+        assert run["error"] is None, (run["runner"], run["error"])
+        assert 1 <= run["n_tokens"] <= 17 and run["tokens_per_s"] > 0 and run["ttft_s"] >= 0
+        assert 0.0 <= run["repetition_4gram"] <= 1.0
+        assert run["output_hash"] and run["peak_rss_mb"] > 0
+    for run in (r for r in runs if r["runner"] == "off"):
+        assert run["speedup"] == pytest.approx(1.0) and run["tokens_hash"]
+    for run in (r for r in runs if r["runner"] == "lookup"):
+        assert run["acceptance_per_position"] is not None and run["accepted_at"] is not None
+    summary = results["summary"]
+    assert summary["suites"] == suites
+    for name, entry in summary["runners"].items():
+        assert set(suites + ["all"]) <= set(entry["speedup"]), name
+        assert entry["peak_rss_mb"] > entry["base_rss_mb"] > 0, name
+
+
+@pytest.mark.timeout(1200)
+def test_smoke_run_writes_tables_and_plots(smoke_results: Dict[str, Any]) -> None:
+    out: Path = smoke_results["out"]
+    table = (out / "results.md").read_text()
+    assert "## Speedup vs `off`" in table and "| `lookup` |" in table and "peak RSS" in table
+    assert "| suite | prompt |" in (out / "results_per_prompt.md").read_text()
+    for name in bench_report.PLOTS:
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
+    # the committed-results path: tables and plots re-made from results.json alone
+    (out / "results.md").unlink()
+    assert bench.main(["--report-only", str(out)]) == 0
+    assert (out / "results.md").read_text() == table
