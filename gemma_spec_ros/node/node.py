@@ -46,6 +46,7 @@ from rclpy.lifecycle import TransitionCallbackReturn
 from rclpy.parameter import Parameter
 from rclpy.timer import Timer
 
+from ..engine.engine import Engine
 from ..engine.stats import SpecStats
 from ..engine.types import EngineError
 from . import diagnostics
@@ -74,7 +75,7 @@ class GemmaSpecNode(LifecycleNode):
     """
 
     def __init__(self, node_name: str = NODE_NAME, **kwargs: Any) -> None:
-        self._engine: Optional[Any] = None  # gemma_spec_ros.engine.engine.Engine
+        self._engine: Optional[Engine] = None
         self._model_info: Dict[str, Any] = {}
         self._action_server: Optional[ActionServer] = None
         self._stats_pub: Optional[LifecyclePublisher] = None
@@ -143,8 +144,6 @@ class GemmaSpecNode(LifecycleNode):
     # -- lifecycle ---------------------------------------------------------------------------------
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
         """Load the models and create the action server; FAILURE (logged) if a file is unusable."""
-        from ..engine.engine import Engine  # the engine module loads llama_cpp
-
         try:
             config = engine_config_from(self._values())
         except ValueError as exc:

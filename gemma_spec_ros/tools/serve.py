@@ -15,6 +15,7 @@ n-gram cache is saved), then ROS shuts down.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -41,7 +42,11 @@ def parse_args(argv: Sequence[str], autostart_default: bool) -> argparse.Namespa
     parser.add_argument("--no-autostart", dest="autostart", action="store_false",
                         default=autostart_default,
                         help="do not configure + activate; wait for lifecycle transitions")
-    return parser.parse_args(remove_ros_args(list(argv))[1:])
+    args = parser.parse_args(remove_ros_args(list(argv))[1:])
+    for path in args.params_file:
+        if not os.path.isfile(path):
+            parser.error(f"--params-file {path}: no such file")
+    return args
 
 
 def ros_args(argv: Sequence[str], params_files: Sequence[str]) -> List[str]:
