@@ -49,13 +49,11 @@ from rclpy.timer import Timer
 from ..engine.engine import Engine
 from ..engine.stats import SpecStats
 from ..engine.types import EngineError
-from . import diagnostics
+from . import NODE_NAME, diagnostics
 from .goals import GoalRejected, Job, JobQueue, check_fits, request_from_goal
 from .parameters import (PARAMETERS, PARAMETERS_BY_NAME, check_values, engine_config_from,
                          spec_config_from)
 
-#: Default node name.
-NODE_NAME = "gemma_spec"
 #: Executor threads the node needs: a transition or parameter call, the running goal's execute
 #: callback, goal/cancel requests and the diagnostics timer must be able to run at once.
 MIN_EXECUTOR_THREADS = 4

@@ -22,7 +22,7 @@ from rclpy.node import Node
 from rclpy.signals import SignalHandlerOptions
 from rclpy.utilities import remove_ros_args
 
-from ..node.node import NODE_NAME
+from ..node import NODE_NAME
 
 EXIT_OK, EXIT_UNAVAILABLE, EXIT_REJECTED, EXIT_ABORTED, EXIT_CANCELLED = range(5)
 _EXIT_BY_STATUS = {GoalStatus.STATUS_SUCCEEDED: EXIT_OK, GoalStatus.STATUS_ABORTED: EXIT_ABORTED,

@@ -27,7 +27,8 @@ from rclpy.lifecycle import TransitionCallbackReturn
 from rclpy.signals import SignalHandlerOptions
 from rclpy.utilities import remove_ros_args
 
-from ..node.node import MIN_EXECUTOR_THREADS, NODE_NAME, GemmaSpecNode
+from ..node import NODE_NAME
+from ..node.node import MIN_EXECUTOR_THREADS, GemmaSpecNode
 
 
 def parse_args(argv: Sequence[str], autostart_default: bool) -> argparse.Namespace:
