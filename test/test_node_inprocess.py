@@ -166,16 +166,20 @@ def test_queue_of_depth_n_rejects_the_n_plus_first(client: Client) -> None:
     queued = [client.send(prompt=f"Robot number {i} is", max_tokens=2) for i in range(QUEUE_DEPTH + 1)]
     assert [run.accepted for run in queued] == [True] * QUEUE_DEPTH + [False]
     client.wait_log(f"queue full: {QUEUE_DEPTH} goals waiting")
+    # A waiting goal's cancel does not wait for the running goal.
+    client.cancel(queued[0])
+    assert queued[0].wait_result().finish_reason == "cancelled"
+    assert queued[0].status == GoalStatus.STATUS_CANCELED and running.status is None
     client.cancel(running)
     assert running.wait_result().finish_reason == "cancelled"
-    assert collect(queued[:QUEUE_DEPTH]) == [(True, "length")] * QUEUE_DEPTH
+    assert collect(queued[1:QUEUE_DEPTH]) == [(True, "length")] * (QUEUE_DEPTH - 1)
 
 
 @pytest.mark.timeout(120)
 def test_spec_mode_switch_during_stream(client: Client) -> None:
     """active: spec.mode set through ~/set_parameters while a goal streams shows in the following
     feedback and the result; invalid values are refused with a reason."""
-    run = client.send(**long_goal())
+    run = client.send(**long_goal(64))
     assert run.wait_feedback(1).spec_mode == "lookup"
     [result] = client.set_parameters(spec__mode="off")
     assert result.successful, result.reason
@@ -193,6 +197,20 @@ def test_spec_mode_switch_during_stream(client: Client) -> None:
     [result] = client.set_parameters(target__n_ctx=1024)
     assert not result.successful and "only change while unconfigured" in result.reason
     assert all(r.successful for r in client.set_parameters(spec__mode="lookup", spec__draft_max=K))
+
+
+@pytest.mark.timeout(120)
+def test_feedback_rate_limit_keeps_all_text(client: Client) -> None:
+    """active: with feedback.min_period long, a goal gets its first and last feedback only, and the
+    text between them is carried by the last one."""
+    assert client.set_parameters(feedback__min_period=60.0)[0].successful
+    try:
+        run = client.send(prompt=PROMPT, max_tokens=12, seed=2)
+        result = run.wait_result()
+    finally:
+        assert client.set_parameters(feedback__min_period=0.0)[0].successful
+    wait_until(lambda: run.streamed_text == result.text, 5.0, "all text streamed as feedback")
+    assert len(run.feedback) <= 2 and run.feedback[-1].completion_tokens == 12
 
 
 @pytest.mark.timeout(120)
@@ -244,10 +262,13 @@ def test_deactivate_cancels_the_running_goal_and_goes_stale(client: Client) -> N
     diagnostics go STALE; goals are rejected; activate serves again."""
     run = client.send(**long_goal())
     run.wait_feedback(1)
+    waiting = client.send(prompt="Hello", max_tokens=2)
     assert client.transition("deactivate") is True
-    result = run.wait_result()
-    assert run.status == GoalStatus.STATUS_ABORTED
-    assert result.finish_reason == "cancelled" and "deactivated" in result.error
+    for goal in (run, waiting):
+        result = goal.wait_result()
+        assert goal.status == GoalStatus.STATUS_ABORTED
+        assert result.finish_reason == "cancelled" and "deactivated" in result.error
+    assert waiting.result.completion_tokens == 0
     assert client.state() == "inactive"
     client.wait_status(SPEC_STATUS, lambda s: s.level == DiagnosticStatus.STALE)
     assert not client.send(prompt="Hello", max_tokens=2).accepted

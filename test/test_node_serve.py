@@ -147,7 +147,8 @@ def test_sigterm_shuts_down_cleanly_and_saves_the_dynamic_cache(
         server: subprocess.Popen, client: Client, overrides: Dict[str, Any]) -> None:
     server.send_signal(signal.SIGTERM)
     assert server.wait(timeout=45) == 0, server.log.read_text()  # type: ignore[attr-defined]
-    assert "dynamic n-gram cache saved" in server.log.read_text()  # type: ignore[attr-defined]
+    saved = f"dynamic n-gram cache saved to {overrides['lookup.dynamic_path']}"
+    assert saved in server.log.read_text()  # type: ignore[attr-defined]
     assert Path(overrides["lookup.dynamic_path"]).stat().st_size > 0
 
 

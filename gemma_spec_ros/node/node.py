@@ -239,7 +239,9 @@ class GemmaSpecNode(LifecycleNode):
         self._model_info = {}
         if engine is not None:
             engine.close()
-            self.get_logger().info("engine closed (models freed, dynamic n-gram cache saved)")
+            cache = self._value("lookup.dynamic_path")
+            self.get_logger().info("engine closed: models freed"
+                                   + (f", dynamic n-gram cache saved to {cache}" if cache else ""))
 
     @property
     def lifecycle_state(self) -> str:
