@@ -38,12 +38,12 @@ from pathlib import Path
 from typing import Any, Dict, IO, List, Mapping, Optional, Sequence, Tuple
 
 from ..engine.types import expand_path
-from .bench_config import (RunnerSpec, Suite, apply_overrides, default_params, find_data_dir,
+from .bench_config import (REFERENCE_RUNNER, RunnerSpec, Suite, apply_overrides, default_params, find_data_dir,
                            load_params, load_suites, model_config, parse_baselines, parse_ks,
                            parse_modes, plan_runners, select_suites, thread_count)
 from .bench_metrics import decode_rate, finite, repeated_ngram_share, text_hash, tokens_hash
 from .bench_native import NativeRunner
-from .bench_report import add_speedups, markdown, markdown_per_prompt, nan_to_none, plot_all, summarize
+from .bench_report import add_speedups, dump_results, markdown, markdown_per_prompt, plot_all, summarize
 
 SCHEMA_VERSION = 1
 #: A short generation run once by each worker before it is measured (thread pools, page faults).
@@ -163,12 +163,16 @@ def machine_info() -> Dict[str, Any]:
 
 
 def _git_commit() -> Optional[str]:
+    """Short commit of the source tree, '+dirty' when it has uncommitted changes; None outside git."""
+    here = Path(__file__).parent
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
-                             capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() or None
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
+                              text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
+    return (head + ("+dirty" if dirty else "")) or None
 
 
 def make_request(text: str, max_tokens: int, temperature: float, seed: int) -> Dict[str, Any]:
@@ -276,8 +280,10 @@ class Bench:
                                 result = handles[spec.name].run(request)
                             except (RunnerError, RuntimeError, ValueError) as exc:
                                 error = str(exc)
+                        # Output text of off's first repeat only (the others' parity is in output_hash).
+                        keep = repeat == 0 and spec.name == REFERENCE_RUNNER
                         records.append(make_record(spec, prompt.suite, prompt.id, repeat, request, result,
-                                                   error, keep_text=repeat == 0))
+                                                   error, keep_text=keep))
                         progress.update()
                 self._close_all(handles)
         progress.close()
@@ -331,8 +337,9 @@ class Bench:
             "created": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "elapsed_s": round(elapsed, 1), "machine": machine, "config": config,
             "rss_method": "each runner in its own process: peak RSS = that process's ru_maxrss (the "
-                          "llama.cpp native tools: the child's rusage from wait4); base = before loading "
-                          "the model; workers restart at each repeat and the maximum is reported",
+                          "llama.cpp native tools: the child's rusage from wait4); base = the worker with "
+                          "llama_cpp imported, before loading any model; workers restart at each repeat "
+                          "and the maximum is reported",
             "speed_method": "tokens/s = (tokens - tokens of the first output) / (wall - TTFT), measured by "
                             "the bench around each request (native tools: their printed decode time); "
                             "speedup = tokens/s / off's tokens/s on the same prompt in the same repeat",
@@ -377,9 +384,7 @@ def write_outputs(results: Mapping[str, Any], out_dir: Path) -> List[Path]:
     """results.json, results.md, results_per_prompt.md and the plots; returns the paths written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / "results.json", out_dir / "results.md", out_dir / "results_per_prompt.md"]
-    with open(paths[0], "w", encoding="utf-8") as f:
-        json.dump(nan_to_none(results), f, indent=1, allow_nan=False)
-        f.write("\n")
+    paths[0].write_text(dump_results(results), encoding="utf-8")
     strict = json.loads(paths[0].read_text(encoding="utf-8"))  # the plots read what was written
     paths[1].write_text(markdown(strict), encoding="utf-8")
     paths[2].write_text(markdown_per_prompt(strict), encoding="utf-8")

@@ -6,6 +6,7 @@ figure here is derived from those records, so a committed results.json can be re
 """
 from __future__ import annotations
 
+import json
 import math
 from collections import defaultdict
 from pathlib import Path
@@ -128,7 +129,7 @@ def markdown(results: Mapping[str, Any]) -> str:
               "tokens/s: decode rate, median (min-max) over runs. TTFT: request start to first output. "
               "tau: mean acceptance length (1 + accepted/drafts). acc.: accepted/drafted per run. "
               "rep.: share of repeated 4-grams of the output. parity: share of outputs identical to `off`'s. "
-              "RSS: peak resident set of the runner's own process (base = before loading models).", ""]
+              "RSS: peak resident set of the runner's own process (base = with llama_cpp imported, before loading models).", ""]
     header = ["runner", "tokens/s", "TTFT ms", "tau", "acc.", "rep.", "parity", "peak RSS MiB",
               "base MiB", "errors"]
     lines += [_row(header), _row(["---"] * len(header))]
@@ -324,16 +325,30 @@ def _plot_predicted(results: Mapping[str, Any], plt: Any) -> Any:
     return fig
 
 
-def nan_to_none(value: Any) -> Any:
-    """NaN and inf to None, recursively, so results.json is strict JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
+def json_ready(value: Any, digits: int = 6) -> Any:
+    """NaN and inf to None and floats to ``digits`` significant digits, recursively: strict,
+    compact JSON (timings are not meaningful past a few digits).
+
+    >>> json_ready({"a": [float("nan"), 1.23456789, 2]})
+    {'a': [None, 1.23457, 2]}
+    """
+    if isinstance(value, float):
+        return float(f"{value:.{digits}g}") if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {k: nan_to_none(v) for k, v in value.items()}
+        return {k: json_ready(v, digits) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [nan_to_none(v) for v in value]
+        return [json_ready(v, digits) for v in value]
     return value
 
 
-__all__ = ["PLOTS", "add_speedups", "markdown", "markdown_per_prompt", "nan_to_none", "plot_all",
-           "rates_by_runner", "summarize"]
+def dump_results(results: Mapping[str, Any]) -> str:
+    """results.json text: the head indented, then one line per run (small, and diffs read well)."""
+    clean = json_ready(dict(results))
+    runs = clean.pop("runs", [])
+    head = json.dumps(clean, indent=1, allow_nan=False)
+    lines = ",\n".join("  " + json.dumps(r, separators=(",", ":"), allow_nan=False) for r in runs)
+    return head[:-2] + ',\n "runs": [\n' + lines + "\n ]\n}\n"
+
+
+__all__ = ["PLOTS", "add_speedups", "dump_results", "json_ready", "markdown", "markdown_per_prompt",
+           "plot_all", "rates_by_runner", "summarize"]

@@ -11,6 +11,11 @@ Run as ``python -m gemma_spec_ros.tools.bench_worker`` (the parent does this).
 """
 from __future__ import annotations
 
+try:  # llama.cpp's libraries first: on a CUDA image, loading them after numpy/yaml segfaulted
+    import llama_cpp  # noqa: F401
+except ImportError:  # pragma: no cover - the action runner does not need it
+    pass
+
 import json
 import math
 import os
