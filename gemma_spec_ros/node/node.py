@@ -81,8 +81,10 @@ class GemmaSpecNode(LifecycleNode):
         self._jobs: Optional[JobQueue] = None
         self._dispatcher: Optional[threading.Thread] = None
         self._diag_timer: Optional[Timer] = None
-        self._state = "unconfigured"  # mirrors the lifecycle state for diagnostics and checks
+        # the lifecycle state (or transition state) for diagnostics and messages
+        self._state = "unconfigured"
         self._accepting = False
+        self._stop_reason = ""  # why goals stopped being accepted (deactivate, cleanup, ...)
         self._configure_error = ""
         self._log_lock = threading.Lock()
         self._requests = diagnostics.RequestLog()
@@ -109,7 +111,8 @@ class GemmaSpecNode(LifecycleNode):
         """Validate a set of parameter changes; apply ``spec.*`` to the engine when accepted.
 
         rclpy has already checked types and ranges. Runs before the values are stored (and on
-        Humble there is no post-set callback), so the engine is updated here, after every check.
+        Humble there is no post-set callback), so the engine is updated here, after every check;
+        ``engine.update_spec`` itself refuses a spec the engine cannot use (e.g. no draft model).
         """
         changes = {p.name: p.value for p in params if p.name in PARAMETERS_BY_NAME}
         reason = self._check_changes(changes)
@@ -133,19 +136,16 @@ class GemmaSpecNode(LifecycleNode):
         if frozen and self._engine is not None:
             return (f"{', '.join(frozen)} can only change while unconfigured (the node is "
                     f"{self._state}; the models are loaded): run the cleanup transition first")
-        values = {**self._values(), **changes}
-        reason = check_values(values, configured=self._engine is not None)
-        if not reason and self._engine is not None and any(n.startswith("spec.") for n in changes):
-            reason = self._engine.check_spec(spec_config_from(values))
-        return reason
+        return check_values({**self._values(), **changes}, configured=self._engine is not None)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
         """Load the models and create the action server; FAILURE (logged) if a file is unusable."""
-        try:
-            config = engine_config_from(self._values())
-        except ValueError as exc:
-            return self._configure_failed(f"invalid parameters: {exc}")
+        values = self._values()  # construction-time values (YAML, launch) bypass the callback
+        reason = check_values(values, configured=False)
+        if reason:
+            return self._configure_failed(f"invalid parameters: {reason}")
+        config = engine_config_from(values)
         files = f"target {config.target.resolved_path!r}"
         if config.draft is not None:
             files += f", draft {config.draft.resolved_path!r}"
@@ -187,18 +187,21 @@ class GemmaSpecNode(LifecycleNode):
 
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
         """Refuse new goals; stop the running one at its next step; end the waiting ones."""
+        self._state = "deactivating"
         self._stop_goals("the node was deactivated")
         self._state = "inactive"
         return super().on_deactivate(state)
 
     def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
         """Free the models (saving the dynamic n-gram cache) and the ROS entities of configure."""
+        self._state = "cleaningup"
         self.release("the node was cleaned up")
         self._state = "unconfigured"
         return _SUCCESS
 
     def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
         """From any state: stop goals, free everything, save the dynamic cache."""
+        self._state = "shuttingdown"
         self.release("the node is shutting down")
         self._state = "finalized"
         return _SUCCESS
@@ -206,11 +209,13 @@ class GemmaSpecNode(LifecycleNode):
     def on_error(self, state: LifecycleState) -> TransitionCallbackReturn:
         """A transition raised: release everything and go back to unconfigured."""
         self.get_logger().error(f"error during a transition from {state.label}; releasing the engine")
+        self._state = "errorprocessing"
         self.release("the node hit an error")
         self._state = "unconfigured"
         return _SUCCESS
 
     def _stop_goals(self, reason: str) -> None:
+        self._stop_reason = reason
         self._accepting = False
         if self._jobs is None:
             return
@@ -287,8 +292,8 @@ class GemmaSpecNode(LifecycleNode):
             job = Job(goal_handle, request_from_goal(goal_handle.request, self._values()))
         except GoalRejected as exc:  # parameters changed since the goal callback
             job = Job(goal_handle, None, drop_reason=str(exc))
-        if not self._accepting:
-            job.drop_reason = f"the node is {self._state}, not active"
+        if not self._accepting:  # a transition stopped goals after this one passed the goal callback
+            job.drop_reason = self._stop_reason
         jobs.push(job)
 
     def _on_cancel(self, goal_handle: ServerGoalHandle) -> CancelResponse:
