@@ -180,12 +180,14 @@ def make_request(text: str, max_tokens: int, temperature: float, seed: int) -> D
 
 
 def make_record(spec: RunnerSpec, suite: str, prompt_id: str, repeat: int, request: Mapping[str, Any],
-                result: Optional[Mapping[str, Any]], error: str, keep_text: bool) -> Dict[str, Any]:
-    """One row of results.json from a runner's raw result (or its error)."""
+                result: Optional[Mapping[str, Any]], error: str, keep_text: bool,
+                load: float) -> Dict[str, Any]:
+    """One row of results.json from a runner's raw result (or its error); ``load`` is the 1-minute
+    load average when the run started."""
     record: Dict[str, Any] = {
         "suite": suite, "prompt_id": prompt_id, "runner": spec.name, "kind": spec.kind, "mode": spec.mode,
         "k": spec.k_label, "repeat": repeat, "temperature": request["temperature"], "seed": request["seed"],
-        "error": error or None,
+        "error": error or None, "loadavg_1m": round(load, 2),
     }
     if result is None:
         return record
@@ -275,6 +277,7 @@ class Bench:
                     for spec in _rotate(self.specs, index + repeat):
                         progress.set_postfix_str(f"r{repeat} {prompt.suite}/{prompt.id} {spec.name}", refresh=False)
                         result, error = None, failed.get(spec.name, "")
+                        load = os.getloadavg()[0]
                         if not error:
                             try:
                                 result = handles[spec.name].run(request)
@@ -283,7 +286,7 @@ class Bench:
                         # Output text of off's first repeat only (the others' parity is in output_hash).
                         keep = repeat == 0 and spec.name == REFERENCE_RUNNER
                         records.append(make_record(spec, prompt.suite, prompt.id, repeat, request, result,
-                                                   error, keep_text=keep))
+                                                   error, keep_text=keep, load=load))
                         progress.update()
                 self._close_all(handles)
         progress.close()
@@ -315,7 +318,6 @@ class Bench:
                 info["base_rss_mb"] = base
 
     def _results(self, machine: Dict[str, Any], records: List[Dict[str, Any]], elapsed: float) -> Dict[str, Any]:
-        add_speedups(records, {s.name: s.reference for s in self.specs})
         target = model_config(self.params, "target")
         draft = model_config(self.params, "draft")
         config = {
@@ -343,10 +345,17 @@ class Bench:
             "speed_method": "tokens/s = (tokens - tokens of the first output) / (wall - TTFT), measured by "
                             "the bench around each request (native tools: their printed decode time); "
                             "speedup = tokens/s / off's tokens/s on the same prompt in the same repeat",
-            "notes": self.notes, "runners": runners,
-            "summary": summarize(records, runners, [s.name for s in self.suites]),
-            "runs": records,
+            "notes": self.notes, "runners": runners, "summary": {}, "runs": records,
         }
+
+
+def finalize(results: Dict[str, Any]) -> Dict[str, Any]:
+    """(Re)compute every derived figure of ``results`` from its runs and runners: each run's
+    speedups and the summary. --report-only calls it too, so a stored run gets the current report."""
+    runners = results["runners"]
+    add_speedups(results["runs"], {r["name"]: r.get("reference", "") for r in runners})
+    results["summary"] = summarize(results["runs"], runners, list(results["config"]["suites"]))
+    return results
 
 
 def _size(path: str) -> Optional[int]:
@@ -380,8 +389,10 @@ def _progress(total: int, disabled: bool) -> Any:
     return tqdm(total=total, unit="run", file=sys.stderr, dynamic_ncols=True)
 
 
-def write_outputs(results: Mapping[str, Any], out_dir: Path) -> List[Path]:
-    """results.json, results.md, results_per_prompt.md and the plots; returns the paths written."""
+def write_outputs(results: Dict[str, Any], out_dir: Path) -> List[Path]:
+    """Finalize ``results``, then write results.json, results.md, results_per_prompt.md and the
+    plots; returns the paths written."""
+    finalize(results)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / "results.json", out_dir / "results.md", out_dir / "results_per_prompt.md"]
     paths[0].write_text(dump_results(results), encoding="utf-8")

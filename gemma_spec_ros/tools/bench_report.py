@@ -79,7 +79,7 @@ def summarize(records: Sequence[Record], runners: Sequence[Mapping[str, Any]],
             "peak_rss_mb": runner.get("peak_rss_mb"), "base_rss_mb": runner.get("base_rss_mb"),
         }
         ref = entry["reference"]
-        if ref and ref != REFERENCE_RUNNER:
+        if ref and (ref != REFERENCE_RUNNER or runner["kind"] == "action"):
             entry["vs_reference"] = _spreads(ratio_by_suite(same_run_ratios(rates, name, ref), suites))
         out["runners"][name] = entry
     return out
@@ -116,8 +116,7 @@ def markdown(results: Mapping[str, Any]) -> str:
              + f"; {cfg['max_tokens']} tokens, temperature {cfg['temperature']}"
              + (f" (seed {cfg['seed']})" if cfg["temperature"] else " (greedy)")
              + f", {cfg['repeats']} repeat(s), {results['machine']['cpu_count']} CPU threads available,"
-             f" {cfg['threads']} used. Load average {results['machine'].get('loadavg_start')} at start,"
-             f" {results['machine'].get('loadavg_end')} at end.", ""]
+             f" {cfg['threads']} used. {_load_line(results)}", ""]
     lines += ["## Speedup vs `off`", "",
               "Decode tokens/s of each runner divided by `off`'s on the same prompt in the same repeat; "
               "median over prompts x repeats, (min-max) of those ratios.", ""]
@@ -184,6 +183,18 @@ def markdown_per_prompt(results: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _load_line(results: Mapping[str, Any]) -> str:
+    """The machine's 1-minute load average during the runs: other work on the CPUs is noise."""
+    loads = spread(r.get("loadavg_1m") for r in results["runs"])
+    cpus = results["machine"].get("cpu_count") or 1
+    if not loads.n:
+        return ""
+    busy = sum(1 for r in results["runs"] if finite(r.get("loadavg_1m")) and r["loadavg_1m"] > cpus + 0.5)
+    return (f"1-minute load average at the runs' start: median {loads.median:.1f} "
+            f"(min {loads.low:.1f}, max {loads.high:.1f}); {busy} of {loads.n} runs started with more "
+            f"than {cpus} CPUs' worth of load, i.e. while other work competed for the cores.")
+
+
 def _row(cells: Sequence[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
@@ -229,7 +240,7 @@ def _title(results: Mapping[str, Any]) -> str:
 def _plot_speedup(results: Mapping[str, Any], plt: Any) -> Any:
     runners = {n: e for n, e in results["summary"]["runners"].items() if n != REFERENCE_RUNNER}
     groups = results["summary"]["suites"] + ["all"]
-    fig, ax = plt.subplots(figsize=(max(7.0, 1.3 * len(groups) * max(1, len(runners)) ** 0.5), 4.2))
+    fig, ax = plt.subplots(figsize=(min(12.0, max(7.0, 0.35 * len(groups) * max(1, len(runners)))), 4.5))
     width = 0.8 / max(1, len(runners))
     for i, (name, e) in enumerate(runners.items()):
         xs, ys, lo, hi = [], [], [], []
@@ -262,6 +273,7 @@ def _plot_acceptance(results: Mapping[str, Any], plt: Any) -> Any:
     if not drawn:
         ax.text(0.5, 0.5, "no drafts in this run", ha="center", va="center", transform=ax.transAxes)
     ax.set_xlabel("draft position")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_ylabel("acceptance rate (pooled over runs)")
     ax.set_ylim(0, 1.05)
     ax.set_title(f"Acceptance per draft position - {_title(results)}", fontsize=10)
@@ -289,6 +301,8 @@ def _plot_k_sweep(results: Mapping[str, Any], plt: Any) -> Any:
         for ax in (ax_tau, ax_rate):
             ax.text(0.5, 0.5, "no fixed-K runs (use --k 1,2,3,4,8)", ha="center", va="center",
                     transform=ax.transAxes)
+    for ax in (ax_tau, ax_rate):
+        ax.xaxis.get_major_locator().set_params(integer=True)
     ax_tau.set_xlabel("K (draft length)")
     ax_tau.set_ylabel("tau (median)")
     ax_rate.set_xlabel("K (draft length)")
@@ -305,7 +319,8 @@ def _plot_predicted(results: Mapping[str, Any], plt: Any) -> Any:
     fig, ax = plt.subplots(figsize=(5.5, 5.0))
     points: Dict[str, Tuple[List[float], List[float]]] = defaultdict(lambda: ([], []))
     for r in results["runs"]:
-        if not r.get("error") and finite(r.get("predicted_speedup")) and finite(r.get("speedup")):
+        if (r["runner"] != REFERENCE_RUNNER and not r.get("error") and finite(r.get("predicted_speedup"))
+                and finite(r.get("speedup"))):
             xs, ys = points[str(r["runner"])]
             xs.append(float(r["predicted_speedup"]))
             ys.append(float(r["speedup"]))
