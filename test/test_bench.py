@@ -79,7 +79,8 @@ def test_native_log_parsing() -> None:
     assert (parsed["n_drafted"], parsed["n_accept"], parsed["eval_runs"]) == (141, 83, 56)
     with pytest.raises(ValueError):
         bench_native.parse_native_output("no timings here")
-    assert bench_native.generated_text("\n\n<bos>Hello world, and more\n\n", "Hello world") == ", and more"
+    stdout = "\n\n<bos>Hello world, and more\n\n\n\n"  # prompt echo, output, the tools' two "\n\n"
+    assert bench_native.generated_text(stdout, "Hello world") == ", and more"
 
 
 # -- inputs ----------------------------------------------------------------------------------------

@@ -60,11 +60,19 @@ def parse_native_output(log: str) -> Dict[str, float]:
     return out
 
 
+#: Both tools print "\n\n" twice after the generated text (after the loop and after the timings).
+_TRAILER = "\n\n\n\n"
+
+
 def generated_text(stdout: str, prompt: str) -> str:
-    """The generated text in a tool's stdout, which echoes the prompt and then the output."""
+    """The generated text in a tool's stdout, which echoes the prompt and then the output.
+
+    >>> generated_text("\\n\\n<bos>Q: DNS?\\nA: It maps names.\\n\\n\\n\\n", "Q: DNS?\\nA:")
+    ' It maps names.'
+    """
     at = stdout.find(prompt)
     text = stdout[at + len(prompt):] if at >= 0 else stdout
-    return text[:-2] if text.endswith("\n\n") else text
+    return text[:-len(_TRAILER)] if text.endswith(_TRAILER) else text
 
 
 class NativeRunner:
