@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import doctest
+import os
+import random
+import re
+import subprocess
 import time
 from pathlib import Path
-from typing import Iterator, List, Sequence, Union, overload
+from typing import Iterator, List, Sequence, Tuple, Union, overload
 
 import pytest
 
@@ -282,26 +286,101 @@ def test_drafts_in_the_embedded_models_tokens(embedded_model_path: Path, tmp_pat
     prompt_text = ("move the arm to the left shelf. open the gripper. "
                    "move the arm to the right shelf. open the gripper. move the arm to the")
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text("go to the right door. go to the right door.")
+    corpus.write_text("go to the left door. go to the left door.")
     static_path = tmp_path / "static.bin"
     assert lookup_create.main([str(corpus), "-o", str(static_path),
                                "-m", str(embedded_model_path), "-q"]) == 0
-    tokenizer = lookup_create._VocabTokenizer(str(embedded_model_path))
-    try:
-        prompt = tokenizer.tokenize(prompt_text.encode())
-        left = tokenizer.tokenize((prompt_text + " left shelf. open").encode())
-        right = tokenizer.tokenize((prompt_text + " right").encode())
-    finally:
-        tokenizer.close()
-    assert left[:len(prompt)] == prompt and right[:len(prompt)] == prompt
+    prompt, right, left = lookup_create.tokenize_texts(
+        str(embedded_model_path),
+        [text.encode() for text in (prompt_text, prompt_text + " right shelf. open",
+                                    prompt_text + " left")])
+    assert right[:len(prompt)] == prompt and left[:len(prompt)] == prompt
 
     # "the arm to the" was followed once by "left", once by "right": a tie at 50 % (enough for a
-    # 4-gram), the first seen wins; then "arm to the left" -> "shelf" -> "." -> "open".
+    # 4-gram), the one seen last wins; then "arm to the right" -> "shelf" -> "." -> "open".
     context_only = drafter()
     context_only.begin(prompt)
-    assert context_only.propose(prompt, 4).tokens == tuple(left[len(prompt):])
+    assert context_only.propose(prompt, 4).tokens == tuple(right[len(prompt):])
 
-    # The corpus says "to the" -> "right": the static weight breaks the tie the other way.
+    # The corpus says "to the" -> "left": the static weight breaks the tie the other way.
     with_static = LookupDrafter(LookupConfig(static_path=str(static_path)))
     with_static.begin(prompt)
-    assert with_static.propose(prompt, 1).tokens == tuple(right[len(prompt):])
+    assert with_static.propose(prompt, 1).tokens == tuple(left[len(prompt):])
+
+
+# ------------------------------------------------- optional cross-check with llama.cpp's own tool
+def native_tool(name: str) -> Path:
+    """A binary built by scripts/build_native_tools.sh (in the cache dir of scripts/setup.sh)."""
+    cache = Path(os.environ.get("GEMMA_SPEC_CACHE") or Path.home() / ".cache" / "gemma_spec_ros")
+    return cache / "native" / "bin" / name
+
+
+def replay_lookup_stats(lookup: LookupDrafter, tokens: Sequence[int], chunk_size: int,
+                        max_draft: int) -> Tuple[int, int]:
+    """(drafted, accepted) of ``lookup`` replaying ``tokens`` as llama-lookup-stats does: chunks
+    of ``chunk_size`` tokens (the last partial chunk skipped), each a request that starts from its
+    first token and "generates" the rest; every step drafts, accepts the draft's prefix that
+    matches the text, then takes one token from the text; the request's n-grams go to the
+    dynamic cache at its end."""
+    for chunk_start in range(0, len(tokens) - chunk_size, chunk_size):
+        chunk = tokens[chunk_start:chunk_start + chunk_size]
+        output = list(chunk[:1])
+        lookup.begin(output)
+        while len(output) < chunk_size:
+            draft = lookup.propose(output, max_draft).tokens
+            matching = 0
+            while (matching < len(draft) and len(output) < chunk_size
+                   and draft[matching] == chunk[len(output)]):
+                output.append(draft[matching])
+                matching += 1
+            lookup.observe(len(draft), matching)
+            if len(output) < chunk_size:
+                output.append(chunk[len(output)])
+        lookup.end(output)
+    return lookup.n_drafted, lookup.n_accepted
+
+
+def robot_log(lines: int, seed: int) -> str:
+    """Text with the repetition n-gram drafting feeds on, and many 1:1 ties."""
+    rng = random.Random(seed)
+    objects = ["red cube", "blue cube", "green ball", "small box", "tool"]
+    places = ["the table", "the left shelf", "the right shelf", "the bin", "the charger"]
+    return "\n".join(
+        f"step {i}: move the {rng.choice(objects)} from {rng.choice(places)} "
+        f"to {rng.choice(places)}; status {rng.choice(['ok', 'ok', 'retry', 'failed'])}."
+        for i in range(lines))
+
+
+@pytest.mark.skipif(not native_tool("llama-lookup-stats").is_file(),
+                    reason="optional cross-check: llama.cpp's llama-lookup-stats is not built "
+                           "(run scripts/build_native_tools.sh; tens of minutes on 2 cores)")
+@pytest.mark.parametrize("with_static_cache", [False, True], ids=["no-static", "static"])
+def test_replays_llama_lookup_stats_exactly(tmp_path: Path, embedded_model_path: Path,
+                                            with_static_cache: bool) -> None:
+    chunk_size, max_draft = 256, 8  # llama.cpp's smallest context is 256 tokens
+    corpus = tmp_path / "log.txt"
+    corpus.write_text(robot_log(lines=120, seed=3))
+    command = [str(native_tool("llama-lookup-stats")), "-m", str(embedded_model_path),
+               "-f", str(corpus), "-c", str(chunk_size), "--spec-draft-n-max", str(max_draft),
+               "-t", "1", "-ngl", "0"]
+    static_cache = NgramCache()
+    if with_static_cache:
+        static_path = tmp_path / "static.bin"
+        other_corpus = tmp_path / "other.txt"
+        other_corpus.write_text(robot_log(lines=200, seed=4))
+        assert lookup_create.main([str(other_corpus), "-o", str(static_path),
+                                   "-m", str(embedded_model_path), "-q"]) == 0
+        static_cache = NgramCache.load(static_path)
+        command += ["-lcs", str(static_path)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    log = completed.stdout + completed.stderr
+    assert completed.returncode == 0, log[-2000:]
+    native = tuple(int(re.search(rf"{name}\s*=\s*(\d+)", log).group(1))  # type: ignore[union-attr]
+                   for name in ("n_drafted", "n_accept"))
+
+    (tokens,) = lookup_create.tokenize_texts(str(embedded_model_path), [corpus.read_bytes()])
+    assert len(tokens) > 4 * chunk_size
+    ours = replay_lookup_stats(LookupDrafter(LookupConfig(), static_cache=static_cache), tokens,
+                               chunk_size, max_draft)
+    assert native[0] > 100  # the text is repetitive enough to draft a lot
+    assert ours == native

@@ -216,11 +216,8 @@ def test_lookup_create_writes_the_corpus_2grams(tmp_path: Path, embedded_model_p
     output = tmp_path / "static.bin"
     assert lookup_create.main([str(corpus), "-o", str(output), "-m", str(embedded_model_path),
                                "-q"]) == 0
-    tokenizer = lookup_create._VocabTokenizer(str(embedded_model_path))
-    try:
-        tokens = tokenizer.tokenize(CORPUS.rstrip("\n").encode())
-    finally:
-        tokenizer.close()
+    # the tool drops one trailing newline, as llama.cpp's -f does
+    (tokens,) = lookup_create.tokenize_texts(str(embedded_model_path), [CORPUS[:-1].encode()])
     assert tokens[0] == 2  # Gemma's BOS, added as llama.cpp's common_tokenize does
     cache = NgramCache.load(output)
     assert as_counts(cache) == reference_counts(tokens, 2, 2)
@@ -256,6 +253,10 @@ def test_lookup_create_reports_missing_files(tmp_path: Path, capsys: pytest.Capt
     with pytest.raises(SystemExit):
         lookup_create.main([str(corpus), "-o", str(tmp_path / "c.bin"), "-m", "/no/model.gguf"])
     assert "model file not found" in capsys.readouterr().err
+    assert lookup_create.main([str(corpus), "-o", str(tmp_path / "c.bin"), "-m", str(corpus),
+                               "-q"]) == 1
+    assert "cannot load the tokenizer" in capsys.readouterr().err
+    assert not (tmp_path / "c.bin").exists()
 
 
 # ------------------------------------------------- optional cross-check with llama.cpp's own tool
@@ -267,7 +268,7 @@ def native_tool(name: str) -> Path:
 
 @pytest.mark.skipif(not native_tool("llama-lookup-create").is_file(),
                     reason="optional cross-check: llama.cpp's llama-lookup-create is not built "
-                           "(run scripts/build_native_tools.sh, ~10 min on 2 cores)")
+                           "(run scripts/build_native_tools.sh; tens of minutes on 2 cores)")
 def test_same_file_content_as_llama_lookup_create(tmp_path: Path,
                                                   embedded_model_path: Path) -> None:
     # Special-token text and a trailing newline exercise the tokenizer flags and llama.cpp's -f.

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, List, Mapping, Optional, Sequence, Tuple, TypeVar
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 from gemma_spec_ros.engine.ngram_cache import NGRAM_MAX, NGRAM_STATIC, NgramCache
 from gemma_spec_ros.engine.types import EMPTY_DRAFT, Draft, LookupConfig, expand_path
@@ -49,23 +49,28 @@ STRICT_THRESHOLDS = DraftThresholds(min_sample_size=(4, 3, 2, 2), min_percent=(7
 STATIC_WEIGHT_SCALE = 100
 
 
-def _most_likely_continuation(continuations: Mapping[int, int],
-                              static_counts: Mapping[int, int]) -> int:
-    """The continuation with the largest ``count * static weight``; ties go to the first seen."""
+def _most_likely_continuation(continuations: Dict[int, int],
+                              static_counts: Dict[int, int]) -> int:
+    """The continuation with the largest ``count * static weight``.
+
+    Ties go to the continuation inserted last (first seen most recently, or last in the file),
+    which is the order llama.cpp's ``std::unordered_map`` (libstdc++) iterates in: with this rule
+    our drafts reproduced ``llama-lookup-stats`` exactly (docs/native_tools.md).
+    """
     if not static_counts:
-        return max(continuations, key=continuations.__getitem__)
+        return max(reversed(continuations), key=continuations.__getitem__)
 
     def weighted_count(token: int) -> int:
         static_count = static_counts.get(token)
         weight = STATIC_WEIGHT_SCALE * static_count if static_count else 1
         return continuations[token] * weight
 
-    return max(continuations, key=weighted_count)
+    return max(reversed(continuations), key=weighted_count)
 
 
-def _qualified_continuation(continuations: Mapping[int, int], ngram_size: int,
+def _qualified_continuation(continuations: Dict[int, int], ngram_size: int,
                             thresholds: DraftThresholds,
-                            static_counts: Mapping[int, int]) -> Optional[int]:
+                            static_counts: Dict[int, int]) -> Optional[int]:
     """The most likely continuation if it passes ``thresholds``, else None."""
     token = _most_likely_continuation(continuations, static_counts)
     sample_size = sum(continuations.values())
@@ -74,7 +79,7 @@ def _qualified_continuation(continuations: Mapping[int, int], ngram_size: int,
 
 def _draft_from_cache(cache: NgramCache, sequence: Sequence[int], ngram_sizes: Sequence[int],
                       thresholds: DraftThresholds,
-                      static_counts: Mapping[int, int]) -> Optional[int]:
+                      static_counts: Dict[int, int]) -> Optional[int]:
     """The first qualified continuation of ``sequence``'s trailing n-grams, longest first."""
     for size in ngram_sizes:
         continuations = cache.get(tuple(sequence[-size:]))
@@ -96,8 +101,8 @@ def draft_tokens(context: Sequence[int], max_tokens: int, ngram_min: int, ngram_
     1. ``static_counts`` = the static cache's continuations of the last 2 tokens (may be empty);
     2. the **context** cache, trying the trailing n-grams of ``sequence`` from ``ngram_max`` down
        to ``ngram_min`` tokens: the first n-gram whose most likely continuation (largest
-       ``count * (100 * static count, or 1 if the static cache lacks it)``) passes the
-       :data:`LAX_THRESHOLDS` for its size gives the token;
+       ``count * (100 * static count, or 1 if the static cache lacks it)``; on a tie the one
+       seen last) passes the :data:`LAX_THRESHOLDS` for its size gives the token;
     3. else the **dynamic** cache, the same way with :data:`STRICT_THRESHOLDS`;
     4. else the **static** cache alone: its most frequent continuation of the last 2 tokens, if it
        passes the lax thresholds of size 2 (sample size >= 2, share >= 50 %);
@@ -125,15 +130,15 @@ def draft_tokens(context: Sequence[int], max_tokens: int, ngram_min: int, ngram_
     []
 
     The static cache breaks the 1:1 tie between the continuations 5 and 6 of ``(1, 2, 3, 4)``
-    (without it, the first seen wins):
+    (without it, the one seen last wins, as in llama.cpp):
 
     >>> context = [1, 2, 3, 4, 5, 1, 2, 3, 4, 6, 1, 2, 3, 4]
     >>> context_cache = NgramCache(); context_cache.update(context, 1, 4)
     >>> draft_tokens(context, 1, 1, 4, context_cache, NgramCache(), NgramCache())
-    [5]
-    >>> static_cache = NgramCache(); static_cache.update([3, 4, 6], 2, 2)   # "3 4" -> 6
-    >>> draft_tokens(context, 1, 1, 4, context_cache, NgramCache(), static_cache)
     [6]
+    >>> static_cache = NgramCache(); static_cache.update([3, 4, 5], 2, 2)   # "3 4" -> 5
+    >>> draft_tokens(context, 1, 1, 4, context_cache, NgramCache(), static_cache)
+    [5]
     """
     if max_tokens < 1 or len(context) < NGRAM_STATIC:
         return []

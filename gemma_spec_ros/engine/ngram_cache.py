@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import os
 from pathlib import Path
-from typing import Dict, ItemsView, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, ItemsView, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -74,8 +74,8 @@ class NgramCache:
     """
 
     def __init__(self) -> None:
-        # n-gram -> {continuation token: count}; dicts keep insertion order, so ties between
-        # continuations go to the one seen first (llama.cpp's go to its hash-map order).
+        # n-gram -> {continuation token: count}. The dicts' insertion order (first sighting,
+        # or file order) decides ties when drafting; see lookup._most_likely_continuation.
         self._table: Dict[Ngram, Dict[int, int]] = {}
 
     # ----------------------------------------------------------------------------------- queries
@@ -103,7 +103,7 @@ class NgramCache:
         """``(ngram, {token: count})`` pairs; read-only by convention."""
         return self._table.items()
 
-    def get(self, ngram: Sequence[int]) -> Optional[Mapping[int, int]]:
+    def get(self, ngram: Sequence[int]) -> Optional[Dict[int, int]]:
         """The continuations ``{token: count}`` of ``ngram`` (1 to 4 tokens; trailing -1 padding is
         ignored), or None if it was never followed by anything. The mapping is the cache's own:
         do not modify it. Fastest with a tuple of ints."""

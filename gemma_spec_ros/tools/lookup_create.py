@@ -66,6 +66,18 @@ class _VocabTokenizer:
             self._llama_cpp.llama_model_free(self._model)
             self._model = ctypes.c_void_p()
 
+    def __enter__(self) -> "_VocabTokenizer":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def tokenize_texts(model_path: str, texts: Sequence[bytes]) -> List[List[int]]:
+    """Each text as the tokens this tool counts n-grams of (BOS added, special tokens parsed)."""
+    with _VocabTokenizer(model_path) as tokenizer:
+        return [tokenizer.tokenize(text) for text in texts]
+
 
 def _read_corpus(path: Path) -> bytes:
     """The file's bytes less one trailing newline, as llama.cpp's ``-f`` reads a prompt file."""
@@ -136,15 +148,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # llama-cpp-python prints llama.cpp's log through this logger; keep the tool's output readable.
     logging.getLogger("llama-cpp-python").setLevel(logging.DEBUG if args.verbose else logging.ERROR)
     try:
-        tokenizer = _VocabTokenizer(args.model)
+        with _VocabTokenizer(args.model) as tokenizer:
+            cache = build_static_cache(args.corpus, tokenizer, args.ngram_min, args.ngram_max,
+                                       show_progress=not args.quiet)
     except ModelLoadError as error:
         print(f"{PROG}: {error}", file=sys.stderr)
         return 1
-    try:
-        cache = build_static_cache(args.corpus, tokenizer, args.ngram_min, args.ngram_max,
-                                   show_progress=not args.quiet)
-    finally:
-        tokenizer.close()
     try:
         cache.save(args.output)
     except (OSError, ValueError) as error:
