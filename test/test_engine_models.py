@@ -224,7 +224,7 @@ def test_context_overflow_is_loud(embedded_model_path):
     engine = Engine(EngineConfig(target=ModelConfig(str(embedded_model_path), n_ctx=64)), calibrate=False)
     try:
         with pytest.raises(KVCacheError, match="context full"):
-            engine.target.decode(list(range(100, 170)), [0])
+            engine.target.decode(list(range(100, 110 + engine.n_ctx)), [0])  # n_ctx is padded up
     finally:
         engine.close()
 

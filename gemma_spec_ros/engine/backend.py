@@ -172,8 +172,11 @@ class LlamaBackend:
                     f"(not enough memory?)")
             self.n_ctx = int(llama_cpp.llama_n_ctx(self._ctx))
             self._mem = llama_cpp.llama_get_memory(self._ctx)
-            self.max_batch_rows = max(1, min(max_batch_rows, config.n_batch))
-            self._batch_capacity = max(config.n_batch, self.max_batch_rows)
+            # llama.cpp may clamp n_batch (to n_ctx) and pad n_ctx: decode in chunks of what it took,
+            # since a larger batch is a fatal assertion inside llama_decode, not an error code.
+            self.n_batch = int(llama_cpp.llama_n_batch(self._ctx))
+            self.max_batch_rows = max(1, min(max_batch_rows, self.n_batch))
+            self._batch_capacity = self.n_batch
             self._batch = llama_cpp.llama_batch_init(self._batch_capacity, 0, 1)
             self.bos = int(llama_cpp.llama_vocab_bos(self._vocab))
             self.eos = int(llama_cpp.llama_vocab_eos(self._vocab))

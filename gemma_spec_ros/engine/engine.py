@@ -9,7 +9,8 @@ Public API (the node and the bench use only this):
     engine.update_spec(spec)                 # thread-safe; raises ValueError(reason); next step uses it
     engine.set_mode("lookup"); engine.set_draft_max(4)   # shortcuts for update_spec(replace(...))
     engine.count_prompt_tokens(request)      # tokens of the (templated) prompt; thread-safe, ~ms
-    engine.check_request(request)            # raises PromptTooLongError if prompt + max_tokens > n_ctx
+    engine.check_request(request)            # raises PromptTooLongError if prompt + max_tokens > n_ctx,
+                                             # ValueError if its spec_mode cannot be used here
     engine.n_ctx                             # target context length (tokens)
     for step in engine.generate(request, cancel=threading.Event()):
         step.text, step.tokens, step.stats   # new text (whole UTF-8 chars), new tokens, stats so far
@@ -18,8 +19,9 @@ Public API (the node and the bench use only this):
     # generate() raises EngineError (e.g. PromptTooLongError, KVCacheError) on failure; the engine
     # stays usable for the next request. One generate() at a time (the node serialises).
     engine.rolling_stats()                   # SpecStats over all requests so far (a copy)
-    engine.model_info()                      # dict: target/draft path, size_bytes, n_gpu_layers,
-                                             # n_ctx, n_vocab, vocab_type, description
+    engine.model_info()                      # {"target": {...}, "draft": {...} or None}, each with
+                                             # path, size_bytes, n_params, description,
+                                             # n_gpu_layers, n_ctx, n_vocab, vocab_type
     engine.close()                           # frees models, saves the dynamic n-gram cache; idempotent
 """
 from __future__ import annotations
@@ -349,7 +351,7 @@ class Engine:
     def calibrate(self, sizes: Sequence[int] = (), context_len: int = 64, repeats: int = 2) -> Dict[int, float]:
         """Measure the target's pass cost per batch size on this device (seeds the cost model)."""
         target = self.target
-        sizes = sorted(set(sizes or (1, 2, 3, 5, 9, self._spec.draft_max + 1)))
+        sizes = sorted(set(sizes or (1, 2, 4, self._spec.draft_max + 1)))  # interpolated between
         context_len = max(1, min(context_len, self.n_ctx - max(sizes) - 1))
         def token(i: int) -> int:  # ordinary tokens of any vocabulary, past the first control ids
             return 3 + (997 + i) % max(1, target.n_vocab - 3)
