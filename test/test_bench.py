@@ -109,8 +109,8 @@ def test_params_file_and_runner_plan(tmp_path: Path) -> None:
     adaptive = bench_config.engine_config(params, "auto", None)
     assert (adaptive.spec.mode, adaptive.spec.draft_max, adaptive.spec.adaptive) == ("auto", 6, True)
     with_draft = bench_config.apply_overrides(params, "", "/m/d.gguf")
-    draft = bench_config.model_config(with_draft, "draft", config.target)
-    assert draft is not None and draft.n_ctx == 1024
+    draft = bench_config.model_config(with_draft, "draft")
+    assert draft is not None and draft.n_ctx == 1024  # the node's rule: draft.n_ctx 0 = the target's
 
     specs, notes = bench_config.plan_runners(["off", "draft", "lookup"], [2, None], False,
                                              ["plain", "prompt-lookup"], "", [3], "")

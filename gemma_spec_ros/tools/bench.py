@@ -231,8 +231,11 @@ class Bench:
         self.args = args
         params = load_params(args.config) if args.config else default_params()
         self.params: Dict[str, Any] = apply_overrides(params, expand_path(args.target), args.draft)
-        if model_config(self.params, "target") is None:
-            raise ValueError("no target model: set target.model_path in --config or pass --target")
+        for role in ("target", "draft"):  # the node's validation, and the files, before any worker starts
+            model = model_config(self.params, role)
+            if model is not None and not os.path.isfile(model.resolved_path):
+                raise ValueError(f"{role} model not found: {model.resolved_path} (`make setup` assembles "
+                                 "the embedded model; --target/--draft override the config)")
         prompts_dir = Path(expand_path(args.prompts_dir)) if args.prompts_dir else find_data_dir("prompts")
         if prompts_dir is None:
             raise ValueError("prompt suites not found: pass --prompts-dir")

@@ -16,12 +16,9 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
-from ..engine.types import (EngineConfig, LookupConfig, ModelConfig, SPEC_MODES, SpecConfig,
-                            expand_path)
+from ..engine.types import EngineConfig, ModelConfig, SPEC_MODES, expand_path
 
 PACKAGE = "gemma_spec_ros"
-#: The embedded default model that scripts/setup.sh assembles (Gemma 3 270M base, Q4_K_M).
-EMBEDDED_MODEL = "~/.cache/gemma_spec_ros/models/gemma-3-270m-q4_k_m.gguf"
 #: Modes that need a draft model.
 DRAFT_MODES: Tuple[str, ...] = ("draft", "draft+lookup")
 #: llama-cpp-python baselines: plain generation and its built-in prompt lookup.
@@ -140,38 +137,21 @@ def load_params(path: str) -> Dict[str, object]:
 
 def default_params() -> Dict[str, object]:
     """Parameters when no --config is given: the installed config/embedded.yaml if there is one,
-    else the embedded model with the engine's defaults."""
+    else the node's defaults (the embedded model)."""
     config_dir = find_data_dir("config")
     if config_dir is not None and (config_dir / "embedded.yaml").is_file():
         return load_params(str(config_dir / "embedded.yaml"))
-    return {"target.model_path": EMBEDDED_MODEL}
+    return {}
 
 
-def _fields_from(params: Mapping[str, object], prefix: str, cls: type,
-                 renames: Mapping[str, str]) -> Dict[str, object]:
-    """Constructor arguments of dataclass ``cls`` from the ``<prefix>.<field>`` parameters."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    out: Dict[str, object] = {}
-    for key, value in params.items():
-        if not key.startswith(prefix + "."):
-            continue
-        name = renames.get(key[len(prefix) + 1:], key[len(prefix) + 1:])
-        if name in names:
-            out[name] = value
-    return out
+def base_config(params: Mapping[str, object]) -> EngineConfig:
+    """The EngineConfig the node would build from these parameters (its own table of defaults and
+    its own mapping, ``gemma_spec_ros.node.parameters``), with speculation ``off``: each engine
+    runner sets its own mode. Raises ValueError with the node's reason on a bad value."""
+    from ..node.parameters import defaults, engine_config_from  # needs rcl_interfaces (ROS 2)
 
-
-def model_config(params: Mapping[str, object], role: str,
-                 inherit: Optional[ModelConfig] = None) -> Optional[ModelConfig]:
-    """ModelConfig of ``target`` or ``draft`` (None when that role has no model path). A draft
-    inherits the target's context length and threads unless its own are given."""
-    kwargs = _fields_from(params, role, ModelConfig, {"model_path": "path"})
-    if not kwargs.get("path"):
-        return None
-    if inherit is not None:
-        for name in ("n_ctx", "n_threads", "n_batch"):
-            kwargs.setdefault(name, getattr(inherit, name))
-    return ModelConfig(**kwargs)  # type: ignore[arg-type]
+    values: Dict[str, object] = {**defaults(), **params, "spec.mode": "off"}
+    return engine_config_from(values)
 
 
 def engine_config(params: Mapping[str, object], mode: str, draft_max: Optional[int]) -> EngineConfig:
@@ -181,18 +161,17 @@ def engine_config(params: Mapping[str, object], mode: str, draft_max: Optional[i
     The dynamic n-gram cache stays in memory so a benchmark never writes the node's cache file, and a
     fresh worker per repeat starts from the same state.
     """
-    target = model_config(params, "target")
-    if target is None:
-        raise ValueError("no target model: set target.model_path in --config or pass --target")
-    spec = SpecConfig(**_fields_from(params, "spec", SpecConfig, {}))  # type: ignore[arg-type]
-    spec = dataclasses.replace(spec, mode=mode)
+    base = base_config(params)
+    spec = dataclasses.replace(base.spec, mode=mode)
     if draft_max is not None:
         spec = dataclasses.replace(spec, draft_max=draft_max, adaptive=False,
                                    draft_min=min(spec.draft_min, draft_max))
-    lookup = LookupConfig(**_fields_from(params, "lookup", LookupConfig, {}))  # type: ignore[arg-type]
-    lookup = dataclasses.replace(lookup, dynamic_path="")
-    return EngineConfig(target=target, draft=model_config(params, "draft", target), spec=spec,
-                        lookup=lookup)
+    return dataclasses.replace(base, spec=spec, lookup=dataclasses.replace(base.lookup, dynamic_path=""))
+
+
+def model_config(params: Mapping[str, object], role: str) -> Optional[ModelConfig]:
+    """The ``target`` or ``draft`` ModelConfig of these parameters (None: no draft model)."""
+    return getattr(base_config(params), role)
 
 
 def apply_overrides(params: Mapping[str, object], target: str, draft: str) -> Dict[str, object]:
@@ -207,7 +186,7 @@ def apply_overrides(params: Mapping[str, object], target: str, draft: str) -> Di
 
 def thread_count(params: Mapping[str, object]) -> int:
     """CPU threads the engine uses (``target.n_threads``; 0 = all cores): baselines get the same."""
-    n = int(params.get("target.n_threads", 0) or 0)  # type: ignore[call-overload]
+    n = base_config(params).target.n_threads
     return n if n > 0 else (os.cpu_count() or 1)
 
 
@@ -338,8 +317,9 @@ def _native_runners(native_bin: str, native_ks: Sequence[int], has_draft: bool,
 
 
 __all__ = [
-    "BASELINES", "DRAFT_MODES", "EMBEDDED_MODEL", "NATIVE_TOOLS", "PROMPT_LOOKUP_TOKENS", "Prompt",
-    "REFERENCE_RUNNER", "RunnerSpec", "Suite", "apply_overrides", "default_params", "engine_config",
+    "BASELINES", "DRAFT_MODES", "NATIVE_TOOLS", "PROMPT_LOOKUP_TOKENS", "Prompt",
+    "REFERENCE_RUNNER", "RunnerSpec", "Suite", "apply_overrides", "base_config", "default_params",
+    "engine_config",
     "find_data_dir", "flatten", "load_params", "load_suite", "load_suites", "model_config",
     "parse_baselines", "parse_ks", "parse_modes", "plan_runners", "runner_name", "select_suites",
     "thread_count",

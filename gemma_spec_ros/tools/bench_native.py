@@ -96,7 +96,7 @@ class NativeRunner:
             if static and spec.draft_max:
                 self._base += ["-lcs", static]
         else:
-            draft = model_config(params, "draft", target)
+            draft = model_config(params, "draft")
             if draft is None:
                 raise ValueError("llama-speculative-simple needs a draft model")
             self._base += ["-md", draft.resolved_path]
