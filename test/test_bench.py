@@ -125,6 +125,23 @@ def test_params_file_and_runner_plan(tmp_path: Path) -> None:
         bench_config.parse_ks("0")
 
 
+def test_params_mapping_agrees_with_the_node(repo_root: Path, tmp_path: Path) -> None:
+    """The bench maps parameters without ROS; it must build what the node builds."""
+    from dataclasses import replace
+
+    from gemma_spec_ros.node import parameters as node_parameters
+
+    extra = tmp_path / "x.yaml"
+    extra.write_text("/**:\n  ros__parameters:\n    target: {model_path: /m/t.gguf, n_ctx: 512, n_batch: 64}\n"
+                     "    draft: {model_path: /m/d.gguf, n_threads: 3}\n    spec: {draft_max: 5, p_min: 0.5}\n")
+    files = sorted((repo_root / "config").glob("*.yaml")) + [extra]
+    for path in files:
+        params = bench_config.load_params(str(path))
+        node = node_parameters.engine_config_from({**node_parameters.defaults(), **params})
+        assert bench_config.base_config(params) == replace(node, spec=replace(node.spec, mode="off")), path
+    assert bench_config.base_config({}).target.path == node_parameters.EMBEDDED_MODEL_PATH
+
+
 # -- the smoke run ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smoke_results(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Dict[str, Any]:
