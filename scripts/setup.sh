@@ -20,7 +20,11 @@ PYTHON="${PYTHON:-python3}"
 CACHE="${GEMMA_SPEC_CACHE:-$HOME/.cache/gemma_spec_ros}"
 LLAMA_VERSION="0.3.36"
 # GGML_NATIVE=OFF: -march=native enables the AMX backend, which segfaults on these CPUs (ENV.md).
-DEFAULT_LLAMA_FLAGS="-DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
+# GGML_LLAMAFILE=OFF: llamafile's sgemm computes F16/F32 matrix products of a multi-token batch in
+# another order than a one-token decode (logits differ by up to ~0.02); without it every batch size
+# gives bit-identical logits, so a seeded sampled request reproduces plain decoding exactly with
+# speculation on. Quantized K-quant weights never used that path; decode speed measured the same.
+DEFAULT_LLAMA_FLAGS="-DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_LLAMAFILE=OFF"
 LLAMA_FLAGS="${LLAMA_CMAKE_ARGS:-$DEFAULT_LLAMA_FLAGS}"
 ROS_PKGS=(
   ros-jazzy-rclpy ros-jazzy-rmw-fastrtps-cpp ros-jazzy-action-msgs ros-jazzy-lifecycle-msgs

@@ -77,6 +77,22 @@ def test_long_prompt_crosses_the_sliding_window(f16_engine):
     assert n_prompt < 512 < n_prompt + MAX_TOKENS
 
 
+def test_f16_logits_do_not_depend_on_the_batch(f16_engine):
+    """What exact parity rests on: the setup's build (no llamafile sgemm) gives the same logits
+    for a position whether it is decoded alone or inside a verify batch."""
+    target = f16_engine.target
+    tokens = f16_engine.prompt_tokens(GenerationRequest(PROMPTS["technical"]))
+    n = len(tokens)
+    target.clear()
+    batch = [row.copy() for row in target.decode(tokens, range(n - 4, n))]
+    target.clear()
+    single = [target.decode(tokens[:n - 3], [n - 4])[0].copy()]
+    single += [target.decode([t], [0])[0].copy() for t in tokens[n - 3:]]
+    target.clear()
+    for i, (a, b) in enumerate(zip(batch, single)):
+        assert np.array_equal(a, b), f"row {i}: max difference {float(np.abs(a - b).max())}"
+
+
 @pytest.mark.timeout(600)
 def test_seeded_sampling_exact_mode_equals_off(f16_engine):
     sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=1234)
