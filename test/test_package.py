@@ -242,9 +242,11 @@ def pip_prefix(repo_root: Path, venv_python: Path,
     source = copy_of_sources(repo_root, tmp / "src")
     prefix = tmp / "prefix"
     out = subprocess.run(
+        # --ignore-installed: otherwise pip uninstalls the venv's own (editable) gemma_spec_ros
+        # before installing into the prefix, breaking every later test and `make run`.
         [str(venv_python), "-m", "pip", "install", "--no-deps", "--no-build-isolation",
-         "--disable-pip-version-check", "--no-cache-dir", "-q", "--prefix", str(prefix),
-         str(source)],
+         "--ignore-installed", "--disable-pip-version-check", "--no-cache-dir", "-q",
+         "--prefix", str(prefix), str(source)],
         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     return prefix
