@@ -29,8 +29,10 @@ import datetime
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict
 from importlib import metadata
@@ -38,10 +40,10 @@ from pathlib import Path
 from typing import Any, Dict, IO, List, Mapping, Optional, Sequence, Tuple
 
 from ..engine.types import expand_path
-from .bench_config import (REFERENCE_RUNNER, RunnerSpec, Suite, apply_overrides, default_params, find_data_dir,
-                           load_params, load_suites, model_config, parse_baselines, parse_ks,
+from .bench_config import (REFERENCE_RUNNER, Prompt, RunnerSpec, Suite, apply_overrides,
+                           default_params, find_data_dir, load_params, load_suites, model_config, parse_baselines, parse_ks,
                            parse_modes, plan_runners, select_suites, thread_count)
-from .bench_metrics import decode_rate, finite, repeated_ngram_share, text_hash, tokens_hash
+from .bench_metrics import decode_rate, repeated_ngram_share, text_hash, tokens_hash
 from .bench_native import NativeRunner
 from .bench_report import add_speedups, dump_results, markdown, markdown_per_prompt, plot_all, summarize
 
@@ -132,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench_out", help="output folder")
     p.add_argument("--smoke", action="store_true",
                    help="tiny run: first prompt of the first 2 suites, 16 tokens, 1 repeat")
+    p.add_argument("--omp-wait-policy", default="passive", choices=("passive", "active", "inherit"),
+                   help="OMP_WAIT_POLICY of every runner (llama.cpp's CPU threads are OpenMP): passive "
+                   "(default) keeps a busy machine from stalling spinning threads; inherit = leave the "
+                   "environment as it is")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds a worker may take to start")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--report-only", default="", metavar="DIR",
@@ -252,6 +258,8 @@ class Bench:
                                               parse_baselines(args.baselines), args.native_bin, native_ks,
                                               args.via_action)
         self.out_dir = Path(expand_path(args.out))
+        if args.omp_wait_policy != "inherit":  # every worker and native tool inherits it
+            os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
         self.runner_info: Dict[str, Dict[str, Any]] = {
             s.name: {**asdict(s), "k": s.k_label, "peak_rss_mb": None, "base_rss_mb": None, "info": None}
             for s in self.specs}
@@ -265,36 +273,49 @@ class Bench:
         return handle
 
     def run(self) -> Dict[str, Any]:
+        """The interleaved schedule. Interrupted (Ctrl-C, SIGTERM), it keeps the runs done so far."""
         self.out_dir.mkdir(parents=True, exist_ok=True)
         machine = machine_info()
         prompts = [p for s in self.suites for p in s.prompts]
         records: List[Dict[str, Any]] = []
         started = time.perf_counter()
-        progress = _progress(self.args.repeats * len(prompts) * len(self.specs), self.args.no_progress)
-        with open(self.out_dir / "workers.log", "wb") as log:
-            for repeat in range(self.args.repeats):
-                handles, failed = self._start_all(repeat, log, progress)
-                for index, prompt in enumerate(prompts):
-                    request = make_request(prompt.text, self.args.max_tokens, self.args.temperature,
-                                           self.args.seed)
-                    for spec in _rotate(self.specs, index + repeat):
-                        progress.set_postfix_str(f"r{repeat} {prompt.suite}/{prompt.id} {spec.name}", refresh=False)
-                        result, error = None, failed.get(spec.name, "")
-                        load = os.getloadavg()[0]
-                        if not error:
-                            try:
-                                result = handles[spec.name].run(request)
-                            except (RunnerError, RuntimeError, ValueError) as exc:
-                                error = str(exc)
-                        # Output text of off's first repeat only (the others' parity is in output_hash).
-                        keep = repeat == 0 and spec.name == REFERENCE_RUNNER
-                        records.append(make_record(spec, prompt.suite, prompt.id, repeat, request, result,
-                                                   error, keep_text=keep, load=load))
-                        progress.update()
-                self._close_all(handles)
+        total = self.args.repeats * len(prompts) * len(self.specs)
+        progress = _progress(total, self.args.no_progress)
+        handles: Dict[str, Any] = {}
+        try:
+            with open(self.out_dir / "workers.log", "wb") as log:
+                for repeat in range(self.args.repeats):
+                    handles, failed = self._start_all(repeat, log, progress)
+                    for index, prompt in enumerate(prompts):
+                        request = make_request(prompt.text, self.args.max_tokens, self.args.temperature,
+                                               self.args.seed)
+                        for spec in _rotate(self.specs, index + repeat):
+                            progress.set_postfix_str(f"r{repeat} {prompt.suite}/{prompt.id} {spec.name}",
+                                                     refresh=False)
+                            records.append(self._run_one(spec, prompt, repeat, request, handles, failed))
+                            progress.update()
+                    self._close_all(handles)
+                    handles = {}
+        except KeyboardInterrupt:
+            self.notes.append(f"interrupted after {len(records)} of {total} runs: partial results")
+            self._close_all(handles)
         progress.close()
         machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
         return self._results(machine, records, time.perf_counter() - started)
+
+    def _run_one(self, spec: RunnerSpec, prompt: Prompt, repeat: int, request: Mapping[str, Any],
+                 handles: Mapping[str, Any], failed: Mapping[str, str]) -> Dict[str, Any]:
+        result, error = None, failed.get(spec.name, "")
+        load = os.getloadavg()[0]
+        if not error:
+            try:
+                result = handles[spec.name].run(request)
+            except (RunnerError, RuntimeError, ValueError) as exc:
+                error = str(exc)
+        # Output text of off's first repeat only (the others' parity is in output_hash).
+        keep = repeat == 0 and spec.name == REFERENCE_RUNNER
+        return make_record(spec, prompt.suite, prompt.id, repeat, request, result, error,
+                           keep_text=keep, load=load)
 
     def _start_all(self, repeat: int, log: IO[bytes], progress: Any) -> Tuple[Dict[str, Any], Dict[str, str]]:
         handles: Dict[str, Any] = {}
@@ -334,6 +355,7 @@ class Bench:
             "max_tokens": self.args.max_tokens, "temperature": self.args.temperature, "seed": self.args.seed,
             "baselines": self.args.baselines, "native_bin": self.args.native_bin or None,
             "via_action": self.args.via_action or None, "smoke": self.args.smoke,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "command": "gemma-spec-bench " + " ".join(sys.argv[1:]) if sys.argv else "",
         }
         runners = list(self.runner_info.values())
@@ -405,9 +427,24 @@ def write_outputs(results: Dict[str, Any], out_dir: Path) -> List[Path]:
     return paths + plot_all(strict, out_dir)
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``gemma-spec-bench``; returns the exit status."""
     args = build_parser().parse_args(argv)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _interrupt)  # a timeout still writes partial results
+    try:
+        return _main(args)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(args: argparse.Namespace) -> int:
     try:
         if args.report_only:
             out_dir = Path(expand_path(args.report_only))
