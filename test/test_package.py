@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Set
 
 import pytest
+
+from gemma_spec_ros.tools.bench_config import flatten  # how ROS names nested YAML keys
 import yaml
 
 PACKAGE = "gemma_spec_ros"
@@ -85,18 +87,6 @@ def is_ros_package(module: str) -> bool:
 def runtime_dependencies(package_xml: Path) -> Set[str]:
     root = ET.parse(package_xml).getroot()
     return {e.text.strip() for tag in ("depend", "exec_depend") for e in root.iter(tag) if e.text}
-
-
-def flat_parameters(tree: dict, prefix: str = "") -> Dict[str, object]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``: how ROS names nested YAML parameters."""
-    flat: Dict[str, object] = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            flat.update(flat_parameters(value, name + "."))
-        else:
-            flat[name] = value
-    return flat
 
 
 def share_directory(venv_python: Path, ament_prefix_path: str) -> Path:
@@ -225,7 +215,7 @@ def test_config_is_a_ros_parameter_file(repo_root: Path, config: str) -> None:
     assert path.is_file(), f"config/{config} is missing"
     document = yaml.safe_load(path.read_text())
     assert list(document) == ["/**"], "parameters apply to the node under any name: '/**'"
-    parameters = flat_parameters(document["/**"]["ros__parameters"])
+    parameters = flatten(document["/**"]["ros__parameters"])
     # the names the launch file overrides and the README documents
     assert {"spec.mode", "target.model_path"} <= set(parameters)
     if config == "orin.yaml":
