@@ -193,8 +193,9 @@ class Engine:
             raise PromptTooLongError(
                 f"prompt of {n_prompt} tokens + max_tokens {request.max_tokens} exceeds the context "
                 f"of {self.n_ctx} tokens: shorten the prompt or lower max_tokens")
-        if self.check_spec(replace(self._spec, mode=request.spec_mode or self._spec.mode)):
-            raise ValueError(self.check_spec(replace(self._spec, mode=request.spec_mode)))
+        reason = self.check_spec(replace(self._spec, mode=request.spec_mode or self._spec.mode))
+        if reason:
+            raise ValueError(reason)
 
     def rolling_stats(self) -> SpecStats:
         with self._stats_lock:
