@@ -21,6 +21,15 @@ import sys
 import threading
 from typing import List, Optional, Sequence
 
+# llama.cpp's CPU threads (OpenMP) spin while waiting; on a robot's shared CPU that stalls decoding
+# badly (measured 0.4 vs 22 tokens/s with another process busy). Passive waiting unless the user
+# chose otherwise; it must be set before llama_cpp loads the OpenMP runtime.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+try:  # load llama.cpp's libraries before rclpy/numpy: the reverse order segfaulted a CUDA build
+    import llama_cpp  # noqa: F401  (on the bench's GPU machine; see docs/benchmarks.md)
+except ImportError:  # the node reports a missing llama_cpp at configure, with the reason
+    pass
+
 import rclpy
 from rclpy.executors import MultiThreadedExecutor
 from rclpy.lifecycle import TransitionCallbackReturn
