@@ -183,10 +183,41 @@ def test_policy_drafts_long_when_accepted_and_turns_off_when_not():
 
 def test_policy_probes_while_off_with_growing_interval():
     policy = _policy_after(0)
-    lengths = [policy.decide(4, adaptive=True).draft_len for _ in range(60)]
-    probes = [i for i, n in enumerate(lengths) if n > 0]
+    probes = []
+    for i in range(60):
+        if policy.decide(4, adaptive=True).draft_len:
+            probes.append(i)
+            policy.observe(1, 0)  # the probe was drafted, verified and rejected
     assert len(probes) >= 2
     assert probes[1] - probes[0] > probes[0]  # the interval doubles
+
+
+def test_policy_unfilled_probe_stays_pending_and_new_request_probes_at_once():
+    policy = _policy_after(0)
+    lengths = [policy.decide(4, adaptive=True).draft_len for _ in range(20)]
+    first = lengths.index(1)
+    # no draft came back (e.g. no n-gram match): every following step asks again
+    assert all(n == 1 for n in lengths[first:])
+    policy.observe(1, 0)
+    for _ in range(50):  # probes rejected: the interval grows
+        if policy.decide(4, adaptive=True).draft_len:
+            policy.observe(1, 0)
+    assert policy.decide(4, adaptive=True).draft_len == 0
+    policy.new_request()
+    assert policy.decide(4, adaptive=True).draft_len == 1
+
+
+def test_acceptance_prior_of_an_unreached_position_follows_the_one_before():
+    model = AcceptanceModel(prior_acceptance=0.5, prior_weight=2.0, decay=1.0)
+    for _ in range(20):
+        model.observe(1, 1)  # one-token drafts, always accepted: position 1 never reached
+    a0, a1 = model.conditional(2)
+    assert a0 == pytest.approx(21 / 22)
+    assert a1 == pytest.approx(a0)
+    policy = _policy_after(1, drafts=0)
+    for _ in range(20):
+        policy.observe(1, 1)
+    assert policy.decide(4, adaptive=True).draft_len > 1  # explores longer drafts
 
 
 # -- stats ----------------------------------------------------------------------------------------

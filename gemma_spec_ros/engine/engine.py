@@ -238,6 +238,8 @@ class Engine:
             use_rejection = self._spec.verification == "rejection" and not sampler.greedy
             for drafter in self._drafters():
                 drafter.begin(prompt)
+            for policy in self.policies.values():
+                policy.new_request()
             if self.draft is not None:
                 self.draft.set_sampling(sampler if use_rejection else None,
                                         rng.spawn(1)[0] if use_rejection else None)

@@ -87,14 +87,18 @@ class AcceptanceModel:
     """Conditional acceptance per draft position with a Beta prior, decayed over time.
 
     ``tried[i]``: drafts that reached position i with positions 0..i-1 accepted;
-    ``accepted[i]``: those that also accepted position i. a_i = (accepted + prior_a) / (tried + prior_n).
+    ``accepted[i]``: those that also accepted position i.
+    a_i = (accepted[i] + w * m_i) / (tried[i] + w) with prior weight w and prior mean m_0 =
+    ``prior_acceptance``, m_i = a_{i-1} for deeper positions: a position never reached yet is assumed
+    as good as the one before it, so a drafter that is always right at position 0 gets tried at
+    position 1 (a fixed 0.5 there would keep the policy at one-token drafts forever).
     """
 
     def __init__(self, max_positions: int = 64, prior_acceptance: float = 0.5, prior_weight: float = 2.0,
                  decay: float = 0.98) -> None:
         self.tried: List[float] = [0.0] * max_positions
         self.accepted: List[float] = [0.0] * max_positions
-        self.prior_a = prior_acceptance * prior_weight
+        self.prior_mean = prior_acceptance
         self.prior_n = prior_weight
         self.decay = decay
 
@@ -108,7 +112,12 @@ class AcceptanceModel:
                 self.accepted[i] += 1.0
 
     def conditional(self, k: int) -> List[float]:
-        return [(self.accepted[i] + self.prior_a) / (self.tried[i] + self.prior_n) for i in range(k)]
+        out: List[float] = []
+        mean = self.prior_mean
+        for i in range(k):
+            mean = (self.accepted[i] + self.prior_n * mean) / (self.tried[i] + self.prior_n)
+            out.append(mean)
+        return out
 
     def expected_tokens(self, k: int) -> float:
         """E(k) = 1 + sum_j prod_{i<=j} a_i: tokens a pass over a k-token draft emits on average."""
@@ -130,6 +139,11 @@ class DraftLengthPolicy:
     """Chooses how many tokens one drafter may propose at the next step.
 
     ``adaptive=False`` always drafts ``draft_max`` (still measured, for the stats).
+
+    While off it probes: after ``probe_min`` plain steps it asks for one draft, and the interval
+    doubles (up to ``probe_max``) only when a probe was actually verified and did not turn it back
+    on. A probe the drafter could not fill (no n-gram match) stays pending, and ``new_request()``
+    probes again at once: a new prompt is new text, the last one's bad luck says little about it.
     """
 
     def __init__(self, source: str, costs: CostModel, *, margin: float = 0.03,
@@ -177,13 +191,20 @@ class DraftLengthPolicy:
             return choice
         self._steps_off += 1
         if self._steps_off >= self._probe_interval:  # look again: the text may have changed
-            self._steps_off = 0
-            self._probe_interval = min(self.probe_max, self._probe_interval * 2)
             return Decision(max(1, choice.draft_len), speedup, probing=True)
         return Decision(0, 1.0)
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         self.acceptance.observe(num_drafted, num_accepted)
+        if not self.enabled and self._steps_off >= self._probe_interval:  # a probe was verified
+            self._steps_off = 0
+            self._probe_interval = min(self.probe_max, self._probe_interval * 2)
+
+    def new_request(self) -> None:
+        """A new prompt starts: if off, probe at its first draftable step, then every probe_min."""
+        if not self.enabled:
+            self._probe_interval = self.probe_min
+            self._steps_off = self._probe_interval
 
     def acceptance_per_position(self, k: int) -> Sequence[float]:
         return self.acceptance.conditional(k)
