@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Dict
 
@@ -125,21 +127,30 @@ def test_params_file_and_runner_plan(tmp_path: Path) -> None:
         bench_config.parse_ks("0")
 
 
-def test_params_mapping_agrees_with_the_node(repo_root: Path, tmp_path: Path) -> None:
-    """The bench maps parameters without ROS; it must build what the node builds."""
-    from dataclasses import replace
-
-    from gemma_spec_ros.node import parameters as node_parameters
-
+def test_params_mapping_is_the_nodes_and_needs_no_ros(repo_root: Path, tmp_path: Path) -> None:
+    """The bench builds its EngineConfig with the node's own mapping, which must not import ROS
+    (the bench runs on machines without it: the GPU machine)."""
     extra = tmp_path / "x.yaml"
     extra.write_text("/**:\n  ros__parameters:\n    target: {model_path: /m/t.gguf, n_ctx: 512, n_batch: 64}\n"
                      "    draft: {model_path: /m/d.gguf, n_threads: 3}\n    spec: {draft_max: 5, p_min: 0.5}\n")
-    files = sorted((repo_root / "config").glob("*.yaml")) + [extra]
-    for path in files:
-        params = bench_config.load_params(str(path))
-        node = node_parameters.engine_config_from({**node_parameters.defaults(), **params})
-        assert bench_config.base_config(params) == replace(node, spec=replace(node.spec, mode="off")), path
-    assert bench_config.base_config({}).target.path == node_parameters.EMBEDDED_MODEL_PATH
+    script = (
+        "import sys\n"
+        "from gemma_spec_ros.tools import bench_config\n"
+        "from gemma_spec_ros.node.parameters import EMBEDDED_MODEL_PATH\n"
+        f"configs = [bench_config.load_params(p) for p in {[str(p) for p in sorted((repo_root / 'config').glob('*.yaml'))]!r}]\n"
+        "for params in configs: bench_config.base_config(params)\n"
+        f"c = bench_config.base_config(bench_config.load_params({str(extra)!r}))\n"
+        "assert (c.target.path, c.target.n_ctx, c.target.n_batch) == ('/m/t.gguf', 512, 64), c.target\n"
+        "assert (c.draft.path, c.draft.n_ctx, c.draft.n_batch, c.draft.n_threads) == ('/m/d.gguf', 512, 64, 3), c.draft\n"
+        "assert (c.spec.mode, c.spec.draft_max, c.spec.p_min) == ('off', 5, 0.5), c.spec\n"
+        "assert bench_config.base_config({}).target.path == EMBEDDED_MODEL_PATH\n"
+        "ros = sorted(m for m in sys.modules if m.split('.')[0] in ('rclpy', 'rcl_interfaces'))\n"
+        "assert not ros, ros\n"
+        "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+    with pytest.raises(ValueError, match="spec.draftmax"):
+        bench_config.base_config({"spec.draftmax": 3})
 
 
 # -- the smoke run ---------------------------------------------------------------------------------

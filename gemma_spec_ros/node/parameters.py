@@ -17,6 +17,8 @@ Two kinds of parameter:
   goal; ``spec.*`` never reloads the target.
 
 Defaults come from the engine's own config dataclasses where they exist, so there is one source.
+ROS message types are imported only when a descriptor is built, so the table and the mapping to an
+EngineConfig also serve tools that run where ROS is not installed (the bench on a GPU machine).
 """
 from __future__ import annotations
 
@@ -24,9 +26,6 @@ import argparse
 import sys
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
-
-from rcl_interfaces.msg import (FloatingPointRange, IntegerRange, ParameterDescriptor,
-                                ParameterType)
 
 from ..engine.types import (SPEC_MODES, VERIFICATIONS, EngineConfig, LookupConfig, ModelConfig,
                             SamplingParams, SpecConfig)
@@ -65,10 +64,14 @@ class ParamSpec:
     def type_name(self) -> str:
         return type(self.default).__name__
 
-    def descriptor(self) -> ParameterDescriptor:
+    def descriptor(self):
         """The ``ParameterDescriptor`` rclpy enforces (type, range) and ``ros2 param describe`` shows."""
+        from rcl_interfaces.msg import (FloatingPointRange, IntegerRange, ParameterDescriptor,
+                                        ParameterType)
+        ros_type = {str: ParameterType.PARAMETER_STRING, int: ParameterType.PARAMETER_INTEGER,
+                    float: ParameterType.PARAMETER_DOUBLE, bool: ParameterType.PARAMETER_BOOL}
         descriptor = ParameterDescriptor(
-            name=self.name, type=_ROS_TYPES[type(self.default)], description=self.description,
+            name=self.name, type=ros_type[type(self.default)], description=self.description,
             additional_constraints=self.constraints, read_only=False)
         if self.value_range is not None:
             low, high = self.value_range
@@ -88,10 +91,6 @@ class ParamSpec:
         if self.configure_time:
             parts.append("configure-time: set only while unconfigured")
         return "; ".join(parts)
-
-
-_ROS_TYPES = {str: ParameterType.PARAMETER_STRING, int: ParameterType.PARAMETER_INTEGER,
-              float: ParameterType.PARAMETER_DOUBLE, bool: ParameterType.PARAMETER_BOOL}
 
 
 def _model_rows(prefix: str, what: str, path_default: str, path_help: str,

@@ -16,8 +16,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
-from ..engine.types import (EngineConfig, LookupConfig, ModelConfig, SPEC_MODES, SpecConfig,
-                            expand_path)
+from ..engine.types import EngineConfig, ModelConfig, SPEC_MODES, expand_path
+from ..node import parameters as node_parameters
 
 PACKAGE = "gemma_spec_ros"
 #: Modes that need a draft model.
@@ -145,39 +145,16 @@ def default_params() -> Dict[str, object]:
     return {}
 
 
-#: The node's default target (node.parameters' table): the embedded model scripts/setup.sh assembles.
-EMBEDDED_MODEL = "~/.cache/gemma_spec_ros/models/gemma-3-270m-q4_k_m.gguf"
-
-
-def _section(params: Mapping[str, object], prefix: str, cls: type) -> Dict[str, object]:
-    """Constructor arguments of dataclass ``cls`` from the ``<prefix>.<field>`` parameters."""
-    names = {f.name for f in dataclasses.fields(cls)} | {"model_path"}
-    out = {key[len(prefix) + 1:]: value for key, value in params.items()
-           if key.startswith(prefix + ".") and key[len(prefix) + 1:] in names}
-    if "model_path" in out:
-        out["path"] = out.pop("model_path")
-    return out
-
-
 def base_config(params: Mapping[str, object]) -> EngineConfig:
-    """The EngineConfig the node builds from these parameters, with speculation ``off`` (each
-    engine runner sets its own mode). Raises ValueError on a bad value.
-
-    Same rules as the node (``node.parameters.engine_config_from``; a test checks they agree on the
-    shipped configs), without importing ROS, so the bench also runs where ROS is not installed (the
-    GPU machine): the draft shares the target's ``n_batch`` and ``flash_attn``, and its ``n_ctx`` 0
-    or unset means the target's.
-    """
-    target = ModelConfig(**{"path": EMBEDDED_MODEL, **_section(params, "target", ModelConfig)})
-    own = _section(params, "draft", ModelConfig)
-    draft = None
-    if own.get("path"):
-        draft = dataclasses.replace(target, path=own["path"], n_gpu_layers=own.get("n_gpu_layers", 0),
-                                    n_ctx=own.get("n_ctx") or target.n_ctx,
-                                    n_threads=own.get("n_threads", 0))
-    spec = SpecConfig(**{**_section(params, "spec", SpecConfig), "mode": "off"})
-    return EngineConfig(target=target, draft=draft, spec=spec,
-                        lookup=LookupConfig(**_section(params, "lookup", LookupConfig)))
+    """The EngineConfig the node builds from these parameters (unset ones take the node's defaults),
+    with speculation ``off`` (each engine runner sets its own mode). Raises ValueError on a bad value
+    or an unknown parameter name. The node's own mapping, which imports no ROS: the bench also runs
+    where ROS is not installed (the GPU machine)."""
+    unknown = sorted(set(params) - set(node_parameters.PARAMETERS_BY_NAME))
+    if unknown:
+        raise ValueError(f"unknown parameters {', '.join(unknown)} (see docs/parameters.md)")
+    config = node_parameters.engine_config_from({**node_parameters.defaults(), **params})
+    return dataclasses.replace(config, spec=dataclasses.replace(config.spec, mode="off"))
 
 
 def engine_config(params: Mapping[str, object], mode: str, draft_max: Optional[int]) -> EngineConfig:
@@ -343,7 +320,7 @@ def _native_runners(native_bin: str, native_ks: Sequence[int], has_draft: bool,
 
 
 __all__ = [
-    "BASELINES", "DRAFT_MODES", "EMBEDDED_MODEL", "NATIVE_TOOLS", "PROMPT_LOOKUP_TOKENS", "Prompt",
+    "BASELINES", "DRAFT_MODES", "NATIVE_TOOLS", "PROMPT_LOOKUP_TOKENS", "Prompt",
     "REFERENCE_RUNNER", "RunnerSpec", "Suite", "apply_overrides", "base_config", "default_params",
     "engine_config",
     "find_data_dir", "flatten", "load_params", "load_suite", "load_suites", "model_config",
