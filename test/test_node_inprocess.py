@@ -112,7 +112,7 @@ def test_invalid_goals_rejected_then_valid_goal_served(client: Client) -> None:
         "negative top_p": (dict(top_p=-0.1), "top_p=-0.1"),
         "top_p above 1": (dict(top_p=1.5), "top_p=1.5"),
         "NaN top_p": (dict(top_p=math.nan), "top_p=nan"),
-        "negative top_k": (dict(top_k=-1), "top_k=-1"),
+        "negative top_k": (dict(top_k=-2), "top_k=-2"),
         "unknown spec_mode": (dict(spec_mode="warp"), "spec_mode 'warp'"),
         "draft mode without a draft model": (dict(spec_mode="draft"), "needs a draft model"),
         "max_tokens above the cap": (dict(max_tokens=401), "exceeds limits.max_tokens=400"),

@@ -102,12 +102,18 @@ def test_goal_defaults_come_from_the_node_parameters() -> None:
                                      spec_mode="off", stop=["\n"]), values)
     assert (request.max_tokens, request.sampling.top_p, request.sampling.seed) == (5, 0.5, 3)
     assert request.spec_mode == "off" and request.stop == ("\n",) and request.sampling.temperature == pytest.approx(0.7)
+    # -1 asks for the node's temperature / top_k; a goal's own 0 stays greedy / unlimited
+    values.update({"generation.temperature": 0.8, "generation.top_k": 40})
+    request = request_from_goal(goal(temperature=-1.0, top_k=-1), values)
+    assert (request.sampling.temperature, request.sampling.top_k) == (pytest.approx(0.8), 40)
+    request = request_from_goal(goal(), values)
+    assert request.sampling.greedy and request.sampling.top_k == 0
 
 
 @pytest.mark.parametrize("fields, reason", [
     (dict(prompt=""), "prompt is empty"),
     (dict(temperature=math.nan), "temperature=nan"),
-    (dict(temperature=-1.0), "temperature=-1.0"),
+    (dict(temperature=-0.5), "temperature=-0.5"),
     (dict(top_p=1.5), "top_p=1.5"),
     (dict(top_p=-0.5), "top_p=-0.5"),
     (dict(top_k=-2), "top_k=-2"),

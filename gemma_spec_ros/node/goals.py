@@ -23,8 +23,10 @@ def request_from_goal(goal: Any, values: Mapping[str, Any]) -> GenerationRequest
     """A Generate goal + the node's parameter values -> GenerationRequest, or GoalRejected.
 
     Goal conventions (see Generate.action): ``max_tokens`` 0 = ``generation.max_tokens``; ``top_p`` 0
-    = ``generation.top_p``; ``seed`` -1 = ``generation.seed`` (itself -1 = random by default);
-    empty ``spec_mode`` = the node's ``spec.mode``.
+    = ``generation.top_p``; ``temperature`` -1 = ``generation.temperature``; ``top_k`` -1 =
+    ``generation.top_k``; ``seed`` -1 = ``generation.seed`` (itself -1 = random by default); empty
+    ``spec_mode`` = the node's ``spec.mode``. A zero-initialised goal is greedy whatever the node's
+    defaults: 0 is a real temperature, so "use the default" needs its own value.
 
     >>> from types import SimpleNamespace as G
     >>> v = {"generation.max_tokens": 64, "generation.top_p": 0.9, "generation.seed": -1,
@@ -36,12 +38,14 @@ def request_from_goal(goal: Any, values: Mapping[str, Any]) -> GenerationRequest
     """
     if not goal.prompt:
         raise GoalRejected("prompt is empty")
-    if not math.isfinite(goal.temperature) or goal.temperature < 0:
-        raise GoalRejected(f"temperature={goal.temperature}: must be finite and >= 0")
+    if not math.isfinite(goal.temperature) or (goal.temperature < 0 and goal.temperature != -1):
+        raise GoalRejected(f"temperature={goal.temperature}: must be finite and >= 0, "
+                           "or -1 for the node's generation.temperature")
     if not math.isfinite(goal.top_p) or not 0.0 <= goal.top_p <= 1.0:
         raise GoalRejected(f"top_p={goal.top_p}: must be in (0, 1], or 0 for the node's default")
-    if goal.top_k < 0:
-        raise GoalRejected(f"top_k={goal.top_k}: must be >= 0 (0 = no limit)")
+    if goal.top_k < -1:
+        raise GoalRejected(f"top_k={goal.top_k}: must be >= 0 (0 = no limit), "
+                           "or -1 for the node's generation.top_k")
     if goal.spec_mode and goal.spec_mode not in SPEC_MODES:
         raise GoalRejected(f"spec_mode {goal.spec_mode!r}: expected one of {', '.join(SPEC_MODES)} "
                            "or empty for the node's spec.mode")
@@ -51,7 +55,9 @@ def request_from_goal(goal: Any, values: Mapping[str, Any]) -> GenerationRequest
     if max_tokens > values["limits.max_tokens"]:
         raise GoalRejected(f"max_tokens={max_tokens} exceeds limits.max_tokens={values['limits.max_tokens']}")
     try:
-        sampling = SamplingParams(temperature=float(goal.temperature), top_k=int(goal.top_k),
+        temperature = values["generation.temperature"] if goal.temperature == -1 else goal.temperature
+        top_k = values["generation.top_k"] if goal.top_k == -1 else goal.top_k
+        sampling = SamplingParams(temperature=float(temperature), top_k=int(top_k),
                                   top_p=float(goal.top_p or values["generation.top_p"]),
                                   seed=int(values["generation.seed"] if goal.seed == -1 else goal.seed))
         return GenerationRequest(prompt=goal.prompt, max_tokens=int(max_tokens), sampling=sampling,

@@ -148,13 +148,13 @@ PARAMETERS: Tuple[ParamSpec, ...] = (
     ParamSpec("generation.max_tokens", 128,
               "tokens generated when a goal's max_tokens is 0; <= limits.max_tokens", (1, 1 << 20)),
     ParamSpec("generation.temperature", _SAMPLING.temperature,
-              "the node's advertised default temperature (0 = greedy); not applied to Generate goals, "
-              "which always carry their own (0 is greedy there)", (0.0, 100.0)),
+              "temperature of goals that send temperature -1 (0 = greedy; a goal's 0 is greedy too)",
+              (0.0, 100.0)),
     ParamSpec("generation.top_p", _SAMPLING.top_p,
               "nucleus mass used when a goal's top_p is 0; in (0, 1]", (0.0, 1.0)),
     ParamSpec("generation.top_k", _SAMPLING.top_k,
-              "the node's advertised default top-k (0 = no limit); not applied to Generate goals, "
-              "which always carry their own (0 is 'no limit' there)", (0, _INT_MAX)),
+              "top-k of goals that send top_k -1 (0 = no limit; a goal's 0 is no limit too)",
+              (0, _INT_MAX)),
     ParamSpec("generation.seed", _SAMPLING.seed,
               "sampler seed used when a goal's seed is -1; -1 = random", (-1, _INT64_MAX)),
     ParamSpec("limits.max_prompt_tokens", 1536,
