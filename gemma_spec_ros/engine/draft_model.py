@@ -55,6 +55,18 @@ class DraftModelDrafter:
         self._sampler = None if sampler is None or sampler.greedy else sampler
         self._rng = rng
 
+    def warm_up(self, filler: Sequence[int], max_rows: int, passes: int) -> None:
+        """Run the passes drafting uses (a catch-up batch, one-token steps) untimed, so the first
+        measured draft costs are steady-state ones; leaves the KV cache empty."""
+        backend = self.backend
+        backend.clear()
+        backend.decode(list(filler), [len(filler) - 1])
+        for _ in range(passes):
+            for n in sorted({1, max(1, min(max_rows, len(filler) - 1))}):
+                backend.decode(list(filler[1:n + 1]), [n - 1])
+                backend.rollback(len(filler))
+        backend.clear()
+
     # -- Drafter protocol -------------------------------------------------------------------------
     def begin(self, prompt_tokens: Sequence[int]) -> None:
         """Nothing to reset: the KV prefix of the previous request is reused if it matches."""

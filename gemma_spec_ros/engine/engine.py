@@ -351,8 +351,17 @@ class Engine:
         return EMPTY_DRAFT, plain, None
 
     # -- calibration and teardown ---------------------------------------------------------------
-    def calibrate(self, sizes: Sequence[int] = (), context_len: int = 64, repeats: int = 2) -> Dict[int, float]:
-        """Measure the target's pass cost per batch size on this device (seeds the cost model)."""
+    def calibrate(self, sizes: Sequence[int] = (), context_len: int = 64, repeats: int = 2,
+                  warmup: int = 2) -> Dict[int, float]:
+        """Measure the target's pass cost per batch size on this device (seeds the cost model).
+
+        Every size first runs ``warmup`` untimed passes: the first passes of a batch shape are slower
+        than the steady state (page faults of the memory-mapped weights on a CPU; kernel selection and
+        CUDA-graph capture on a GPU, where a cold V(1) came out ~3x the steady one on an H200). A V(1)
+        that is too high makes every draft look profitable, and in a speculative mode plain steps are
+        rare, so the estimate would not be corrected by later measurements. The draft model, if any,
+        is warmed up the same way (its cost is measured while drafting).
+        """
         target = self.target
         sizes = sorted(set(sizes or (1, 2, 4, self._spec.draft_max + 1)))  # interpolated between
         context_len = max(1, min(context_len, self.n_ctx - max(sizes) - 1))
@@ -360,13 +369,18 @@ class Engine:
             return 3 + (997 + i) % max(1, target.n_vocab - 3)
 
         filler = [target.bos if target.bos >= 0 else token(0)] + [token(i) for i in range(context_len - 1)]
+        if self.draft is not None:
+            self.draft.warm_up(filler, max(sizes), warmup)
         target.clear()
         target.decode(filler, [])
         measured: Dict[int, float] = {}
         for n in sizes:
+            batch = [token(context_len + i) for i in range(n)]
+            for _ in range(warmup):
+                target.decode(batch, range(n))
+                target.rollback(context_len)
             best = math.inf
             for _ in range(repeats):
-                batch = [token(context_len + i) for i in range(n)]
                 _, seconds = target.timed_decode(batch, range(n))
                 target.rollback(context_len)
                 best = min(best, seconds)
