@@ -232,6 +232,21 @@ def test_corrupt_lookup_cache_is_refused(tmp_path, embedded_model_path):
                             lookup=LookupConfig(static_path=str(bad))), calibrate=False)
 
 
+def test_calibration_warms_up_and_leaves_both_caches_empty(embedded_model_path):
+    engine = Engine(EngineConfig(target=ModelConfig(str(embedded_model_path), n_ctx=256),
+                                 draft=ModelConfig(str(embedded_model_path), n_ctx=256),
+                                 spec=SpecConfig(mode="draft", draft_max=3)))
+    try:
+        assert engine.target.n_past == 0 and engine.draft.backend.n_past == 0
+        measured = engine.calibrate(sizes=(1, 4), warmup=1, repeats=1)
+        assert sorted(measured) == [1, 4] and all(s > 0 for s in measured.values())
+        assert engine.costs.verify_cost(1) > 0 and engine.target.n_past == 0
+        tokens, _, steps = run(engine, "The robot", "draft")  # drafting works after the warm-up
+        assert tokens and steps[-1].stats.num_drafts > 0
+    finally:
+        engine.close()
+
+
 def test_context_overflow_is_loud(embedded_model_path):
     engine = Engine(EngineConfig(target=ModelConfig(str(embedded_model_path), n_ctx=64)), calibrate=False)
     try:
