@@ -235,7 +235,7 @@ def test_corrupt_lookup_cache_is_refused(tmp_path, embedded_model_path):
 def test_calibration_warms_up_and_leaves_both_caches_empty(embedded_model_path):
     engine = Engine(EngineConfig(target=ModelConfig(str(embedded_model_path), n_ctx=256),
                                  draft=ModelConfig(str(embedded_model_path), n_ctx=256),
-                                 spec=SpecConfig(mode="draft", draft_max=3)))
+                                 spec=SpecConfig(mode="draft", draft_max=3, adaptive=False)))
     try:
         assert engine.target.n_past == 0 and engine.draft.backend.n_past == 0
         measured = engine.calibrate(sizes=(1, 4), warmup=1, repeats=1)
