@@ -207,6 +207,18 @@ def test_policy_unfilled_probe_stays_pending_and_new_request_probes_at_once():
     assert policy.decide(4, adaptive=True).draft_len == 1
 
 
+def test_draft_model_policy_does_not_probe_at_each_new_request():
+    costs = CostModel()
+    for n, seconds in ((1, 0.026), (2, 0.031), (3, 0.035), (5, 0.045)):
+        costs.observe_verify(n, seconds)
+    policy = DraftLengthPolicy("draft", costs, probe_new_requests=False)
+    for _ in range(40):
+        policy.observe(4, 0)
+    assert policy.decide(4, adaptive=True).draft_len == 0 and not policy.enabled
+    policy.new_request()
+    assert policy.decide(4, adaptive=True).draft_len == 0  # no probe at the first step
+
+
 def test_acceptance_prior_of_an_unreached_position_follows_the_one_before():
     model = AcceptanceModel(prior_acceptance=0.5, prior_weight=2.0, decay=1.0)
     for _ in range(20):

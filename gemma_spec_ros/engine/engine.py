@@ -140,7 +140,8 @@ class Engine:
             self.close()
             raise
         self.costs = CostModel()
-        self.policies = {source: DraftLengthPolicy(source, self.costs) for source in ("lookup", "draft")}
+        self.policies = {"lookup": DraftLengthPolicy("lookup", self.costs),
+                         "draft": DraftLengthPolicy("draft", self.costs, probe_new_requests=False)}
         if calibrate:
             self.calibrate()
 

@@ -142,13 +142,17 @@ class DraftLengthPolicy:
 
     While off it probes: after ``probe_min`` plain steps it asks for one draft, and the interval
     doubles (up to ``probe_max``) only when a probe was actually verified and did not turn it back
-    on. A probe the drafter could not fill (no n-gram match) stays pending, and ``new_request()``
-    probes again at once: a new prompt is new text, the last one's bad luck says little about it.
+    on. A probe the drafter could not fill (no n-gram match) stays pending. With
+    ``probe_new_requests`` (cheap probes: n-gram lookup), ``new_request()`` probes again at once: a new
+    prompt is new text, the last one's bad luck says little about it. A draft model's probe is not
+    cheap: after plain steps it must first catch up on every token it has not seen (at a new request,
+    the whole prompt), so its interval keeps growing across requests.
     """
 
     def __init__(self, source: str, costs: CostModel, *, margin: float = 0.03,
-                 probe_min: int = 8, probe_max: int = 128) -> None:
+                 probe_min: int = 8, probe_max: int = 128, probe_new_requests: bool = True) -> None:
         self.source = source
+        self.probe_new_requests = probe_new_requests
         self.costs = costs
         self.acceptance = AcceptanceModel()
         self.margin = margin
@@ -202,7 +206,7 @@ class DraftLengthPolicy:
 
     def new_request(self) -> None:
         """A new prompt starts: if off, probe at its first draftable step, then every probe_min."""
-        if not self.enabled:
+        if not self.enabled and self.probe_new_requests:
             self._probe_interval = self.probe_min
             self._steps_off = self._probe_interval
 
