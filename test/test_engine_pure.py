@@ -160,11 +160,11 @@ def test_acceptance_model_expected_tokens_worked_example():
     assert model.expected_tokens(2) == pytest.approx(1 + 0.8 + 0.8 * 0.5)
 
 
-def _policy_after(accept_first_n, drafts=40, k=4):
+def _policy_after(accept_first_n, drafts=40, k=4, source="lookup", **options):
     costs = CostModel()
     for n, seconds in ((1, 0.026), (2, 0.031), (3, 0.035), (5, 0.045)):
         costs.observe_verify(n, seconds)
-    policy = DraftLengthPolicy("lookup", costs)
+    policy = DraftLengthPolicy(source, costs, **options)
     for _ in range(drafts):
         policy.observe(k, accept_first_n)
     return policy
@@ -208,12 +208,7 @@ def test_policy_unfilled_probe_stays_pending_and_new_request_probes_at_once():
 
 
 def test_draft_model_policy_does_not_probe_at_each_new_request():
-    costs = CostModel()
-    for n, seconds in ((1, 0.026), (2, 0.031), (3, 0.035), (5, 0.045)):
-        costs.observe_verify(n, seconds)
-    policy = DraftLengthPolicy("draft", costs, probe_new_requests=False)
-    for _ in range(40):
-        policy.observe(4, 0)
+    policy = _policy_after(0, source="draft", probe_new_requests=False)
     assert policy.decide(4, adaptive=True).draft_len == 0 and not policy.enabled
     policy.new_request()
     assert policy.decide(4, adaptive=True).draft_len == 0  # no probe at the first step

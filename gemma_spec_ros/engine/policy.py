@@ -121,11 +121,15 @@ class AcceptanceModel:
 
     def expected_tokens(self, k: int) -> float:
         """E(k) = 1 + sum_j prod_{i<=j} a_i: tokens a pass over a k-token draft emits on average."""
-        total, survive = 1.0, 1.0
+        return self.expected_tokens_upto(k)[-1]
+
+    def expected_tokens_upto(self, k: int) -> List[float]:
+        """[E(0), E(1), ..., E(k)] in one pass (the policy compares every k each step)."""
+        out, survive = [1.0], 1.0
         for a in self.conditional(k):
             survive *= a
-            total += survive
-        return total
+            out.append(out[-1] + survive)
+        return out
 
 
 @dataclass
@@ -163,16 +167,20 @@ class DraftLengthPolicy:
 
     def predicted_speedup(self, k: int) -> float:
         """S(k) of the module docstring; NaN when costs are not measured yet."""
+        return self._speedup(k, self.acceptance.expected_tokens(k))
+
+    def _speedup(self, k: int, expected_tokens: float) -> float:
         plain = self.costs.verify_cost(1)
         verify = self.costs.verify_cost(k + 1)
         if plain is None or verify is None:
             return math.nan
-        return self.acceptance.expected_tokens(k) * plain / (self.costs.draft_cost(self.source, k) + verify)
+        return expected_tokens * plain / (self.costs.draft_cost(self.source, k) + verify)
 
     def best(self, draft_max: int) -> Decision:
         best_k, best_s = 0, 1.0
+        expected = self.acceptance.expected_tokens_upto(draft_max)
         for k in range(1, draft_max + 1):
-            s = self.predicted_speedup(k)
+            s = self._speedup(k, expected[k])
             if math.isnan(s):  # nothing measured yet: trust the drafter, draft the most
                 return Decision(draft_max, math.nan)
             if s > best_s or best_k == 0:
