@@ -14,6 +14,7 @@ setup(
         ("share/" + PACKAGE, ["package.xml"]),
         ("share/" + PACKAGE + "/launch", glob("launch/*.launch.py")),
         ("share/" + PACKAGE + "/config", glob("config/*.yaml")),
+        ("share/" + PACKAGE + "/config/aggregator", glob("config/aggregator/*.yaml")),
         ("share/" + PACKAGE + "/prompts", glob("prompts/*.yaml")),
     ],
     install_requires=["setuptools", "numpy", "pyyaml"],

@@ -24,8 +24,8 @@ from launch_ros.events.lifecycle import ChangeState
 from lifecycle_msgs.msg import Transition
 
 PACKAGE = "gemma_spec_ros"
-TARGET_MODEL_FILE = "gemma-4-4b-it-Q4_K_M.gguf"
-DRAFT_MODEL_FILE = "gemma-4-1b-it-Q4_K_M.gguf"
+TARGET_MODEL_FILE = "gemma-3-4b-it-q4_0.gguf"  # Gemma 3 4B-it, Google's QAT Q4_0 release
+DRAFT_MODEL_FILE = "gemma-3-1b-it-q4_0.gguf"  # Gemma 3 1B-it, same tokenizer
 
 
 def parameter_overrides(models_dir: str, spec_mode: str) -> Dict[str, Any]:

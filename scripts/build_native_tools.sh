@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds llama.cpp's own n-gram lookup tools, to cross-check gemma_spec_ros against them:
-#   llama-lookup-create  llama-lookup  llama-lookup-stats  llama-speculative-simple
+#   llama-lookup-create  llama-lookup  llama-lookup-stats  llama-speculative-simple  llama-server
 # from the llama.cpp that llama-cpp-python vendors (the same version the engine links), with the
 # CPU-safe flags of scripts/setup.sh. Optional: nothing in the package needs these binaries; the
 # cross-check test skips without them. See docs/native_tools.md.
@@ -23,7 +23,7 @@ JOBS="${JOBS:-2}"
 if [ -z "${PYTHON:-}" ]; then
   if [ -x "$ROOT/.venv/bin/python" ]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
 fi
-TARGETS=(llama-lookup-create llama-lookup llama-lookup-stats llama-speculative-simple)
+TARGETS=(llama-lookup-create llama-lookup llama-lookup-stats llama-speculative-simple llama-server)
 # GGML_NATIVE=OFF: -march=native enables the AMX backend, which segfaults on these CPUs (ENV.md).
 # Static libraries, so the binaries copied to bin/ need no libllama.so beside them.
 CMAKE_FLAGS=(

