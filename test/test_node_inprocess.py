@@ -209,7 +209,7 @@ def test_diagnostics_carry_the_named_status(client: Client) -> None:
     status = client.wait_status(SPEC_STATUS, lambda s: s.level != DiagnosticStatus.STALE)
     values = key_values(status)
     for key in ("mode", "tau (mean acceptance length)", "acceptance rate", "K (draft_max)", "tokens/s",
-                "TTFT ms", "latency p50 s", "latency p95 s", "queue depth", "requests ok",
+                "TTFT p50 ms", "latency p50 s", "latency p95 s", "queue depth", "requests ok",
                 "requests failed", "requests cancelled", "requests rejected", "last rejection",
                 "RSS MiB"):
         assert key in values, key

@@ -15,7 +15,8 @@ Public API (the node and the bench use only this):
     for step in engine.generate(request, cancel=threading.Event()):
         step.text, step.tokens, step.stats   # new text (whole UTF-8 chars), new tokens, stats so far
         step.spec_mode, step.draft_max       # what was in effect at this step
-        step.finish_reason                   # None until the last step: stop | length | cancelled
+        step.finish_reason                   # None until the last step: stop | length | timeout |
+                                             # cancelled (request.time_budget, cancel)
     # generate() raises EngineError (e.g. PromptTooLongError, KVCacheError) on failure; the engine
     # stays usable for the next request. One generate() at a time (the node serialises).
     engine.rolling_stats()                   # SpecStats over all requests so far (a copy)
@@ -50,7 +51,7 @@ class Step:
     stats: SpecStats  # the request's stats so far (a snapshot; safe to keep)
     spec_mode: str  # mode in effect at this step ("auto:lookup" style when auto chose)
     draft_max: int  # K in effect at this step
-    finish_reason: Optional[str] = None  # stop | length | cancelled on the last step
+    finish_reason: Optional[str] = None  # stop | length | timeout | cancelled on the last step
 
 
 
@@ -229,11 +230,9 @@ class Engine:
         t_request = now()
         try:
             with watch("prompt_time"):
-                # Always evaluate the whole prompt: reusing a cached prefix would change the batch
-                # shapes, and quantized logits depend slightly on them, so the same seeded request
-                # could give different text depending on what ran before.
-                target.clear()
-                rows = target.decode(prompt, [len(prompt) - 1])
+                stats.num_prompt_tokens_reused = self._keep_prompt_prefix(prompt, request.reuse_prompt)
+                rest = prompt[stats.num_prompt_tokens_reused:]
+                rows = target.decode(rest, [len(rest) - 1])
                 first = sampler.sample(rows[0], rng)
             stats.time_to_first_token = now() - t_request
             use_rejection = self._spec.verification == "rejection" and not sampler.greedy
@@ -267,6 +266,8 @@ class Engine:
                     finish = "length"
                 elif cancel is not None and cancel.is_set():
                     finish = "cancelled"
+                elif request.time_budget and now() - t_request >= request.time_budget:
+                    finish = "timeout"
                 stats.num_generated_tokens = len(generated)
                 if finish is not None:
                     new_text += text.flush()
@@ -309,12 +310,27 @@ class Engine:
                 stats.predicted_speedup = decision.predicted_speedup
                 stats.generation_time += now() - t_step
                 step_mode, step_k = self._mode_label(request, source), spec.draft_max
+        except BaseException:
+            target.clear()  # the KV cache may not hold what kv_tokens says: reuse nothing of it
+            raise
         finally:
             stats.plain_token_time = self.costs.plain_token_time
             for drafter in self._drafters():
                 drafter.end(prompt + generated)
             with self._stats_lock:
                 self._rolling.merge(stats)
+
+    def _keep_prompt_prefix(self, prompt: Sequence[int], reuse: bool) -> int:
+        """Prompt tokens whose KV cache the previous request left (its common prefix with
+        ``prompt``, less the last token, whose logits are needed); the rest is rolled back.
+
+        With ``reuse`` False the cache is emptied: the whole prompt is evaluated in one batch, the
+        same shapes whatever ran before (quantized logits depend slightly on batch shapes).
+        """
+        if not reuse:
+            self.target.clear()
+            return 0
+        return self.target.reuse_prefix(prompt, keep_last=1)
 
     def _mode_label(self, request: GenerationRequest, source: Optional[str]) -> str:
         mode = request.spec_mode or self._spec.mode

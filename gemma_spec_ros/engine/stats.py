@@ -43,6 +43,7 @@ class SpecStats:
     num_step_tokens: int = 0  # tokens emitted by decode steps after the prompt (for tokens/s)
     num_steps: int = 0  # target passes after the prompt (verify or plain)
     num_prompt_tokens: int = 0
+    num_prompt_tokens_reused: int = 0  # prompt tokens whose KV came from the previous request
     accepted_at: List[int] = field(default_factory=list)  # drafts accepted at position i
     drafted_at: List[int] = field(default_factory=list)  # drafts that reached position i
     drafts_by_source: Dict[str, int] = field(default_factory=dict)
@@ -54,6 +55,7 @@ class SpecStats:
     generation_time: float = 0.0  # wall time of the decode steps after the prompt pass
     predicted_speedup: float = math.nan
     plain_token_time: float = math.nan  # measured cost of one plain decode step on this device
+    queue_wait: float = 0.0  # acceptance to start of generation, set by whoever queued the request
 
     # -- mutators ---------------------------------------------------------------------------------
     def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int, source: str = "") -> None:
@@ -85,8 +87,8 @@ class SpecStats:
     def merge(self, other: "SpecStats") -> None:
         """Add another request's counters and times (for rolling, per-engine stats)."""
         for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_generated_tokens",
-                     "num_step_tokens", "num_steps", "num_prompt_tokens", "prompt_time", "draft_time", "verify_time",
-                     "sample_time", "generation_time"):
+                     "num_step_tokens", "num_steps", "num_prompt_tokens", "num_prompt_tokens_reused", "prompt_time", "draft_time", "verify_time",
+                     "sample_time", "generation_time", "queue_wait"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_at, other.drafted_at), (self.accepted_at, other.accepted_at)):
             mine.extend([0] * (len(theirs) - len(mine)))
@@ -149,6 +151,7 @@ class SpecStats:
             "num_generated_tokens": self.num_generated_tokens,
             "num_step_tokens": self.num_step_tokens, "num_steps": self.num_steps,
             "num_prompt_tokens": self.num_prompt_tokens,
+            "num_prompt_tokens_reused": self.num_prompt_tokens_reused,
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
             "acceptance_per_position": self.acceptance_per_position,
@@ -157,7 +160,7 @@ class SpecStats:
             "time_to_first_token_ms": self.time_to_first_token * 1e3,
             "prompt_ms": self.prompt_time * 1e3, "draft_ms": self.draft_time * 1e3,
             "verify_ms": self.verify_time * 1e3, "sample_ms": self.sample_time * 1e3,
-            "generation_ms": self.generation_time * 1e3,
+            "generation_ms": self.generation_time * 1e3, "queue_wait_ms": self.queue_wait * 1e3,
             "predicted_speedup": self.predicted_speedup, "measured_speedup": self.measured_speedup,
         }
 

@@ -21,7 +21,7 @@ SPEC_MODES: Tuple[str, ...] = ("off", "draft", "lookup", "draft+lookup", "auto")
 #: for any drafter). ``rejection``: Leviathan/Chen min(1, p/q) with residual resampling.
 VERIFICATIONS: Tuple[str, ...] = ("exact", "rejection")
 #: Why a generation ended.
-FINISH_REASONS: Tuple[str, ...] = ("stop", "length", "cancelled", "error")
+FINISH_REASONS: Tuple[str, ...] = ("stop", "length", "timeout", "preempted", "cancelled", "error")
 
 
 class EngineError(RuntimeError):
@@ -172,12 +172,21 @@ class GenerationRequest:
     use_chat_template: bool = False
     stop: Tuple[str, ...] = ()
     spec_mode: Optional[str] = None
+    #: seconds from the start of generate() after which the request ends with finish_reason
+    #: ``timeout`` and its text so far (checked at step boundaries); 0 = no limit
+    time_budget: float = 0.0
+    #: keep the KV cache of the previous request's common prefix and evaluate only the rest
+    #: (bit-identical with F16/F32 weights; quantized weights may differ after a near-tie, since
+    #: the batch shapes change); False = evaluate the whole prompt from an empty cache
+    reuse_prompt: bool = True
 
     def __post_init__(self) -> None:
         if not self.prompt:
             raise ValueError("prompt is empty")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens}: must be >= 1")
+        if not math.isfinite(self.time_budget) or self.time_budget < 0:
+            raise ValueError(f"time_budget={self.time_budget}: must be finite and >= 0 (0 = none)")
         if self.spec_mode is not None and self.spec_mode not in SPEC_MODES:
             raise ValueError(f"spec mode {self.spec_mode!r}: expected one of {', '.join(SPEC_MODES)}")
         if any(not s for s in self.stop):

@@ -89,11 +89,15 @@ class RequestLog:
     ok: int = 0
     failed: int = 0
     cancelled: int = 0
+    timeout: int = 0  # ended by their time budget
+    preempted: int = 0  # stopped by an urgent goal
     rejected: int = 0
     last_failed: bool = False
     last_error: str = ""
     last_rejection: str = ""
     latencies: Deque[float] = field(default_factory=lambda: collections.deque(maxlen=WINDOW))
+    queue_waits: Deque[float] = field(default_factory=lambda: collections.deque(maxlen=WINDOW))
+    ttfts: Deque[float] = field(default_factory=lambda: collections.deque(maxlen=WINDOW))
     recent: Deque[SpecStats] = field(default_factory=lambda: collections.deque(maxlen=WINDOW))
 
     def record(self, finish_reason: str, latency: float, stats: Optional[SpecStats], error: str = "") -> None:
@@ -103,10 +107,18 @@ class RequestLog:
             self.last_error = error
         elif finish_reason == "cancelled":
             self.cancelled += 1
+        elif finish_reason == "timeout":
+            self.timeout += 1
+        elif finish_reason == "preempted":
+            self.preempted += 1
         else:
             self.ok += 1
         self.last_failed = finish_reason == "error"
         self.latencies.append(latency)
+        if stats is not None:
+            self.queue_waits.append(stats.queue_wait)
+            if not math.isnan(stats.time_to_first_token):
+                self.ttfts.append(stats.time_to_first_token)
         if stats is not None and stats.num_generated_tokens:
             self.recent.append(stats)
 
@@ -157,8 +169,9 @@ def _kv(pairs: Iterable[Tuple[str, Any]]) -> List[KeyValue]:
 def spec_status(view: NodeView, log: RequestLog, rolling: Optional[SpecStats]) -> DiagnosticStatus:
     """``<node>: speculative decoding``: level, message and the key-values operators watch.
 
-    ``rolling`` is the engine's lifetime stats (for mode, K, tau, acceptance); tokens/s, TTFT and
-    the speedup come from the window of recent requests.
+    ``rolling`` is the engine's lifetime stats (for mode, K, tau, acceptance); tokens/s, the
+    speedup and the prompt tokens reused / evaluated come from the window of recent requests
+    (summed); TTFT and queue wait are p50 / p95 over that window.
     """
     window = log.window_stats()
     current = rolling or SpecStats()
@@ -176,9 +189,14 @@ def spec_status(view: NodeView, log: RequestLog, rolling: Optional[SpecStats]) -
         ("K (draft_max)", view.spec.draft_max if view.spec else 0),
         ("draft length last", current.draft_last),
         ("tokens/s", recent.tokens_per_second),
-        ("TTFT ms", recent.time_to_first_token * 1e3),
+        ("TTFT p50 ms", percentile(list(log.ttfts), 50) * 1e3),
+        ("TTFT p95 ms", percentile(list(log.ttfts), 95) * 1e3),
+        ("queue wait p50 ms", percentile(list(log.queue_waits), 50) * 1e3),
+        ("queue wait p95 ms", percentile(list(log.queue_waits), 95) * 1e3),
         ("latency p50 s", percentile(latencies, 50)),
         ("latency p95 s", percentile(latencies, 95)),
+        ("prompt tokens reused (window)", recent.num_prompt_tokens_reused),
+        ("prompt tokens evaluated (window)", recent.num_prompt_tokens - recent.num_prompt_tokens_reused),
         ("measured speedup", recent.measured_speedup),
         ("predicted speedup", current.predicted_speedup),
         ("queue depth", view.queue_depth),
@@ -187,6 +205,8 @@ def spec_status(view: NodeView, log: RequestLog, rolling: Optional[SpecStats]) -
         ("requests ok", log.ok),
         ("requests failed", log.failed),
         ("requests cancelled", log.cancelled),
+        ("requests timeout", log.timeout),
+        ("requests preempted", log.preempted),
         ("requests rejected", log.rejected),
         ("last rejection", log.last_rejection),
         ("last error", log.last_error),

@@ -10,7 +10,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Deque, Dict, List, Mapping, Optional
+from typing import Any, Deque, Dict, List, Mapping, Optional, Tuple
 
 from ..engine.types import (SPEC_MODES, EngineError, GenerationRequest, SamplingParams)
 
@@ -25,14 +25,14 @@ def request_from_goal(goal: Any, values: Mapping[str, Any]) -> GenerationRequest
     Goal conventions (see Generate.action): ``max_tokens`` 0 = ``generation.max_tokens``; ``top_p`` 0
     = ``generation.top_p``; ``temperature`` -1 = ``generation.temperature``; ``top_k`` -1 =
     ``generation.top_k``; ``seed`` -1 = ``generation.seed`` (itself -1 = random by default); empty
-    ``spec_mode`` = the node's ``spec.mode``. A zero-initialised goal is greedy whatever the node's
+    ``spec_mode`` = the node's ``spec.mode``; ``time_budget`` 0 = ``generation.time_budget``. A zero-initialised goal is greedy whatever the node's
     defaults: 0 is a real temperature, so "use the default" needs its own value.
 
     >>> from types import SimpleNamespace as G
     >>> v = {"generation.max_tokens": 64, "generation.top_p": 0.9, "generation.seed": -1,
-    ...      "limits.max_tokens": 256}
+    ...      "limits.max_tokens": 256, "generation.time_budget": 0.0, "generation.prompt_cache": True}
     >>> goal = G(prompt="Hi", system_prompt="", use_chat_template=False, max_tokens=0,
-    ...          temperature=0.0, top_p=0.0, top_k=0, seed=7, stop=[], spec_mode="")
+    ...          temperature=0.0, top_p=0.0, top_k=0, seed=7, stop=[], spec_mode="", time_budget=0.0)
     >>> r = request_from_goal(goal, v); (r.max_tokens, r.sampling.top_p, r.spec_mode)
     (64, 0.9, None)
     """
@@ -51,6 +51,9 @@ def request_from_goal(goal: Any, values: Mapping[str, Any]) -> GenerationRequest
                            "or empty for the node's spec.mode")
     if goal.seed < -1:
         raise GoalRejected(f"seed={goal.seed}: must be >= 0, or -1 for a random seed")
+    if not math.isfinite(goal.time_budget) or goal.time_budget < 0:
+        raise GoalRejected(f"time_budget={goal.time_budget}: must be >= 0 seconds "
+                           "(0 = the node's generation.time_budget)")
     max_tokens = goal.max_tokens or values["generation.max_tokens"]
     if max_tokens > values["limits.max_tokens"]:
         raise GoalRejected(f"max_tokens={max_tokens} exceeds limits.max_tokens={values['limits.max_tokens']}")
@@ -63,7 +66,9 @@ def request_from_goal(goal: Any, values: Mapping[str, Any]) -> GenerationRequest
         return GenerationRequest(prompt=goal.prompt, max_tokens=int(max_tokens), sampling=sampling,
                                  system_prompt=goal.system_prompt,
                                  use_chat_template=bool(goal.use_chat_template),
-                                 stop=tuple(goal.stop), spec_mode=goal.spec_mode or None)
+                                 stop=tuple(goal.stop), spec_mode=goal.spec_mode or None,
+                                 time_budget=float(goal.time_budget or values["generation.time_budget"]),
+                                 reuse_prompt=bool(values["generation.prompt_cache"]))
     except ValueError as exc:
         raise GoalRejected(str(exc)) from exc
 
@@ -98,6 +103,10 @@ class Job:
     accepted_at: float = field(default_factory=time.monotonic)
     cancel: threading.Event = field(default_factory=threading.Event)
     drop_reason: str = ""
+    priority: int = 0  # waiting goals start highest first, FIFO within a level
+    preempt: bool = False  # on arrival, stop a running goal of lower priority
+    preempted_by: str = ""  # set: stopped by an urgent goal (finish_reason preempted)
+    queue_position: int = 0  # the last queue position sent in feedback (0 = none sent yet)
 
     @property
     def key(self) -> bytes:
@@ -105,11 +114,13 @@ class Job:
 
 
 class JobQueue:
-    """The bounded FIFO of accepted goals and the one running goal.
+    """The bounded priority queue of accepted goals and the one running goal.
 
-    Goals start one at a time, in acceptance order; a goal that was cancelled or dropped while
-    waiting is handed out at once (out of order) so its client gets the result without waiting for
-    the running goal. ``max_depth`` counts waiting goals, not the running one.
+    Goals start one at a time, highest ``priority`` first and in acceptance order within a level; a
+    goal that was cancelled or dropped while waiting is handed out at once (out of order) so its
+    client gets the result without waiting for the running goal. A goal pushed with ``preempt``
+    stops a running goal of lower priority at its next step (``preempted_by`` set, cancel event
+    set). ``max_depth`` counts waiting goals, not the running one.
 
     All methods are thread-safe; :meth:`next_to_start` blocks until there is something to start.
     """
@@ -138,11 +149,24 @@ class JobQueue:
             return self._running is not None or bool(self._waiting)
 
     def push(self, job: Job) -> None:
-        """Queue an accepted goal."""
+        """Queue an accepted goal behind every waiting goal of its priority or higher."""
         with self._cond:
-            self._waiting.append(job)
+            index = next((i for i, other in enumerate(self._waiting) if other.priority < job.priority),
+                         len(self._waiting))
+            self._waiting.insert(index, job)
             self._jobs[job.key] = job
+            running = self._running
+            if job.preempt and running is not None and running.priority < job.priority:
+                running.preempted_by = (f"preempted by a goal of priority {job.priority} "
+                                        f"(this one: {running.priority})")
+                running.cancel.set()
             self._cond.notify_all()
+
+    def positions(self) -> List[Tuple[Job, int]]:
+        """Each waiting goal that will start, with its queue position (1 = next to start)."""
+        with self._cond:
+            waiting = [job for job in self._waiting if not (job.drop_reason or job.cancel.is_set())]
+            return [(job, i + 1) for i, job in enumerate(waiting)]
 
     def get(self, key: bytes) -> Optional[Job]:
         with self._cond:
@@ -227,8 +251,3 @@ class JobQueue:
 
     def _cancel_in_flight(self) -> bool:
         return any(job.cancel.is_set() and not job.drop_reason for job in self._waiting)
-
-    def snapshot(self) -> List[Job]:
-        """Running goal (if any) first, then the waiting goals in order."""
-        with self._cond:
-            return ([self._running] if self._running else []) + list(self._waiting)

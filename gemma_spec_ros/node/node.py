@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from dataclasses import replace
 from typing import Any, Dict, List, Optional, Tuple
 
 from diagnostic_msgs.msg import DiagnosticArray
@@ -288,13 +289,26 @@ class GemmaSpecNode(LifecycleNode):
         if jobs is None:  # cleaned up between accept and here
             goal_handle.execute(self._execute)
             return
+        goal = goal_handle.request
         try:
-            job = Job(goal_handle, request_from_goal(goal_handle.request, self._values()))
+            job = Job(goal_handle, request_from_goal(goal, self._values()),
+                      priority=goal.priority, preempt=goal.preempt)
         except GoalRejected as exc:  # parameters changed since the goal callback
             job = Job(goal_handle, None, drop_reason=str(exc))
         if not self._accepting:  # a transition stopped goals after this one passed the goal callback
             job.drop_reason = self._stop_reason
         jobs.push(job)
+        self._publish_queue_positions(jobs)
+
+    def _publish_queue_positions(self, jobs: JobQueue) -> None:
+        """Feedback to every waiting goal whose queue position changed (1 = starts next)."""
+        for job, position in jobs.positions():
+            if position != job.queue_position:
+                job.queue_position = position
+                try:
+                    job.goal_handle.publish_feedback(Generate.Feedback(queue_position=position))
+                except Exception as exc:  # noqa: BLE001  the goal ended meanwhile
+                    self.get_logger().debug(f"queue position feedback skipped: {exc!r}")
 
     def _on_cancel(self, goal_handle: ServerGoalHandle) -> CancelResponse:
         """Accept a cancel for a known goal; it stops at its next step (or before it starts)."""
@@ -310,6 +324,7 @@ class GemmaSpecNode(LifecycleNode):
             job = jobs.next_to_start()
             if job is None:
                 return
+            self._publish_queue_positions(jobs)
             try:
                 job.goal_handle.execute()
             except Exception as exc:  # noqa: BLE001  the context went away; nothing to serve
@@ -325,7 +340,13 @@ class GemmaSpecNode(LifecycleNode):
             self._end_goal(goal_handle, result)
             return result
         try:
-            if jobs.is_running(job) and job.request is not None:
+            budget = job.request.time_budget if job.request is not None else 0.0
+            waited = time.monotonic() - job.accepted_at
+            if jobs.is_running(job) and job.request is not None and budget and waited >= budget:
+                result = Generate.Result(finish_reason="timeout",
+                                         error=f"time_budget of {budget:g} s ran out while waiting")
+                stats = None
+            elif jobs.is_running(job) and job.request is not None:
                 result, stats = self._generate(job)
             else:
                 reason = job.drop_reason or "cancelled before it started"
@@ -341,12 +362,16 @@ class GemmaSpecNode(LifecycleNode):
         engine = self._engine
         goal_handle = job.goal_handle
         min_period = self._value("feedback.min_period")
+        queue_wait = time.monotonic() - job.accepted_at
+        request = job.request
+        if request.time_budget:  # the budget counts from acceptance: the wait is spent
+            request = replace(request, time_budget=max(1e-3, request.time_budget - queue_wait))
         parts: List[str] = []
         unsent: List[str] = []
         last_feedback = -math.inf
         step = None
         try:
-            for step in engine.generate(job.request, cancel=job.cancel):
+            for step in engine.generate(request, cancel=job.cancel):
                 parts.append(step.text)
                 unsent.append(step.text)
                 if goal_handle.is_cancel_requested:
@@ -363,13 +388,21 @@ class GemmaSpecNode(LifecycleNode):
             return self._failed(job, parts, step, f"internal error: {exc!r}"), None
         if step is None:
             return self._failed(job, parts, step, "the engine produced no step"), None
+        step.stats.queue_wait = queue_wait
+        finish_reason = step.finish_reason or "length"
+        if finish_reason == "cancelled" and job.preempted_by and not job.drop_reason:
+            finish_reason = "preempted"
         result = Generate.Result(
-            text="".join(parts), finish_reason=step.finish_reason or "length",
+            text="".join(parts), finish_reason=finish_reason,
             prompt_tokens=step.stats.num_prompt_tokens,
             completion_tokens=step.stats.num_generated_tokens, spec_mode=step.spec_mode,
             stats=diagnostics.spec_stats_msg(step.stats, self.get_clock().now().to_msg()))
         if result.finish_reason == "cancelled" and job.drop_reason:
             result.error = job.drop_reason
+        elif result.finish_reason == "preempted":
+            result.error = job.preempted_by
+        elif result.finish_reason == "timeout":
+            result.error = f"time_budget of {job.request.time_budget:g} s ran out"
         return result, step.stats
 
     def _failed(self, job: Job, parts: List[str], step: Any, error: str) -> Generate.Result:
@@ -387,9 +420,9 @@ class GemmaSpecNode(LifecycleNode):
         try:
             if result.finish_reason in ("stop", "length"):
                 goal_handle.succeed()
-            elif result.finish_reason == "cancelled" and goal_handle.is_cancel_requested:
+            elif result.finish_reason in ("cancelled", "preempted") and goal_handle.is_cancel_requested:
                 goal_handle.canceled()
-            else:  # engine error, or stopped by a transition rather than by its client
+            else:  # timeout, preempted, engine error, or stopped by a transition, not by its client
                 goal_handle.abort()
         except Exception as exc:  # noqa: BLE001  the context is shutting down
             self.get_logger().warning(f"cannot set the goal's final state: {exc}")

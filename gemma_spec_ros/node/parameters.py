@@ -166,6 +166,13 @@ PARAMETERS: Tuple[ParamSpec, ...] = (
               (0, _INT_MAX)),
     ParamSpec("generation.seed", _SAMPLING.seed,
               "sampler seed used when a goal's seed is -1; -1 = random", (-1, _INT64_MAX)),
+    ParamSpec("generation.time_budget", 0.0,
+              "seconds from acceptance after which a goal that sends time_budget 0 ends with "
+              "finish_reason timeout and its text so far; 0 = no limit", (0.0, 86_400.0)),
+    ParamSpec("generation.prompt_cache", True,
+              "reuse the KV cache of the previous request's common prompt prefix (a planner's "
+              "repeated system prompt is evaluated once); false = evaluate every prompt whole, "
+              "for output independent of earlier requests with quantized weights"),
     ParamSpec("limits.max_prompt_tokens", 1536,
               "goals whose (templated) prompt has more tokens are rejected", (1, 1 << 20)),
     ParamSpec("limits.max_tokens", 1024,

@@ -75,11 +75,13 @@ def load_suite(path: Path) -> Suite:
     items = data.get("prompts") or []
     if not isinstance(items, list) or not items:
         raise ValueError(f"{path}: 'prompts' must be a non-empty list")
+    system = str(data.get("system") or "")  # one text every prompt starts with (a planner's)
     prompts: List[Prompt] = []
     for i, item in enumerate(items):
         if not isinstance(item, dict) or not item.get("id") or not item.get("text"):
             raise ValueError(f"{path}: prompt #{i + 1} needs a non-empty 'id' and 'text'")
-        prompts.append(Prompt(name, str(item["id"]), str(item["text"])))
+        text = f"{system}\n\n{item['text']}" if system else str(item["text"])
+        prompts.append(Prompt(name, str(item["id"]), text))
     ids = [p.id for p in prompts]
     if len(set(ids)) != len(ids):
         raise ValueError(f"{path}: prompt ids must be unique")

@@ -45,6 +45,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--system", default="", help="system prompt (with --chat)")
     parser.add_argument("--chat", action="store_true", help="wrap in the model's chat template")
+    parser.add_argument("--time-budget", type=float, default=0.0,
+                        help="seconds until the goal ends with finish_reason timeout and its text "
+                             "so far; 0 = the node's generation.time_budget")
+    parser.add_argument("--priority", type=int, default=0,
+                        help="waiting goals start highest priority first (default 0)")
+    parser.add_argument("--preempt", action="store_true",
+                        help="stop a running goal of lower priority at its next step")
     parser.add_argument("--node", default=NODE_NAME,
                         help="node name or full path; the action is <node>/generate")
     parser.add_argument("--timeout", type=float, default=300.0,
@@ -56,7 +63,8 @@ def goal_from_args(args: argparse.Namespace) -> Generate.Goal:
     return Generate.Goal(prompt=args.prompt, system_prompt=args.system,
                          use_chat_template=args.chat, max_tokens=args.max_tokens,
                          temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                         seed=args.seed, stop=list(args.stop), spec_mode=args.spec_mode)
+                         seed=args.seed, stop=list(args.stop), spec_mode=args.spec_mode,
+                         time_budget=args.time_budget, priority=args.priority, preempt=args.preempt)
 
 
 def format_stats(result: Generate.Result) -> str:
@@ -86,6 +94,8 @@ class _Printer:
         self.printed: List[str] = []
 
     def feedback(self, message: Any) -> None:
+        if message.feedback.queue_position:
+            print(f"waiting: queue position {message.feedback.queue_position}", file=sys.stderr)
         if self.stream and message.feedback.text:
             self.printed.append(message.feedback.text)
             sys.stdout.write(message.feedback.text)
