@@ -5,7 +5,7 @@ generation, llama.cpp's native tools, the Generate action of a running node) run
 so its peak RSS is its own, and the runs are interleaved: for each repeat, for each prompt, each runner
 in turn (the order rotating), so machine noise hits all of them alike. Workers restart at each repeat:
 the engine's dynamic n-gram cache learns across the prompts of a repeat but never sees a prompt's own
-earlier output. Speedups are same-run ratios against ``off`` (see bench_metrics). Nothing is
+earlier output. Speedups are same-run ratios against ``off`` (see bench.metrics). Nothing is
 downloaded: models come from the params file or --target/--draft.
 
 Writes into --out: results.json, results.md (tables), results_per_prompt.md, four PNG plots and
@@ -39,13 +39,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Dict, IO, List, Mapping, Optional, Sequence, Tuple
 
-from ..engine.types import expand_path
-from .bench_config import (REFERENCE_RUNNER, Prompt, RunnerSpec, Suite, apply_overrides,
+from ...engine.types import expand_path
+from .config import (REFERENCE_RUNNER, Prompt, RunnerSpec, Suite, apply_overrides,
                            default_params, find_data_dir, load_params, load_suites, model_config, parse_baselines, parse_ks,
                            parse_modes, plan_runners, select_suites, thread_count)
-from .bench_metrics import decode_rate, repeated_ngram_share, text_hash, tokens_hash
-from .bench_native import NativeRunner
-from .bench_report import add_speedups, dump_results, markdown, markdown_per_prompt, plot_all, summarize
+from .metrics import decode_rate, repeated_ngram_share, text_hash, tokens_hash
+from .native import NativeRunner
+from .report import add_speedups, dump_results, markdown, markdown_per_prompt, plot_all, summarize
 
 SCHEMA_VERSION = 1
 #: A short generation run once by each worker before it is measured (thread pools, page faults).
@@ -58,14 +58,14 @@ class RunnerError(RuntimeError):
 
 
 class WorkerHandle:
-    """The parent's side of one bench_worker process."""
+    """The parent's side of one bench worker process."""
 
     def __init__(self, spec: RunnerSpec, params: Mapping[str, Any], node_name: str, log: IO[bytes],
                  timeout_s: float) -> None:
         self.spec = spec
         self._timeout_s = timeout_s
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "gemma_spec_ros.tools.bench_worker"], stdin=subprocess.PIPE,
+            [sys.executable, "-m", "gemma_spec_ros.tools.bench.worker"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1)
         self.peak_rss_mb = 0.0
         reply = self._call({"cmd": "init", "runner": asdict(spec), "params": dict(params),

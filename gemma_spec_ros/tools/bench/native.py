@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from ..engine.types import expand_path
-from .bench_config import NATIVE_TOOLS, RunnerSpec, model_config, thread_count
+from ...engine.types import expand_path
+from .config import NATIVE_TOOLS, RunnerSpec, model_config, thread_count
 
 _NUMBER = r"([0-9]+(?:\.[0-9]+)?)"
 _PATTERNS: Dict[str, "re.Pattern[str]"] = {

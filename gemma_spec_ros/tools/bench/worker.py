@@ -7,7 +7,7 @@ Protocol: one JSON object per line. The parent writes ``{"cmd": "init", "runner"
 The reply channel is a private copy of the original stdout; fd 1 is pointed at stderr so that anything
 a library prints cannot corrupt the protocol.
 
-Run as ``python -m gemma_spec_ros.tools.bench_worker`` (the parent does this).
+Run as ``python -m gemma_spec_ros.tools.bench.worker`` (the parent does this).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, TextIO
 
-from .bench_config import RunnerSpec, engine_config, model_config, thread_count
+from .config import RunnerSpec, engine_config, model_config, thread_count
 
 #: A request as the parent sends it: prompt, max_tokens, temperature, seed.
 Request = Dict[str, Any]
@@ -70,14 +70,14 @@ class EngineRunner:
     """Our engine in one mode, with K fixed or adaptive (one Engine per worker)."""
 
     def __init__(self, spec: RunnerSpec, params: Dict[str, Any]) -> None:
-        from ..engine.engine import Engine  # imported here: the parent process never loads models
+        from ...engine.engine import Engine  # imported here: the parent process never loads models
 
         self._mode = spec.mode
         self._engine = Engine(engine_config(params, spec.mode, spec.draft_max))
         self.info = {"model_info": self._engine.model_info(), "spec": repr(self._engine.spec)}
 
     def run(self, request: Request) -> Dict[str, Any]:
-        from ..engine.types import GenerationRequest, SamplingParams
+        from ...engine.types import GenerationRequest, SamplingParams
 
         sampling = SamplingParams(temperature=float(request["temperature"]), seed=int(request["seed"]))
         req = GenerationRequest(prompt=request["prompt"], max_tokens=int(request["max_tokens"]),
@@ -280,7 +280,7 @@ def serve(lines: Iterable[str], reply: TextIO) -> int:
 
 
 def main() -> int:
-    """Entry of ``python -m gemma_spec_ros.tools.bench_worker``."""
+    """Entry of ``python -m gemma_spec_ros.tools.bench.worker``."""
     reply = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)  # stray prints (libraries) go to stderr, never into the protocol
     sys.stdout = sys.stderr

@@ -16,8 +16,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
-from ..engine.types import EngineConfig, ModelConfig, SPEC_MODES, expand_path
-from ..node import parameters as node_parameters
+from ...engine.types import EngineConfig, ModelConfig, SPEC_MODES, expand_path
+from ...node import parameters as node_parameters
 
 PACKAGE = "gemma_spec_ros"
 #: Modes that need a draft model.
@@ -52,7 +52,7 @@ class Suite:
 
 def share_dirs() -> List[Path]:
     """``share/gemma_spec_ros`` folders to look in: the source tree first, then installed prefixes."""
-    dirs = [Path(__file__).resolve().parents[2]]
+    dirs = [Path(__file__).resolve().parents[3]]
     for prefix in os.environ.get("AMENT_PREFIX_PATH", "").split(os.pathsep) + [sys.prefix]:
         if prefix:
             dirs.append(Path(prefix) / "share" / PACKAGE)
