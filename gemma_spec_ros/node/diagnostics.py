@@ -157,8 +157,9 @@ def _kv(pairs: Iterable[Tuple[str, Any]]) -> List[KeyValue]:
 def spec_status(view: NodeView, log: RequestLog, rolling: Optional[SpecStats]) -> DiagnosticStatus:
     """``<node>: speculative decoding``: level, message and the key-values operators watch.
 
-    ``rolling`` is the engine's lifetime stats (for mode, K, tau, acceptance); tokens/s, TTFT and
-    the speedup come from the window of recent requests.
+    ``rolling`` is the engine's lifetime stats (for mode, K, tau, acceptance); tokens/s and the
+    speedup come from the window of recent requests merged, TTFT is their median (a merge would
+    keep only the last request's, see SpecStats.merge).
     """
     window = log.window_stats()
     current = rolling or SpecStats()
@@ -176,7 +177,7 @@ def spec_status(view: NodeView, log: RequestLog, rolling: Optional[SpecStats]) -
         ("K (draft_max)", view.spec.draft_max if view.spec else 0),
         ("draft length last", current.draft_last),
         ("tokens/s", recent.tokens_per_second),
-        ("TTFT ms", recent.time_to_first_token * 1e3),
+        ("TTFT ms", percentile([s.time_to_first_token for s in log.recent], 50) * 1e3),
         ("latency p50 s", percentile(latencies, 50)),
         ("latency p95 s", percentile(latencies, 95)),
         ("measured speedup", recent.measured_speedup),

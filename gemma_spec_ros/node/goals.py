@@ -10,7 +10,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Deque, Dict, List, Mapping, Optional
+from typing import Any, Deque, Dict, Mapping, Optional
 
 from ..engine.types import (SPEC_MODES, EngineError, GenerationRequest, SamplingParams)
 
@@ -83,7 +83,7 @@ def check_fits(engine: Any, request: GenerationRequest, max_prompt_tokens: int) 
         raise GoalRejected(
             f"prompt has {prompt_tokens} tokens, more than limits.max_prompt_tokens={max_prompt_tokens}")
     try:
-        engine.check_request(request)
+        engine.check_request(request, prompt_tokens)  # the count is the engine's: no second tokenization
     except (EngineError, ValueError) as exc:
         raise GoalRejected(str(exc)) from exc
 
@@ -227,8 +227,3 @@ class JobQueue:
 
     def _cancel_in_flight(self) -> bool:
         return any(job.cancel.is_set() and not job.drop_reason for job in self._waiting)
-
-    def snapshot(self) -> List[Job]:
-        """Running goal (if any) first, then the waiting goals in order."""
-        with self._cond:
-            return ([self._running] if self._running else []) + list(self._waiting)
