@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Tuple
 
 from .stats import SpecStats
 
-if TYPE_CHECKING:  # annotations only: this module imports nothing of the engine, nor numpy
+if TYPE_CHECKING:  # numpy in annotations only: configs validate without it
     import numpy as np
 
 #: Speculative modes. ``draft+lookup`` tries the n-gram drafter, then the draft model, in that
