@@ -27,7 +27,7 @@ setup(
         "console_scripts": [
             "gemma-spec-serve = gemma_spec_ros.tools.serve:main",
             "gemma-spec-generate = gemma_spec_ros.tools.generate:main",
-            "gemma-spec-bench = gemma_spec_ros.tools.bench.cli:main",
+            "gemma-spec-bench = gemma_spec_ros.tools.bench:main",
             "gemma-spec-lookup-create = gemma_spec_ros.tools.lookup_create:main",
             # ros2 run gemma_spec_ros <name>
             "gemma_spec_node = gemma_spec_ros.tools.serve:node_main",
