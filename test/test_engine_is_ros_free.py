@@ -1,4 +1,4 @@
-"""engine/ is the ROS-free core (DESIGN.md): it imports numpy, llama_cpp and the standard library,
+"""engine/ is the ROS-free core: it imports numpy, llama_cpp and the standard library,
 never rclpy, message packages, launch or ament. The bench and plain-Python users rely on it."""
 from __future__ import annotations
 

@@ -146,7 +146,7 @@ def test_cost_model_interpolates_and_extrapolates():
     costs.observe_verify(5, 0.030)
     assert costs.verify_cost(3) == pytest.approx(0.020)
     assert costs.verify_cost(9) == pytest.approx(0.050)
-    costs.observe_draft("draft", 4, 0.008)
+    costs.observe_draft_time("draft", 4, 0.008)
     assert costs.draft_cost("draft", 2) == pytest.approx(0.004)
 
 

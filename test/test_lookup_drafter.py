@@ -16,6 +16,7 @@ from gemma_spec_ros.engine import lookup as lookup_module
 from gemma_spec_ros.engine.lookup import (
     LAX_THRESHOLDS, STRICT_THRESHOLDS, DraftThresholds, LookupDrafter, draft_tokens)
 from gemma_spec_ros.engine.ngram_cache import NgramCache
+from gemma_spec_ros.engine.stats import SpecStats
 from gemma_spec_ros.engine.types import EMPTY_DRAFT, CacheFormatError, Draft, LookupConfig
 from gemma_spec_ros.tools import lookup_create
 
@@ -188,14 +189,14 @@ def test_close_creates_the_file_but_does_not_rewrite_an_unchanged_cache(tmp_path
 
 
 def test_observe_counts_verified_drafts() -> None:
-    lookup = drafter()
-    lookup.observe(4, 3)
-    lookup.observe(0, 0)
-    lookup.observe(2, 0)
-    assert (lookup.n_drafts, lookup.n_drafted, lookup.n_accepted) == (2, 6, 3)
-    assert lookup.acceptance_rate == pytest.approx(0.5)
+    stats = SpecStats()
+    stats.observe_draft(4, 3, "lookup")
+    stats.observe_draft(0, 0, "lookup")
+    stats.observe_draft(2, 0, "lookup")
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 6, 3)
+    assert stats.acceptance_rate == pytest.approx(0.5)
     with pytest.raises(ValueError, match="accepted"):
-        lookup.observe(2, 3)
+        stats.observe_draft(2, 3)
 
 
 def test_bad_cache_files_fail_at_construction(tmp_path: Path) -> None:
@@ -322,6 +323,7 @@ def replay_lookup_stats(lookup: LookupDrafter, tokens: Sequence[int], chunk_size
     first token and "generates" the rest; every step drafts, accepts the draft's prefix that
     matches the text, then takes one token from the text; the request's n-grams go to the
     dynamic cache at its end."""
+    stats = SpecStats()
     for chunk_start in range(0, len(tokens) - chunk_size, chunk_size):
         chunk = tokens[chunk_start:chunk_start + chunk_size]
         output = list(chunk[:1])
@@ -333,11 +335,11 @@ def replay_lookup_stats(lookup: LookupDrafter, tokens: Sequence[int], chunk_size
                    and draft[matching] == chunk[len(output)]):
                 output.append(draft[matching])
                 matching += 1
-            lookup.observe(len(draft), matching)
+            stats.observe_draft(len(draft), matching)
             if len(output) < chunk_size:
                 output.append(chunk[len(output)])
         lookup.end(output)
-    return lookup.n_drafted, lookup.n_accepted
+    return stats.num_draft_tokens, stats.num_accepted_tokens
 
 
 def robot_log(lines: int, seed: int) -> str:

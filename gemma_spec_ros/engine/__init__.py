@@ -5,12 +5,12 @@ llama_cpp is imported only when a model is loaded, so configs and requests can b
 without it.
 """
 from .stats import SpecStats
-from .types import (SPEC_MODES, VERIFICATIONS, CacheFormatError, Draft, Drafter, EngineConfig, EngineError,
-                    GenerationRequest, KVCacheError, LookupConfig, ModelConfig, ModelLoadError,
-                    PromptTooLongError, SamplingParams, SpecConfig, VocabMismatchError)
+from .types import (DRAFT_MODES, SPEC_MODES, VERIFICATIONS, CacheFormatError, Draft, Drafter, EngineConfig,
+                    EngineError, GenerationRequest, KVCacheError, LookupConfig, ModelConfig, ModelLoadError,
+                    PromptTooLongError, SamplingParams, SpecConfig, Step, VocabMismatchError)
 
 __all__ = [
-    "SPEC_MODES", "VERIFICATIONS", "CacheFormatError", "Draft", "Drafter", "EngineConfig", "EngineError",
-    "GenerationRequest", "KVCacheError", "LookupConfig", "ModelConfig", "ModelLoadError",
-    "PromptTooLongError", "SamplingParams", "SpecConfig", "SpecStats", "VocabMismatchError",
+    "DRAFT_MODES", "SPEC_MODES", "VERIFICATIONS", "CacheFormatError", "Draft", "Drafter", "EngineConfig",
+    "EngineError", "GenerationRequest", "KVCacheError", "LookupConfig", "ModelConfig", "ModelLoadError",
+    "PromptTooLongError", "SamplingParams", "SpecConfig", "SpecStats", "Step", "VocabMismatchError",
 ]

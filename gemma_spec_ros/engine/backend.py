@@ -1,7 +1,7 @@
 """One thin class over llama-cpp-python's low-level API (0.3.36): what a draft-verify loop needs.
 
 - load a GGUF into a model + context (never ``logits_all``: logits exist only for requested rows),
-- tokenize, detokenize incrementally without splitting a UTF-8 sequence, apply the chat template,
+- tokenize, render tokens as bytes, apply the chat template,
 - decode a batch asking logits only for the rows that need them, and time it,
 - roll the KV cache back to a position (checking llama.cpp's answer),
 - report the vocabulary's identity (for the draft/target compatibility check).
@@ -11,7 +11,6 @@ vocabulary and may run from another thread.
 """
 from __future__ import annotations
 
-import codecs
 import ctypes
 import os
 import threading
@@ -102,25 +101,6 @@ def check_vocab_compatible(target: "LlamaBackend", draft: "LlamaBackend") -> Non
     if problems:
         raise VocabMismatchError(
             f"draft model {draft.path} cannot draft for target {target.path}: " + "; ".join(problems))
-
-
-class Utf8Stream:
-    """Bytes in, whole characters out: a multi-byte character split across tokens is held back.
-
-    >>> s = Utf8Stream(); s.push(b"caf\\xc3"), s.push(b"\\xa9!")
-    ('caf', 'é!')
-    """
-
-    __slots__ = ("_decoder",)
-
-    def __init__(self) -> None:
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def push(self, data: bytes) -> str:
-        return self._decoder.decode(data, final=False)
-
-    def flush(self) -> str:
-        return self._decoder.decode(b"", final=True)
 
 
 class LlamaBackend:
@@ -233,9 +213,6 @@ class LlamaBackend:
             self._piece_buf = ctypes.create_string_buffer(-n)
             n = llama_cpp.llama_token_to_piece(self._vocab, token, self._piece_buf, -n, 0, False)
         return self._piece_buf.raw[:n]
-
-    def detokenize(self, tokens: Sequence[int]) -> str:
-        return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
 
     def token_text(self, token: int) -> bytes:
         text = self._llama_cpp.llama_vocab_get_text(self._vocab, token)

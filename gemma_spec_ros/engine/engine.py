@@ -7,16 +7,16 @@ Public API (the node and the bench use only this):
     engine.spec                              # current SpecConfig (frozen)
     engine.check_spec(spec) -> str           # '' if usable, else the reason (e.g. no draft model)
     engine.update_spec(spec)                 # thread-safe; raises ValueError(reason); next step uses it
-    engine.set_mode("lookup"); engine.set_draft_max(4)   # shortcuts for update_spec(replace(...))
     engine.count_prompt_tokens(request)      # tokens of the (templated) prompt; thread-safe, ~ms
-    engine.check_request(request)            # raises PromptTooLongError if prompt + max_tokens > n_ctx,
-                                             # ValueError if its spec_mode cannot be used here
+    engine.check_request(request[, n_prompt_tokens])  # raises PromptTooLongError if prompt +
+                                             # max_tokens > n_ctx, ValueError if its spec_mode cannot
+                                             # be used here (pass the count if you have it)
     engine.n_ctx                             # target context length (tokens)
     for step in engine.generate(request, cancel=threading.Event()):
         step.text, step.tokens, step.stats   # new text (whole UTF-8 chars), new tokens, stats so far
         step.spec_mode, step.draft_max       # what was in effect at this step
         step.finish_reason                   # None until the last step: stop | length | timeout |
-                                             # cancelled (request.time_budget, cancel)
+                                             # cancelled (request.time_budget; the cancel event)
     # generate() raises EngineError (e.g. PromptTooLongError, KVCacheError) on failure; the engine
     # stays usable for the next request. One generate() at a time (the node serialises).
     engine.rolling_stats()                   # SpecStats over all requests so far (a copy)
@@ -29,34 +29,27 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass, replace
+import time
+from dataclasses import dataclass, field, replace
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
-from .backend import LlamaBackend, Utf8Stream
+import numpy as np
+
+from .backend import LlamaBackend
 from .draft_model import DraftModelDrafter
-from .policy import CostModel, Decision, DraftLengthPolicy
+from .lookup import LookupDrafter
+from .policy import PLAIN_STEP, CostModel, Decision, DraftLengthPolicy
 from .sampling import Sampler, make_rng
-from .stats import SpecStats, Stopwatch, now
-from .types import (EMPTY_DRAFT, Draft, EngineConfig, GenerationRequest, PromptTooLongError,
-                    SpecConfig)
-from .verify import verify_exact, verify_rejection
+from .stats import SpecStats, timed
+from .text import TextAssembler
+from .types import (DRAFT_MODES, EMPTY_DRAFT, Draft, Drafter, EngineConfig, GenerationRequest,
+                    PromptTooLongError, SpecConfig, Step)
+from .verify import Verdict, verify_exact, verify_rejection
 
 
-@dataclass(frozen=True)
-class Step:
-    """What one engine step produced. The last step of a generation has ``finish_reason`` set."""
-
-    tokens: Tuple[int, ...]  # tokens emitted at this step (may be empty, e.g. held by a stop string)
-    text: str  # new text since the previous step: whole UTF-8 characters, stop strings excluded
-    stats: SpecStats  # the request's stats so far (a snapshot; safe to keep)
-    spec_mode: str  # mode in effect at this step ("auto:lookup" style when auto chose)
-    draft_max: int  # K in effect at this step
-    finish_reason: Optional[str] = None  # stop | length | timeout | cancelled on the last step
-
-
-
-#: Drafters tried per mode, in order: the first non-empty draft is verified.
-_SOURCES: Dict[str, Tuple[str, ...]] = {
+#: The drafters (by ``Drafter.name``) each mode may use, in the order a step tries them: the first
+#: non-empty draft is verified. ``auto`` reorders them at every step (see :func:`drafting_order`).
+DRAFTERS_BY_MODE: Dict[str, Tuple[str, ...]] = {
     "off": (),
     "draft": ("draft",),
     "lookup": ("lookup",),
@@ -65,86 +58,83 @@ _SOURCES: Dict[str, Tuple[str, ...]] = {
 }
 
 
-class TextAssembler:
-    """Tokens in, text out: whole UTF-8 characters, stop strings cut, text that might be the start
-    of a stop string held back until it is known not to be.
+@dataclass
+class Drafting:
+    """One drafter with its draft-length policy (acceptance is measured per drafter)."""
 
-    >>> class V:  # a vocabulary of single-character tokens
-    ...     def token_bytes(self, t): return bytes([t])
-    >>> a = TextAssembler(V(), ("END",))
-    >>> a.push([ord(c) for c in "abE"]), a.push([ord(c) for c in "Nx"]), a.stopped
-    ('ab', 'ENx', False)
-    >>> a.push([ord(c) for c in "yEND!"]), a.stopped
-    ('y', True)
+    drafter: Drafter
+    policy: DraftLengthPolicy
+
+
+def drafting_order(mode: str, drafters: Dict[str, Drafting], k_cap: int,
+                   adaptive: bool) -> Iterator[Tuple[Drafting, Decision]]:
+    """The drafters one step tries, in order, each with its policy's decision (draft length > 0).
+
+    ``draft+lookup`` (and the one-drafter modes) is a fixed chain in table order that honours
+    ``adaptive`` (``spec.adaptive``); a policy is asked only when its drafter's turn comes.
+    ``auto`` is always adaptive: it asks every policy first and tries the best predicted speedup
+    first (not measured yet counts as best; ties keep table order), or drafts nothing.
     """
+    chain = [drafters[name] for name in DRAFTERS_BY_MODE[mode] if name in drafters]
+    if mode != "auto":
+        for drafting in chain:
+            decision = drafting.policy.decide(k_cap, adaptive)
+            if decision.draft_len > 0:
+                yield drafting, decision
+        return
+    decided = [(drafting, drafting.policy.decide(k_cap, True)) for drafting in chain]
+    decided.sort(key=lambda pair: -_rank(pair[1].predicted_speedup))
+    yield from ((drafting, decision) for drafting, decision in decided if decision.draft_len > 0)
 
-    def __init__(self, vocab, stop: Sequence[str]) -> None:
-        self._vocab = vocab
-        self._utf8 = Utf8Stream()
-        self._stop = tuple(stop)
-        self._held = ""
-        self.stopped = False
-        self.text = ""  # everything released so far
 
-    def push(self, tokens: Sequence[int]) -> str:
-        if self.stopped:
-            return ""
-        self._held += self._utf8.push(b"".join(self._vocab.token_bytes(t) for t in tokens))
-        return self._release(final=False)
+def _rank(speedup: float) -> float:
+    return math.inf if math.isnan(speedup) else speedup
 
-    def flush(self) -> str:
-        if self.stopped:
-            return ""
-        self._held += self._utf8.flush()
-        return self._release(final=True)
 
-    def _release(self, final: bool) -> str:
-        held = self._held
-        cut = min((i for i in (held.find(s) for s in self._stop) if i >= 0), default=-1)
-        if cut >= 0:
-            self.stopped = True
-            out, self._held = held[:cut], ""
-        elif final or not self._stop:
-            out, self._held = held, ""
-        else:  # keep the longest tail that is a proper prefix of some stop string
-            keep = 0
-            for s in self._stop:
-                for n in range(min(len(s) - 1, len(held)), keep, -1):
-                    if held.endswith(s[:n]):
-                        keep = n
-                        break
-            out, self._held = held[:len(held) - keep], held[len(held) - keep:]
-        self.text += out
-        return out
+@dataclass
+class _Run:
+    """One request's state between steps."""
+
+    request: GenerationRequest
+    sampler: Sampler
+    rng: np.random.Generator
+    stats: SpecStats
+    text: TextAssembler
+    prompt: List[int]
+    # spec.verification at the start, kept for the whole request (a change applies to the next one)
+    verification: str
+    use_rejection: bool  # rejection verification, and the request samples (greedy is exact)
+    context: List[int] = field(default_factory=list)  # tokens the target has decoded
+    pending: int = -1  # the last emitted token: sampled, not yet decoded by the target
+    generated: List[int] = field(default_factory=list)  # tokens emitted so far
+    started: float = field(default_factory=time.perf_counter)  # when generate() took the request
 
 
 class Engine:
     """Target model + drafters + policy. See the module docstring for the API."""
 
     def __init__(self, config: EngineConfig, *, calibrate: bool = True) -> None:
-        from .lookup import LookupDrafter
-
         self.config = config
         self._spec: SpecConfig = config.spec
         self._lock = threading.Lock()  # one generation at a time
         self._stats_lock = threading.Lock()
         self._rolling = SpecStats()
+        self.costs = CostModel()
+        self.drafters: Dict[str, Drafting] = {}
         self.target = LlamaBackend(config.target)
-        self.draft: Optional[DraftModelDrafter] = None
-        self.lookup: Optional[LookupDrafter] = None
-        try:
+        try:  # the draft model first: if it cannot draft for the target, no cache is loaded (or saved)
             if config.draft is not None:
-                self.draft = DraftModelDrafter(config.draft, self.target, p_min=config.spec.p_min,
-                                               n_min=config.spec.draft_min)
-            self.lookup = LookupDrafter(config.lookup)
+                self._add_drafter(DraftModelDrafter(config.draft, self.target))
+            self._add_drafter(LookupDrafter(config.lookup))
         except BaseException:
             self.close()
             raise
-        self.costs = CostModel()
-        self.policies = {"lookup": DraftLengthPolicy("lookup", self.costs),
-                         "draft": DraftLengthPolicy("draft", self.costs, probe_new_requests=False)}
         if calibrate:
             self.calibrate()
+
+    def _add_drafter(self, drafter: Drafter) -> None:
+        policy = DraftLengthPolicy(drafter.name, self.costs, probe_new_requests=drafter.cheap_to_probe)
+        self.drafters[drafter.name] = Drafting(drafter, policy)
 
     # -- configuration --------------------------------------------------------------------------
     @property
@@ -155,26 +145,25 @@ class Engine:
     def n_ctx(self) -> int:
         return self.target.n_ctx
 
+    @property
+    def draft(self) -> Optional[Drafter]:
+        """The draft-model drafter, None without a draft model."""
+        drafting = self.drafters.get(DraftModelDrafter.name)
+        return drafting.drafter if drafting is not None else None
+
     def check_spec(self, spec: SpecConfig) -> str:
         """Why ``spec`` cannot be used here ('' if it can)."""
-        if spec.mode in ("draft", "draft+lookup") and self.draft is None:
+        if spec.mode in DRAFT_MODES and self.draft is None:
             return f"spec mode {spec.mode!r} needs a draft model, and none is configured (draft.model_path)"
         return ""
 
     def update_spec(self, spec: SpecConfig) -> None:
-        """Use ``spec`` from the next step on (of a running generation too); never reloads models."""
+        """Use ``spec`` from the next step on (of a running generation too); never reloads models.
+        Thread-safe: a step reads the spec once, and drafters get it with each proposal."""
         reason = self.check_spec(spec)
         if reason:
             raise ValueError(reason)
-        if self.draft is not None:
-            self.draft.set_limits(spec.p_min, spec.draft_min)
         self._spec = spec
-
-    def set_mode(self, mode: str) -> None:
-        self.update_spec(replace(self._spec, mode=mode))
-
-    def set_draft_max(self, draft_max: int) -> None:
-        self.update_spec(replace(self._spec, draft_max=draft_max))
 
     # -- requests -------------------------------------------------------------------------------
     def prompt_tokens(self, request: GenerationRequest) -> List[int]:
@@ -189,8 +178,10 @@ class Engine:
     def count_prompt_tokens(self, request: GenerationRequest) -> int:
         return len(self.prompt_tokens(request))
 
-    def check_request(self, request: GenerationRequest, n_prompt: Optional[int] = None) -> None:
-        n_prompt = self.count_prompt_tokens(request) if n_prompt is None else n_prompt
+    def check_request(self, request: GenerationRequest, n_prompt_tokens: Optional[int] = None) -> None:
+        """Raise PromptTooLongError or ValueError (see the module docstring); ``n_prompt_tokens``
+        saves tokenizing the prompt again."""
+        n_prompt = self.count_prompt_tokens(request) if n_prompt_tokens is None else n_prompt_tokens
         if n_prompt + request.max_tokens > self.n_ctx:
             raise PromptTooLongError(
                 f"prompt of {n_prompt} tokens + max_tokens {request.max_tokens} exceeds the context "
@@ -206,8 +197,9 @@ class Engine:
         return snap
 
     def model_info(self) -> dict:
+        draft = self.draft
         return {"target": self.target.model_info(),
-                "draft": self.draft.backend.model_info() if self.draft is not None else None}
+                "draft": draft.model_info() if draft is not None else None}
 
     # -- the loop -------------------------------------------------------------------------------
     def generate(self, request: GenerationRequest,
@@ -217,155 +209,157 @@ class Engine:
             yield from self._generate(request, cancel)
 
     def _generate(self, request: GenerationRequest, cancel: Optional[threading.Event]) -> Iterator[Step]:
-        target = self.target
         prompt = self.prompt_tokens(request)
         self.check_request(request, len(prompt))
-        sampler = Sampler(request.sampling)
-        rng = make_rng(request.sampling.seed)
-        stats = SpecStats(num_prompt_tokens=len(prompt))
-        watch = Stopwatch(stats)
-        text = TextAssembler(target, request.stop)
-        eos_hit = False
-        generated: List[int] = []
-        t_request = now()
+        run = self._new_run(request, prompt)
         try:
-            with watch("prompt_time"):
-                stats.num_prompt_tokens_reused = self._keep_prompt_prefix(prompt, request.reuse_prompt)
-                rest = prompt[stats.num_prompt_tokens_reused:]
-                rows = target.decode(rest, [len(rest) - 1])
-                first = sampler.sample(rows[0], rng)
-            stats.time_to_first_token = now() - t_request
-            use_rejection = self._spec.verification == "rejection" and not sampler.greedy
-            for drafter in self._drafters():
-                drafter.begin(prompt)
-            for policy in self.policies.values():
-                policy.new_request()
-            if self.draft is not None:
-                self.draft.set_sampling(sampler if use_rejection else None,
-                                        rng.spawn(1)[0] if use_rejection else None)
-            context = list(prompt)
-            pending = first
-            step_tokens: Tuple[int, ...] = (first,)
-            step_mode, step_k = self._mode_label(request, None), self._spec.draft_max
-            while True:
-                # emit what the last pass produced
-                emitted: List[int] = []
-                for token in step_tokens:
-                    if len(generated) >= request.max_tokens:
-                        break
-                    if target.is_eog(token):
-                        eos_hit = True
-                        break
-                    emitted.append(token)
-                    generated.append(token)
-                new_text = text.push(emitted)
-                finish = None
-                if text.stopped or eos_hit:
-                    finish = "stop"
-                elif len(generated) >= request.max_tokens or target.n_past + 1 >= self.n_ctx:
-                    finish = "length"
-                elif cancel is not None and cancel.is_set():
-                    finish = "cancelled"
-                elif request.time_budget and now() - t_request >= request.time_budget:
-                    finish = "timeout"
-                stats.num_generated_tokens = len(generated)
-                if finish is not None:
-                    new_text += text.flush()
-                self._label_stats(stats, step_mode, step_k)
-                yield Step(tuple(emitted), new_text, stats.snapshot(), step_mode, step_k, finish)
-                if finish is not None:
-                    break
+            first = self._prompt_pass(run)
+            step = self._emit(run, (first,), self._mode_label(run, None), self._spec.draft_max, cancel)
+            yield step
+            while step.finish_reason is None:
                 if cancel is not None and cancel.is_set():  # set while the consumer held the step
-                    yield Step((), text.flush(), stats.snapshot(), step_mode, step_k, "cancelled")
-                    break
-                # one speculative step
-                t_step = now()
-                spec = self._spec
-                mode = request.spec_mode or spec.mode
-                room = self.n_ctx - target.n_past - 1
-                k_cap = max(0, min(spec.draft_max, request.max_tokens - len(generated) - 1, room))
-                context.append(pending)
-                with watch("draft_time"):
-                    draft, decision, source = self._propose(mode, spec, context, k_cap)
-                batch = [pending] + list(draft.tokens)
-                n_keep = target.n_past
-                with watch("verify_time"):
-                    rows, seconds = target.timed_decode(batch, range(len(batch)))
-                self.costs.observe_verify(len(batch), seconds)
-                with watch("sample_time"):
-                    if use_rejection:
-                        verdict = verify_rejection(rows, draft.tokens, draft.probs, sampler, rng)
-                    else:
-                        verdict = verify_exact(rows, draft.tokens, sampler, rng)
-                target.rollback(n_keep + 1 + verdict.num_accepted)
-                if draft.tokens:
-                    stats.observe_draft(len(draft), verdict.num_accepted, source)
-                    self.policies[source].observe(len(draft), verdict.num_accepted)
-                    self._drafter(source).observe(len(draft), verdict.num_accepted)
-                context.extend(verdict.tokens[:-1])
-                pending = verdict.tokens[-1]
-                step_tokens = verdict.tokens
-                stats.num_steps += 1
-                stats.num_step_tokens += len(verdict.tokens)
-                stats.predicted_speedup = decision.predicted_speedup
-                stats.generation_time += now() - t_step
-                step_mode, step_k = self._mode_label(request, source), spec.draft_max
+                    yield Step((), run.text.flush(), run.stats.snapshot(), step.spec_mode,
+                               step.draft_max, "cancelled")
+                    return
+                tokens, mode_label, draft_max = self._speculative_step(run)
+                step = self._emit(run, tokens, mode_label, draft_max, cancel)
+                yield step
         except BaseException:
-            target.clear()  # the KV cache may not hold what kv_tokens says: reuse nothing of it
+            self.target.clear()  # the KV cache may not hold what kv_tokens says: reuse none of it
             raise
         finally:
-            stats.plain_token_time = self.costs.plain_token_time
-            for drafter in self._drafters():
-                drafter.end(prompt + generated)
-            with self._stats_lock:
-                self._rolling.merge(stats)
+            self._end_run(run)
+
+    def _new_run(self, request: GenerationRequest, prompt: List[int]) -> _Run:
+        sampler = Sampler(request.sampling)
+        verification = self._spec.verification
+        return _Run(request, sampler, make_rng(request.sampling.seed),
+                    SpecStats(num_prompt_tokens=len(prompt)), TextAssembler(self.target, request.stop),
+                    prompt, verification, verification == "rejection" and not sampler.greedy)
+
+    def _prompt_pass(self, run: _Run) -> int:
+        """Decode the prompt, sample the first token, start the drafters and their policies."""
+        with timed(run.stats, "prompt_time"):
+            reused = self._keep_prompt_prefix(run.prompt, run.request.reuse_prompt)
+            rest = run.prompt[reused:]
+            rows = self.target.decode(rest, [len(rest) - 1])
+            first = run.sampler.sample(rows[0], run.rng)
+        run.stats.num_prompt_tokens_reused = reused
+        run.stats.time_to_first_token = time.perf_counter() - run.started
+        # Drafts sampled for rejection verification draw from their own stream of the request's seed.
+        draft_rng = run.rng.spawn(1)[0] if run.use_rejection else None
+        for drafting in self.drafters.values():
+            drafting.drafter.begin(run.prompt, run.request.sampling if run.use_rejection else None, draft_rng)
+            drafting.policy.new_request()
+        run.context, run.pending = list(run.prompt), first
+        return first
 
     def _keep_prompt_prefix(self, prompt: Sequence[int], reuse: bool) -> int:
-        """Prompt tokens whose KV cache the previous request left (its common prefix with
+        """Prompt tokens whose KV cells the previous request left (its common prefix with
         ``prompt``, less the last token, whose logits are needed); the rest is rolled back.
 
-        With ``reuse`` False the cache is emptied: the whole prompt is evaluated in one batch, the
-        same shapes whatever ran before (quantized logits depend slightly on batch shapes).
+        With ``reuse`` False the cache is emptied and the whole prompt evaluated in one batch: the
+        same shapes whatever ran before (quantized logits depend slightly on batch shapes, so with
+        reuse a seeded request's text can depend on the previous request; F16/F32 cannot differ).
         """
         if not reuse:
             self.target.clear()
             return 0
         return self.target.reuse_prefix(prompt, keep_last=1)
 
-    def _mode_label(self, request: GenerationRequest, source: Optional[str]) -> str:
-        mode = request.spec_mode or self._spec.mode
+    def _speculative_step(self, run: _Run) -> Tuple[Tuple[int, ...], str, int]:
+        """One target pass: propose a draft -> decode pending + draft -> accept -> roll back the
+        rejected tokens' KV cells -> observe. Returns the tokens the pass emits (the accepted draft
+        prefix + the recovered or bonus token), the mode label and K in effect."""
+        started = time.perf_counter()
+        target, stats, spec = self.target, run.stats, self._spec
+        mode = run.request.spec_mode or spec.mode
+        room = self.n_ctx - target.n_past - 1
+        k_cap = max(0, min(spec.draft_max, run.request.max_tokens - len(run.generated) - 1, room))
+        run.context.append(run.pending)
+        with timed(stats, "draft_time"):
+            draft, decision = self._propose(mode, spec, run.context, k_cap)
+        batch = [run.pending, *draft.tokens]
+        n_keep = target.n_past
+        with timed(stats, "verify_time"):
+            rows, seconds = target.timed_decode(batch, range(len(batch)))
+        self.costs.observe_verify(len(batch), seconds)
+        with timed(stats, "sample_time"):
+            if run.use_rejection:
+                verdict = verify_rejection(rows, draft.tokens, draft.probs, run.sampler, run.rng)
+            else:
+                verdict = verify_exact(rows, draft.tokens, run.sampler, run.rng)
+        target.rollback(n_keep + 1 + verdict.num_accepted)
+        self._observe(stats, draft, verdict)
+        run.context.extend(verdict.tokens[:-1])
+        run.pending = verdict.tokens[-1]
+        stats.predicted_speedup = decision.predicted_speedup
+        stats.generation_time += time.perf_counter() - started
+        return verdict.tokens, self._mode_label(run, draft.source or None, mode), spec.draft_max
+
+    def _propose(self, mode: str, spec: SpecConfig, context: List[int], k_cap: int) -> Tuple[Draft, Decision]:
+        """The first non-empty draft in this step's drafting order, with its policy's decision."""
+        if k_cap <= 0:
+            return EMPTY_DRAFT, PLAIN_STEP
+        for drafting, decision in drafting_order(mode, self.drafters, k_cap, spec.adaptive):
+            started = time.perf_counter()
+            draft = drafting.drafter.propose(context, decision.draft_len, spec)
+            if draft.tokens:
+                self.costs.observe_draft_time(draft.source, len(draft), time.perf_counter() - started)
+                return draft, decision
+        return EMPTY_DRAFT, PLAIN_STEP
+
+    def _observe(self, stats: SpecStats, draft: Draft, verdict: Verdict) -> None:
+        """Feed one verify pass to the request's stats and to the drafter's policy."""
+        stats.num_steps += 1
+        stats.num_step_tokens += len(verdict.tokens)
+        if draft.tokens:
+            stats.observe_draft(len(draft), verdict.num_accepted, draft.source)
+            self.drafters[draft.source].policy.observe(len(draft), verdict.num_accepted)
+
+    def _emit(self, run: _Run, tokens: Sequence[int], mode_label: str, draft_max: int,
+              cancel: Optional[threading.Event]) -> Step:
+        """The Step of tokens a pass produced: cut at max_tokens and at end-of-generation, text cut
+        at stop strings, ``finish_reason`` set when the generation ends here."""
+        target, stats, max_tokens = self.target, run.stats, run.request.max_tokens
+        emitted: List[int] = []
+        eos_hit = False
+        for token in tokens:
+            if len(run.generated) >= max_tokens:
+                break
+            if target.is_eog(token):
+                eos_hit = True
+                break
+            emitted.append(token)
+            run.generated.append(token)
+        new_text = run.text.push(emitted)
+        finish = None
+        if run.text.stopped or eos_hit:
+            finish = "stop"
+        elif len(run.generated) >= max_tokens or target.n_past + 1 >= self.n_ctx:
+            finish = "length"
+        elif cancel is not None and cancel.is_set():
+            finish = "cancelled"
+        elif run.request.time_budget and time.perf_counter() - run.started >= run.request.time_budget:
+            finish = "timeout"
+        if finish is not None:
+            new_text += run.text.flush()
+        stats.num_generated_tokens = len(run.generated)
+        stats.spec_mode, stats.draft_max, stats.verification = mode_label, draft_max, run.verification
+        stats.plain_token_time = self.costs.plain_token_time
+        return Step(tuple(emitted), new_text, stats.snapshot(), mode_label, draft_max, finish)
+
+    def _mode_label(self, run: _Run, source: Optional[str], mode: Optional[str] = None) -> str:
+        mode = mode or run.request.spec_mode or self._spec.mode
         return f"auto:{source or 'off'}" if mode == "auto" else mode
 
-    def _label_stats(self, stats: SpecStats, mode: str, draft_max: int) -> None:
-        stats.spec_mode, stats.draft_max = mode, draft_max
-        stats.verification = self._spec.verification
-        stats.plain_token_time = self.costs.plain_token_time
-
-    def _drafters(self) -> List:
-        return [d for d in (self.lookup, self.draft) if d is not None]
-
-    def _drafter(self, source: str):
-        return self.lookup if source == "lookup" else self.draft
-
-    def _propose(self, mode: str, spec: SpecConfig, context: List[int], k_cap: int):
-        """The first non-empty draft of this mode's drafters, with the policy's decision."""
-        plain = Decision(0, 1.0)
-        if k_cap <= 0:
-            return EMPTY_DRAFT, plain, None
-        adaptive = spec.adaptive or mode == "auto"
-        for source in _SOURCES[mode]:
-            drafter = self._drafter(source)
-            if drafter is None:
-                continue
-            decision = self.policies[source].decide(k_cap, adaptive)
-            if decision.draft_len <= 0:
-                continue
-            t0 = now()
-            draft: Draft = drafter.propose(context, decision.draft_len)
-            if draft.tokens:
-                self.costs.observe_draft(source, len(draft), now() - t0)
-                return draft, decision, source
-        return EMPTY_DRAFT, plain, None
+    def _end_run(self, run: _Run) -> None:
+        """The request ended (finished, cancelled, or failed): drafters learn, stats roll up."""
+        run.stats.plain_token_time = self.costs.plain_token_time
+        for drafting in self.drafters.values():
+            drafting.drafter.end(run.prompt + run.generated)
+        with self._stats_lock:
+            self._rolling.merge(run.stats)
 
     # -- calibration and teardown ---------------------------------------------------------------
     def calibrate(self, sizes: Sequence[int] = (), context_len: int = 64, repeats: int = 2,
@@ -386,8 +380,8 @@ class Engine:
             return 3 + (997 + i) % max(1, target.n_vocab - 3)
 
         filler = [target.bos if target.bos >= 0 else token(0)] + [token(i) for i in range(context_len - 1)]
-        if self.draft is not None:
-            self.draft.warm_up(filler, max(sizes), warmup)
+        for drafting in self.drafters.values():
+            drafting.drafter.warm_up(filler, max(sizes), warmup)
         target.clear()
         target.decode(filler, [])
         measured: Dict[int, float] = {}
@@ -408,10 +402,8 @@ class Engine:
 
     def close(self) -> None:
         """Free models and persist the dynamic n-gram cache (idempotent)."""
-        for drafter in (self.lookup, self.draft):
-            if drafter is not None:
-                drafter.close()
-        self.lookup = None
-        self.draft = None
+        drafters, self.drafters = list(self.drafters.values()), {}
+        for drafting in reversed(drafters):  # the n-gram caches first, then the draft model
+            drafting.drafter.close()
         if getattr(self, "target", None) is not None:
             self.target.close()

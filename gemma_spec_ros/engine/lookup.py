@@ -16,15 +16,15 @@ the *sample size* is the sum of the counts of all continuations of that n-gram.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
-from gemma_spec_ros.engine.ngram_cache import NGRAM_MAX, NGRAM_STATIC, NgramCache
-from gemma_spec_ros.engine.types import EMPTY_DRAFT, Draft, LookupConfig, expand_path
+from .ngram_cache import NGRAM_MAX, NGRAM_STATIC, NgramCache
+from .types import EMPTY_DRAFT, Draft, LookupConfig, SamplingParams, SpecConfig, expand_path
 
-_T = TypeVar("_T")
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass(frozen=True)
@@ -172,7 +172,7 @@ class LookupDrafter:
     """The ``lookup`` drafter: n-gram drafts from the context, dynamic and static caches.
 
     Implements :class:`~gemma_spec_ros.engine.types.Drafter`. Per request: :meth:`begin` with the
-    prompt, then :meth:`propose` (and :meth:`observe`) per step, :meth:`end` with the final tokens.
+    prompt, then :meth:`propose` per step, :meth:`end` with the final tokens.
     :meth:`close` saves the dynamic cache. Not thread-safe: one request at a time.
 
     ``propose`` is incremental: the context handed to it may only grow by appending (prompt +
@@ -189,6 +189,7 @@ class LookupDrafter:
     """
 
     name = "lookup"
+    cheap_to_probe = True  # a probe is a few dictionary lookups
 
     def __init__(self, config: LookupConfig, static_cache: Optional[NgramCache] = None,
                  dynamic_cache: Optional[NgramCache] = None) -> None:
@@ -209,11 +210,6 @@ class LookupDrafter:
         # its last NGRAM_MAX tokens, to detect a context that is not a continuation
         self._context_tail: Tuple[int, ...] = ()
         self._dynamic_changed = False
-        # Counters, like llama.cpp's per-drafter n_drafted / n_accept / t_draft_us.
-        self.n_drafts = 0  #: verified non-empty drafts
-        self.n_drafted = 0  #: tokens in verified drafts
-        self.n_accepted = 0  #: accepted draft tokens
-        self.draft_time_s = 0.0  #: time spent in begin and propose (cache updates + drafting)
 
     # ---------------------------------------------------------------------------------- caches
     @property
@@ -230,11 +226,6 @@ class LookupDrafter:
     def static_cache(self) -> NgramCache:
         """Corpus 2-grams (read-only)."""
         return self._static_cache
-
-    @property
-    def acceptance_rate(self) -> float:
-        """accepted / drafted over this drafter's lifetime (0 before any draft)."""
-        return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
 
     def _reset_context(self) -> None:
         self._context_cache = NgramCache()
@@ -256,26 +247,21 @@ class LookupDrafter:
         self._context_tail = tuple(int(t) for t in tokens[-NGRAM_MAX:])
 
     # --------------------------------------------------------------------------- Drafter protocol
-    def begin(self, prompt_tokens: Sequence[int]) -> None:
-        """Start a request: the context cache restarts from the prompt's n-grams."""
+    def begin(self, prompt_tokens: Sequence[int], sampling: Optional[SamplingParams] = None,
+              rng: Optional["np.random.Generator"] = None) -> None:
+        """Start a request: the context cache restarts from the prompt's n-grams. N-gram drafts
+        are deterministic whatever the sampling: ``sampling`` and ``rng`` are not used."""
         self._reset_context()
-        self._timed(self._extend_context, prompt_tokens)
+        self._extend_context(prompt_tokens)
 
-    def propose(self, context: Sequence[int], max_tokens: int) -> Draft:
+    def propose(self, context: Sequence[int], max_tokens: int, spec: SpecConfig = SpecConfig()) -> Draft:
         """Up to ``max_tokens`` tokens to follow ``context`` (prompt + accepted tokens so far);
-        the empty draft if no n-gram qualifies. See :func:`draft_tokens`."""
-        tokens = self._timed(self._draft, context, max_tokens)
+        the empty draft if no n-gram qualifies. See :func:`draft_tokens`; ``spec``'s limits are the
+        draft model's, not used here."""
+        self._extend_context(context)
+        tokens = draft_tokens(context, max_tokens, self.config.ngram_min, self.config.ngram_max,
+                              self._context_cache, self._dynamic_cache, self._static_cache)
         return Draft(tokens=tuple(tokens), probs=None, source=self.name) if tokens else EMPTY_DRAFT
-
-    def observe(self, num_proposed: int, num_accepted: int) -> None:
-        """Count a verified draft."""
-        if not 0 <= num_accepted <= num_proposed:
-            raise ValueError(
-                f"observe({num_proposed}, {num_accepted}): need 0 <= accepted <= proposed")
-        if num_proposed:
-            self.n_drafts += 1
-            self.n_drafted += num_proposed
-            self.n_accepted += num_accepted
 
     def end(self, tokens: Sequence[int]) -> None:
         """The request finished with ``tokens`` (prompt + generated): merge its n-grams into the
@@ -285,6 +271,12 @@ class LookupDrafter:
         self._dynamic_changed = self._dynamic_changed or len(self._context_cache) > 0
         self._reset_context()
 
+    def warm_up(self, filler: Sequence[int], max_rows: int, passes: int) -> None:
+        """Nothing to warm up: no model."""
+
+    def model_info(self) -> Optional[dict]:
+        return None
+
     def close(self) -> None:
         """Save the dynamic cache to ``LookupConfig.dynamic_path`` if that is set, unless the file
         exists and the cache learned nothing since it was loaded or last saved (a large cache is
@@ -293,17 +285,3 @@ class LookupDrafter:
             Path(self._dynamic_path).parent.mkdir(parents=True, exist_ok=True)
             self._dynamic_cache.save(self._dynamic_path)
             self._dynamic_changed = False
-
-    # ----------------------------------------------------------------------------------- helpers
-    def _draft(self, context: Sequence[int], max_tokens: int) -> List[int]:
-        self._extend_context(context)
-        return draft_tokens(context, max_tokens, self.config.ngram_min, self.config.ngram_max,
-                            self._context_cache, self._dynamic_cache, self._static_cache)
-
-    def _timed(self, function: Callable[..., _T], *args: object) -> _T:
-        started = time.perf_counter()
-        try:
-            return function(*args)
-        finally:
-            self.draft_time_s += time.perf_counter() - started
-

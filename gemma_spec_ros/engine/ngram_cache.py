@@ -25,7 +25,7 @@ from typing import Dict, ItemsView, Iterator, List, Optional, Sequence, Tuple, U
 
 import numpy as np
 
-from gemma_spec_ros.engine.types import CacheFormatError
+from .types import CacheFormatError
 
 #: Longest n-gram the file format holds (llama.cpp's LLAMA_NGRAM_MAX).
 NGRAM_MAX = 4

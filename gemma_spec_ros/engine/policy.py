@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 
 class CostModel:
@@ -47,7 +47,7 @@ class CostModel:
         """One target pass over ``n_rows`` tokens (all rows asking for logits) took ``seconds``."""
         self._ema(self._verify, n_rows, seconds)
 
-    def observe_draft(self, source: str, n_tokens: int, seconds: float) -> None:
+    def observe_draft_time(self, source: str, n_tokens: int, seconds: float) -> None:
         """Drafting ``n_tokens`` (>= 1) with ``source`` took ``seconds`` (catch-up included)."""
         if n_tokens > 0:
             self._ema(self._draft_per_token, source, seconds / n_tokens)
@@ -132,11 +132,16 @@ class AcceptanceModel:
         return out
 
 
-@dataclass
+@dataclass(frozen=True)
 class Decision:
+    """What one drafter may do at the next step."""
+
     draft_len: int  # 0 = plain step
     predicted_speedup: float  # of the chosen length (1.0 for a plain step)
-    probing: bool = False
+
+
+#: A plain step: no draft, plain decoding's speed.
+PLAIN_STEP = Decision(0, 1.0)
 
 
 class DraftLengthPolicy:
@@ -203,8 +208,8 @@ class DraftLengthPolicy:
             return choice
         self._steps_off += 1
         if self._steps_off >= self._probe_interval:  # look again: the text may have changed
-            return Decision(max(1, choice.draft_len), speedup, probing=True)
-        return Decision(0, 1.0)
+            return Decision(max(1, choice.draft_len), speedup)
+        return PLAIN_STEP
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         self.acceptance.observe(num_drafted, num_accepted)
@@ -217,6 +222,3 @@ class DraftLengthPolicy:
         if not self.enabled and self.probe_new_requests:
             self._probe_interval = self.probe_min
             self._steps_off = self._probe_interval
-
-    def acceptance_per_position(self, k: int) -> Sequence[float]:
-        return self.acceptance.conditional(k)

@@ -52,7 +52,7 @@ class Sampler:
         if self.greedy:
             return int(np.argmax(logits))
         ids, probs = self._candidates(logits)
-        return int(ids[_inverse_cdf(probs, rng.random())])
+        return int(ids[inverse_cdf(probs, rng.random())])
 
     def _candidates(self, logits: np.ndarray):
         """(token ids, probabilities) of the tokens that survive filtering.
@@ -105,6 +105,11 @@ def _softmax_of_subset(scaled: np.ndarray, ids: np.ndarray, renormalise: bool = 
     return weights / total
 
 
-def _inverse_cdf(probs: np.ndarray, u: float) -> int:
+def inverse_cdf(probs: np.ndarray, u: float) -> int:
+    """The index where ``u`` in [0, 1) falls in the cumulative (unnormalised) ``probs``: one draw.
+
+    >>> inverse_cdf(np.array([0.2, 0.5, 0.3]), 0.1), inverse_cdf(np.array([0.2, 0.5, 0.3]), 0.75)
+    (0, 2)
+    """
     index = int(np.searchsorted(np.cumsum(probs), u * probs.sum(), side="right"))
     return min(index, probs.shape[0] - 1)

@@ -20,42 +20,62 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field, replace
-from typing import Dict, List
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields, replace
+from typing import Dict, Iterator, List
 
 
 def _ratio(num: float, den: float) -> float:
     return num / den if den else math.nan
 
 
+# How SpecStats.merge combines a field of the running total with the same field of one more request.
+_SUM = {"merge": "sum"}  # counters and times add up (lists element-wise, dicts per key)
+_LAST = {"merge": "last"}  # the newest request's value: a state or label, not a quantity
+_LAST_KNOWN = {"merge": "last_known"}  # the newest value that is not NaN
+
+
 @dataclass
 class SpecStats:
-    """Counters and timers of one request (or of an engine's lifetime). Times in seconds."""
+    """Counters and timers of one request, or of several merged (:meth:`merge`). Times in seconds.
 
-    spec_mode: str = "off"  # mode in effect at the last step
-    verification: str = "exact"
-    draft_max: int = 0  # K in effect at the last step
-    draft_last: int = 0  # draft length used at the last step
-    num_drafts: int = 0  # verify passes with a non-empty draft
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_generated_tokens: int = 0  # all tokens emitted, the first (sampled from the prompt pass) too
-    num_step_tokens: int = 0  # tokens emitted by decode steps after the prompt (for tokens/s)
-    num_steps: int = 0  # target passes after the prompt (verify or plain)
-    num_prompt_tokens: int = 0
-    num_prompt_tokens_reused: int = 0  # prompt tokens whose KV came from the previous request
-    accepted_at: List[int] = field(default_factory=list)  # drafts accepted at position i
-    drafted_at: List[int] = field(default_factory=list)  # drafts that reached position i
-    drafts_by_source: Dict[str, int] = field(default_factory=dict)
-    prompt_time: float = 0.0
-    draft_time: float = 0.0
-    verify_time: float = 0.0  # target decode passes (with or without a draft)
-    sample_time: float = 0.0
-    time_to_first_token: float = math.nan
-    generation_time: float = 0.0  # wall time of the decode steps after the prompt pass
-    predicted_speedup: float = math.nan
-    plain_token_time: float = math.nan  # measured cost of one plain decode step on this device
-    queue_wait: float = 0.0  # acceptance to start of generation, set by whoever queued the request
+    Each field's metadata says how requests merge: ``sum`` for counters and times, ``last`` for
+    states and labels, which in merged stats are those of the last request merged.
+    """
+
+    spec_mode: str = field(default="off", metadata=_LAST)  # mode in effect at the last step
+    verification: str = field(default="exact", metadata=_LAST)
+    draft_max: int = field(default=0, metadata=_LAST)  # K in effect at the last step
+    draft_last: int = field(default=0, metadata=_LAST)  # draft length used at the last step
+    num_drafts: int = field(default=0, metadata=_SUM)  # verify passes with a non-empty draft
+    num_draft_tokens: int = field(default=0, metadata=_SUM)
+    num_accepted_tokens: int = field(default=0, metadata=_SUM)
+    # all tokens emitted, the first (sampled from the prompt pass) too
+    num_generated_tokens: int = field(default=0, metadata=_SUM)
+    # tokens emitted by decode steps after the prompt (for tokens/s)
+    num_step_tokens: int = field(default=0, metadata=_SUM)
+    num_steps: int = field(default=0, metadata=_SUM)  # target passes after the prompt (verify or plain)
+    num_prompt_tokens: int = field(default=0, metadata=_SUM)
+    # prompt tokens whose KV came from the previous request (prompt reuse)
+    num_prompt_tokens_reused: int = field(default=0, metadata=_SUM)
+    # drafts accepted at position i / drafts that reached position i
+    accepted_at: List[int] = field(default_factory=list, metadata=_SUM)
+    drafted_at: List[int] = field(default_factory=list, metadata=_SUM)
+    drafts_by_source: Dict[str, int] = field(default_factory=dict, metadata=_SUM)
+    prompt_time: float = field(default=0.0, metadata=_SUM)
+    draft_time: float = field(default=0.0, metadata=_SUM)
+    # target decode passes (with or without a draft)
+    verify_time: float = field(default=0.0, metadata=_SUM)
+    sample_time: float = field(default=0.0, metadata=_SUM)
+    # request start to the first token; merged: the last request's (not a mean)
+    time_to_first_token: float = field(default=math.nan, metadata=_LAST)
+    # wall time of the decode steps after the prompt pass
+    generation_time: float = field(default=0.0, metadata=_SUM)
+    predicted_speedup: float = field(default=math.nan, metadata=_LAST)  # at the last step
+    # measured cost of one plain decode step on this device
+    plain_token_time: float = field(default=math.nan, metadata=_LAST_KNOWN)
+    # goal acceptance to the start of generation, set by whoever queued the request (the node)
+    queue_wait: float = field(default=0.0, metadata=_SUM)
 
     # -- mutators ---------------------------------------------------------------------------------
     def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int, source: str = "") -> None:
@@ -85,23 +105,28 @@ class SpecStats:
                 self.accepted_at[i] += 1
 
     def merge(self, other: "SpecStats") -> None:
-        """Add another request's counters and times (for rolling, per-engine stats)."""
-        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_generated_tokens",
-                     "num_step_tokens", "num_steps", "num_prompt_tokens", "num_prompt_tokens_reused", "prompt_time", "draft_time", "verify_time",
-                     "sample_time", "generation_time", "queue_wait"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        for mine, theirs in ((self.drafted_at, other.drafted_at), (self.accepted_at, other.accepted_at)):
-            mine.extend([0] * (len(theirs) - len(mine)))
-            for i, v in enumerate(theirs):
-                mine[i] += v
-        for k, v in other.drafts_by_source.items():
-            self.drafts_by_source[k] = self.drafts_by_source.get(k, 0) + v
-        self.spec_mode, self.verification = other.spec_mode, other.verification
-        self.draft_max, self.draft_last = other.draft_max, other.draft_last
-        self.time_to_first_token = other.time_to_first_token
-        self.predicted_speedup = other.predicted_speedup
-        if not math.isnan(other.plain_token_time):
-            self.plain_token_time = other.plain_token_time
+        """Fold one more request into these stats, field by field as its metadata says (sum,
+        last, last known).
+
+        >>> a, b = SpecStats(num_steps=2, accepted_at=[1]), SpecStats(num_steps=3, accepted_at=[1, 1])
+        >>> a.time_to_first_token, b.time_to_first_token = 0.5, 0.25
+        >>> a.merge(b); a.num_steps, a.accepted_at, a.time_to_first_token
+        (5, [2, 1], 0.25)
+        """
+        for f in fields(self):
+            rule, theirs = f.metadata["merge"], getattr(other, f.name)
+            mine = getattr(self, f.name)
+            if rule == "last" or (rule == "last_known" and not math.isnan(theirs)):
+                setattr(self, f.name, theirs)
+            elif rule == "sum" and isinstance(mine, list):
+                mine.extend([0] * (len(theirs) - len(mine)))
+                for i, v in enumerate(theirs):
+                    mine[i] += v
+            elif rule == "sum" and isinstance(mine, dict):
+                for k, v in theirs.items():
+                    mine[k] = mine.get(k, 0) + v
+            elif rule == "sum":
+                setattr(self, f.name, mine + theirs)
 
     def snapshot(self) -> "SpecStats":
         """An independent copy (lists copied), safe to hand to another thread."""
@@ -165,34 +190,14 @@ class SpecStats:
         }
 
 
-class Stopwatch:
-    """``with watch('draft_time'):`` adds the elapsed seconds to that field of a SpecStats."""
-
-    __slots__ = ("_stats",)
-
-    def __init__(self, stats: SpecStats) -> None:
-        self._stats = stats
-
-    def __call__(self, field_name: str) -> "_Lap":
-        return _Lap(self._stats, field_name)
+@contextmanager
+def timed(stats: SpecStats, field_name: str) -> Iterator[None]:
+    """``with timed(stats, 'draft_time'):`` adds the seconds the block took to that field."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        setattr(stats, field_name, getattr(stats, field_name) + time.perf_counter() - started)
 
 
-class _Lap:
-    __slots__ = ("_stats", "_field", "_t0")
-
-    def __init__(self, stats: SpecStats, field_name: str) -> None:
-        self._stats, self._field, self._t0 = stats, field_name, 0.0
-
-    def __enter__(self) -> "_Lap":
-        self._t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        setattr(self._stats, self._field, getattr(self._stats, self._field) + time.perf_counter() - self._t0)
-
-
-def now() -> float:
-    return time.perf_counter()
-
-
-__all__ = ["SpecStats", "Stopwatch", "now"]
+__all__ = ["SpecStats", "timed"]

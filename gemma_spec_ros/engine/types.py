@@ -1,4 +1,4 @@
-"""Plain data of the engine: configuration, requests, drafts, steps, errors.
+"""Plain data of the engine: configuration, requests, drafts, steps, errors; the drafter protocol.
 
 Every config is a frozen dataclass validated in ``__post_init__`` with a message a user can act on
 (``ValueError``). Nothing here imports llama_cpp, so the node can validate input without a model.
@@ -8,20 +8,21 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Tuple
 
-try:  # Protocol is typing-only; Python 3.8+ has it.
-    from typing import Protocol
-except ImportError:  # pragma: no cover
-    Protocol = object  # type: ignore
+from .stats import SpecStats
 
-#: Speculative modes. ``auto`` lets the policy pick among the others (including ``off``).
+if TYPE_CHECKING:  # numpy in annotations only: configs validate without it
+    import numpy as np
+
+#: Speculative modes. ``draft+lookup`` tries the n-gram drafter, then the draft model, in that
+#: order; ``auto`` is always adaptive and tries them best predicted speedup first (or drafts nothing).
 SPEC_MODES: Tuple[str, ...] = ("off", "draft", "lookup", "draft+lookup", "auto")
+#: Modes that cannot run without a draft model (``auto`` does without one).
+DRAFT_MODES: Tuple[str, ...] = ("draft", "draft+lookup")
 #: Verification rules. ``exact``: accept while the target's own sample equals the draft (lossless
 #: for any drafter). ``rejection``: Leviathan/Chen min(1, p/q) with residual resampling.
 VERIFICATIONS: Tuple[str, ...] = ("exact", "rejection")
-#: Why a generation ended.
-FINISH_REASONS: Tuple[str, ...] = ("stop", "length", "timeout", "preempted", "cancelled", "error")
 
 
 class EngineError(RuntimeError):
@@ -132,7 +133,7 @@ class EngineConfig:
     lookup: LookupConfig = field(default_factory=LookupConfig)
 
     def __post_init__(self) -> None:
-        if self.spec.mode in ("draft", "draft+lookup") and self.draft is None:
+        if self.spec.mode in DRAFT_MODES and self.draft is None:
             raise ValueError(f"spec mode {self.spec.mode!r} needs a draft model: set draft.model_path")
 
 
@@ -203,7 +204,7 @@ class Draft:
 
     tokens: Tuple[int, ...] = ()
     probs: Optional[Tuple["object", ...]] = None  # tuple of numpy float arrays, one per token
-    source: str = ""  # which drafter produced it: "draft" | "lookup"
+    source: str = ""  # the drafter that produced it (its ``name``): "draft" | "lookup"
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -212,24 +213,50 @@ class Draft:
 EMPTY_DRAFT = Draft()
 
 
+@dataclass(frozen=True)
+class Step:
+    """What one engine step produced. The last step of a generation has ``finish_reason`` set."""
+
+    tokens: Tuple[int, ...]  # tokens emitted at this step (may be empty, e.g. held by a stop string)
+    text: str  # new text since the previous step: whole UTF-8 characters, stop strings excluded
+    stats: SpecStats  # the request's stats so far (a snapshot; safe to keep)
+    spec_mode: str  # mode in effect at this step ("auto:lookup" style when auto chose)
+    draft_max: int  # K in effect at this step
+    finish_reason: Optional[str] = None  # stop | length | timeout | cancelled on the last step
+
+
 class Drafter(Protocol):
-    """What every drafter implements. Calls come in this order per request:
-    ``begin`` once, then per step ``propose`` and (if the draft was verified) ``observe``.
+    """What every drafter implements; the engine calls nothing else.
+
+    Per request: ``begin`` once, ``propose`` once per step, ``end`` once. Per engine: ``warm_up``
+    (calibration) and ``close``. A drafter keeps no acceptance counters: the engine's SpecStats and
+    its per-drafter draft-length policy do.
     """
 
-    name: str
+    name: str  # "lookup" | "draft": the key of the mode table and Draft.source
+    cheap_to_probe: bool  # a probe costs ~nothing (n-gram lookup); a model first catches up on the context
 
-    def begin(self, prompt_tokens: Sequence[int]) -> None:
-        """A new request starts with these prompt tokens (per-request state resets here)."""
+    def begin(self, prompt_tokens: Sequence[int], sampling: Optional[SamplingParams] = None,
+              rng: Optional["np.random.Generator"] = None) -> None:
+        """A new request starts with these prompt tokens (per-request state resets here).
 
-    def propose(self, context: Sequence[int], max_tokens: int) -> Draft:
-        """Up to ``max_tokens`` tokens to follow ``context`` (prompt + all accepted tokens)."""
+        ``sampling`` and ``rng`` are given when the request verifies by rejection sampling: a drafter
+        that can, then samples its drafts from that sampler and returns their distributions
+        (``Draft.probs``); without them it drafts deterministically (greedy, or by n-gram counts).
+        """
 
-    def observe(self, num_proposed: int, num_accepted: int) -> None:
-        """The last proposal was verified: its first ``num_accepted`` tokens were accepted."""
+    def propose(self, context: Sequence[int], max_tokens: int, spec: SpecConfig = SpecConfig()) -> Draft:
+        """Up to ``max_tokens`` tokens to follow ``context`` (prompt + all accepted tokens), under the
+        limits of ``spec`` (``p_min``, ``draft_min``) in effect at this step."""
 
     def end(self, tokens: Sequence[int]) -> None:
         """The request finished with these tokens (prompt + generated); learn from them."""
+
+    def warm_up(self, filler: Sequence[int], max_rows: int, passes: int) -> None:
+        """Run the passes drafting uses, untimed, so that measured draft costs are steady-state ones."""
+
+    def model_info(self) -> Optional[dict]:
+        """The model this drafter runs (path, size, ...), None if it runs none."""
 
     def close(self) -> None:
         """Free resources and persist what should survive (dynamic caches)."""

@@ -25,7 +25,7 @@ from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
-from .sampling import Sampler, _inverse_cdf
+from .sampling import Sampler, inverse_cdf
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def verify_rejection(rows: Sequence[np.ndarray], draft: Sequence[int],
             residual[token] = 0.0
         if residual.sum() <= 0.0:  # p == q up to rounding: any sample of p is right
             residual = p
-        emitted.append(_inverse_cdf(residual, rng.random()))
+        emitted.append(inverse_cdf(residual, rng.random()))
         return Verdict(tuple(emitted), i)
     emitted.append(sampler.sample(rows[len(draft)], rng))
     return Verdict(tuple(emitted), len(draft))

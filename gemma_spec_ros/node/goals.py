@@ -88,7 +88,7 @@ def check_fits(engine: Any, request: GenerationRequest, max_prompt_tokens: int) 
         raise GoalRejected(
             f"prompt has {prompt_tokens} tokens, more than limits.max_prompt_tokens={max_prompt_tokens}")
     try:
-        engine.check_request(request)
+        engine.check_request(request, prompt_tokens)  # the count is the engine's: no second tokenization
     except (EngineError, ValueError) as exc:
         raise GoalRejected(str(exc)) from exc
 

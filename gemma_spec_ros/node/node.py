@@ -18,7 +18,9 @@ Lifecycle (the standard ``~/change_state`` / ``~/get_state`` services):
 Goals wait in a bounded FIFO (:class:`~gemma_spec_ros.node.goals.JobQueue`); a dispatcher thread
 starts them one at a time, so waiting goals hold no executor thread. The action server sits in its
 own mutually exclusive callback group so that "is the queue full?" and "enqueue" of one goal cannot
-interleave with another goal's; everything else uses a reentrant group. Run the node with a
+interleave with another goal's; everything else uses a reentrant group. A cancel still reaches a
+running goal although that group is exclusive: rclpy runs ``execute`` as a separate executor task
+outside the group, so the group is free while a goal generates. Run the node with a
 ``MultiThreadedExecutor`` of at least :data:`MIN_EXECUTOR_THREADS` threads.
 
 ``/diagnostics`` uses a plain publisher created with the node (not a lifecycle publisher), so the

@@ -25,8 +25,8 @@ from typing import List, Optional, Sequence
 
 from tqdm import tqdm
 
-from gemma_spec_ros.engine.ngram_cache import NGRAM_MAX, NGRAM_STATIC, NgramCache
-from gemma_spec_ros.engine.types import ModelLoadError
+from ..engine.ngram_cache import NGRAM_MAX, NGRAM_STATIC, NgramCache
+from ..engine.types import ModelLoadError
 
 PROG = "gemma-spec-lookup-create"
 #: Tokens hashed between two progress-bar updates.

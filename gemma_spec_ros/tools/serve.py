@@ -25,12 +25,11 @@ from typing import List, Optional, Sequence
 # badly (measured 0.4 vs 22 tokens/s with another process busy). Passive waiting unless the user
 # chose otherwise; it must be set before llama_cpp loads the OpenMP runtime.
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
-try:  # load llama.cpp's libraries before rclpy/numpy: the reverse order segfaulted a CUDA build
-    import llama_cpp  # noqa: F401  (on the bench's GPU machine; see docs/benchmarks.md)
-except ImportError:  # the node reports a missing llama_cpp at configure, with the reason
-    pass
+from .llama_first import import_llama_cpp_first  # noqa: E402  (imports nothing else)
 
-import rclpy
+import_llama_cpp_first()
+
+import rclpy  # noqa: E402
 from rclpy.executors import MultiThreadedExecutor
 from rclpy.lifecycle import TransitionCallbackReturn
 from rclpy.signals import SignalHandlerOptions

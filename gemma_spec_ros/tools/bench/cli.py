@@ -5,7 +5,7 @@ generation, llama.cpp's native tools, the Generate action of a running node) run
 so its peak RSS is its own, and the runs are interleaved: for each repeat, for each prompt, each runner
 in turn (the order rotating), so machine noise hits all of them alike. Workers restart at each repeat:
 the engine's dynamic n-gram cache learns across the prompts of a repeat but never sees a prompt's own
-earlier output. Speedups are same-run ratios against ``off`` (see bench_metrics). Nothing is
+earlier output. Speedups are same-run ratios against ``off`` (see bench.metrics). Nothing is
 downloaded: models come from the params file or --target/--draft.
 
 Writes into --out: results.json, results.md (tables), results_per_prompt.md, four PNG plots and
@@ -39,13 +39,14 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Dict, IO, List, Mapping, Optional, Sequence, Tuple
 
-from ..engine.types import expand_path
-from .bench_config import (REFERENCE_RUNNER, Prompt, RunnerSpec, Suite, apply_overrides,
+from ...engine.types import expand_path
+from .config import (REFERENCE_RUNNER, Prompt, RunnerSpec, Suite, apply_overrides,
                            default_params, find_data_dir, load_params, load_suites, model_config, parse_baselines, parse_ks,
                            parse_modes, plan_runners, select_suites, thread_count)
-from .bench_metrics import decode_rate, repeated_ngram_share, text_hash, tokens_hash
-from .bench_native import NativeRunner
-from .bench_report import add_speedups, dump_results, markdown, markdown_per_prompt, plot_all, summarize
+from .metrics import decode_rate, repeated_ngram_share, text_hash, tokens_hash
+from .native import NativeRunner
+from .report import add_speedups, dump_results, markdown, markdown_per_prompt, plot_all, summarize
+from .runner import MeasuredRunner, Request, RunResult
 
 SCHEMA_VERSION = 1
 #: A short generation run once by each worker before it is measured (thread pools, page faults).
@@ -58,14 +59,14 @@ class RunnerError(RuntimeError):
 
 
 class WorkerHandle:
-    """The parent's side of one bench_worker process."""
+    """The parent's side of one bench worker process."""
 
     def __init__(self, spec: RunnerSpec, params: Mapping[str, Any], node_name: str, log: IO[bytes],
                  timeout_s: float) -> None:
         self.spec = spec
         self._timeout_s = timeout_s
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "gemma_spec_ros.tools.bench_worker"], stdin=subprocess.PIPE,
+            [sys.executable, "-m", "gemma_spec_ros.tools.bench.worker"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1)
         self.peak_rss_mb = 0.0
         reply = self._call({"cmd": "init", "runner": asdict(spec), "params": dict(params),
@@ -92,9 +93,9 @@ class WorkerHandle:
             raise RunnerError(str(reply.get("error")))
         return reply
 
-    def run(self, request: Mapping[str, Any]) -> Dict[str, Any]:
-        result = self._call({"cmd": "run", "request": dict(request)})["result"]
-        result["peak_rss_mb"] = self.peak_rss_mb
+    def run(self, request: Request) -> RunResult:
+        result = RunResult.from_json(self._call({"cmd": "run", "request": dict(request)})["result"])
+        result.peak_rss_mb = self.peak_rss_mb
         return result
 
     def close(self) -> None:
@@ -181,13 +182,12 @@ def _git_commit() -> Optional[str]:
     return (head + ("+dirty" if dirty else "")) or None
 
 
-def make_request(text: str, max_tokens: int, temperature: float, seed: int) -> Dict[str, Any]:
+def make_request(text: str, max_tokens: int, temperature: float, seed: int) -> Request:
     return {"prompt": text, "max_tokens": max_tokens, "temperature": temperature, "seed": seed}
 
 
-def make_record(spec: RunnerSpec, suite: str, prompt_id: str, repeat: int, request: Mapping[str, Any],
-                result: Optional[Mapping[str, Any]], error: str, keep_text: bool,
-                load: float) -> Dict[str, Any]:
+def make_record(spec: RunnerSpec, suite: str, prompt_id: str, repeat: int, request: Request,
+                result: Optional[RunResult], error: str, keep_text: bool, load: float) -> Dict[str, Any]:
     """One row of results.json from a runner's raw result (or its error); ``load`` is the 1-minute
     load average when the run started."""
     record: Dict[str, Any] = {
@@ -197,19 +197,19 @@ def make_record(spec: RunnerSpec, suite: str, prompt_id: str, repeat: int, reque
     }
     if result is None:
         return record
-    n_tokens = int(result["n_tokens"])
-    wall, ttft = float(result["wall_s"]), float(result["ttft_s"])
-    if "decode_s" in result:  # native tools print their own decode time
-        rate = n_tokens / result["decode_s"] if result["decode_s"] else float("nan")
+    n_tokens = int(result.n_tokens)
+    wall, ttft = float(result.wall_s), float(result.ttft_s)
+    if result.decode_s is not None:  # native tools print their own decode time
+        rate = n_tokens / result.decode_s if result.decode_s else float("nan")
     else:
-        rate = decode_rate(n_tokens, int(result["n_first"]), wall, ttft)
-    tokens = result.get("tokens")
-    rep_tokens = tokens if tokens is not None else result.get("retokenized")
-    stats = result.get("stats") or {}
+        rate = decode_rate(n_tokens, int(result.n_first), wall, ttft)
+    tokens = result.tokens
+    rep_tokens = tokens if tokens is not None else result.retokenized
+    stats = result.stats or {}
     record.update({
         "n_tokens": n_tokens, "wall_s": wall, "ttft_s": ttft, "tokens_per_s": rate,
         "e2e_tokens_per_s": n_tokens / wall if wall > 0 else None,
-        "finish_reason": result.get("finish_reason"),
+        "finish_reason": result.finish_reason,
         "tau": stats.get("mean_acceptance_length"), "acceptance_rate": stats.get("acceptance_rate"),
         "acceptance_per_position": stats.get("acceptance_per_position"),
         "accepted_at": stats.get("accepted_at"), "drafted_at": stats.get("drafted_at"),
@@ -220,12 +220,12 @@ def make_record(spec: RunnerSpec, suite: str, prompt_id: str, repeat: int, reque
         "engine_measured_speedup": stats.get("measured_speedup"),
         "engine_tokens_per_s": stats.get("tokens_per_second"),
         "engine_ttft_ms": stats.get("time_to_first_token_ms"),
-        "spec_modes": result.get("spec_modes"), "draft_max_last": result.get("draft_max_last"),
+        "spec_modes": result.spec_modes, "draft_max_last": result.draft_max_last,
         "repetition_4gram": repeated_ngram_share(rep_tokens) if rep_tokens is not None else None,
-        "output_hash": text_hash(result["text"]) if result.get("text") is not None else None,
+        "output_hash": text_hash(result.text) if result.text is not None else None,
         "tokens_hash": tokens_hash(tokens) if tokens is not None else None,
-        "peak_rss_mb": result.get("peak_rss_mb"),
-        "text": result.get("text") if keep_text else None,
+        "peak_rss_mb": result.peak_rss_mb,
+        "text": result.text if keep_text else None,
     })
     return record
 
@@ -265,7 +265,7 @@ class Bench:
             for s in self.specs}
 
     # -- schedule ---------------------------------------------------------------------------------
-    def start(self, spec: RunnerSpec, repeat: int, log: IO[bytes]) -> Any:
+    def start(self, spec: RunnerSpec, repeat: int, log: IO[bytes]) -> MeasuredRunner:
         if spec.kind == "native":
             return NativeRunner(spec, self.params, self.args.native_bin, self.out_dir, repeat)
         handle = WorkerHandle(spec, self.params, self.args.via_action, log, self.args.timeout)
@@ -281,7 +281,7 @@ class Bench:
         started = time.perf_counter()
         total = self.args.repeats * len(prompts) * len(self.specs)
         progress = _progress(total, self.args.no_progress)
-        handles: Dict[str, Any] = {}
+        handles: Dict[str, MeasuredRunner] = {}
         try:
             with open(self.out_dir / "workers.log", "wb") as log:
                 for repeat in range(self.args.repeats):
@@ -303,8 +303,8 @@ class Bench:
         machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
         return self._results(machine, records, time.perf_counter() - started)
 
-    def _run_one(self, spec: RunnerSpec, prompt: Prompt, repeat: int, request: Mapping[str, Any],
-                 handles: Mapping[str, Any], failed: Mapping[str, str]) -> Dict[str, Any]:
+    def _run_one(self, spec: RunnerSpec, prompt: Prompt, repeat: int, request: Request,
+                 handles: Mapping[str, MeasuredRunner], failed: Mapping[str, str]) -> Dict[str, Any]:
         result, error = None, failed.get(spec.name, "")
         load = os.getloadavg()[0]
         if not error:
@@ -317,8 +317,9 @@ class Bench:
         return make_record(spec, prompt.suite, prompt.id, repeat, request, result, error,
                            keep_text=keep, load=load)
 
-    def _start_all(self, repeat: int, log: IO[bytes], progress: Any) -> Tuple[Dict[str, Any], Dict[str, str]]:
-        handles: Dict[str, Any] = {}
+    def _start_all(self, repeat: int, log: IO[bytes],
+                   progress: Any) -> Tuple[Dict[str, MeasuredRunner], Dict[str, str]]:
+        handles: Dict[str, MeasuredRunner] = {}
         failed: Dict[str, str] = {}
         for spec in self.specs:
             progress.set_postfix_str(f"r{repeat} starting {spec.name}", refresh=True)
@@ -332,14 +333,13 @@ class Bench:
                     self.notes.append(note)
         return handles, failed
 
-    def _close_all(self, handles: Mapping[str, Any]) -> None:
+    def _close_all(self, handles: Mapping[str, MeasuredRunner]) -> None:
         for name, handle in handles.items():
             handle.close()
             info = self.runner_info[name]
             info["peak_rss_mb"] = max(info["peak_rss_mb"] or 0.0, handle.peak_rss_mb) or None
-            base = getattr(handle, "base_rss_mb", None)
-            if base is not None:
-                info["base_rss_mb"] = base
+            if handle.base_rss_mb is not None:
+                info["base_rss_mb"] = handle.base_rss_mb
 
     def _results(self, machine: Dict[str, Any], records: List[Dict[str, Any]], elapsed: float) -> Dict[str, Any]:
         target = model_config(self.params, "target")

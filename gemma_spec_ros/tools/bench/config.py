@@ -16,12 +16,10 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
-from ..engine.types import EngineConfig, ModelConfig, SPEC_MODES, expand_path
-from ..node import parameters as node_parameters
+from ...engine.types import DRAFT_MODES, SPEC_MODES, EngineConfig, ModelConfig, expand_path
+from ...node import parameters as node_parameters
 
 PACKAGE = "gemma_spec_ros"
-#: Modes that need a draft model.
-DRAFT_MODES: Tuple[str, ...] = ("draft", "draft+lookup")
 #: llama-cpp-python baselines: plain generation and its built-in prompt lookup.
 BASELINES: Tuple[str, ...] = ("plain", "prompt-lookup")
 #: Draft length of llama-cpp-python's built-in prompt lookup in the baseline (its documented example).
@@ -52,7 +50,7 @@ class Suite:
 
 def share_dirs() -> List[Path]:
     """``share/gemma_spec_ros`` folders to look in: the source tree first, then installed prefixes."""
-    dirs = [Path(__file__).resolve().parents[2]]
+    dirs = [Path(__file__).resolve().parents[3]]
     for prefix in os.environ.get("AMENT_PREFIX_PATH", "").split(os.pathsep) + [sys.prefix]:
         if prefix:
             dirs.append(Path(prefix) / "share" / PACKAGE)

@@ -19,8 +19,9 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from ..engine.types import expand_path
-from .bench_config import NATIVE_TOOLS, RunnerSpec, model_config, thread_count
+from ...engine.types import expand_path
+from .config import NATIVE_TOOLS, RunnerSpec, model_config, thread_count
+from .runner import Request, RunResult
 
 _NUMBER = r"([0-9]+(?:\.[0-9]+)?)"
 _PATTERNS: Dict[str, "re.Pattern[str]"] = {
@@ -76,7 +77,7 @@ def generated_text(stdout: str, prompt: str) -> str:
 
 
 class NativeRunner:
-    """Runs one native tool per request; same interface as a worker handle (run / close)."""
+    """Runs one native tool per request; a :class:`~.runner.MeasuredRunner`, as a worker handle."""
 
     def __init__(self, spec: RunnerSpec, params: Mapping[str, Any], bin_dir: str, workdir: Path,
                  repeat: int, timeout_s: float = 600.0) -> None:
@@ -101,15 +102,16 @@ class NativeRunner:
                 raise ValueError("llama-speculative-simple needs a draft model")
             self._base += ["-md", draft.resolved_path]
         self.peak_rss_mb = 0.0
+        self.base_rss_mb: Optional[float] = None  # the tool is the whole process: no base to tell apart
         self.info: Dict[str, Any] = {"command": self._base}
 
-    def command(self, request: Mapping[str, Any]) -> List[str]:
+    def command(self, request: Request) -> List[str]:
         """The tool's command line for one request. ``-n`` is one less than max_tokens because the
         tools stop only after generating more than ``-n`` tokens."""
         return self._base + ["-p", str(request["prompt"]), "-n", str(max(1, int(request["max_tokens"]) - 1)),
                              "--temp", str(float(request["temperature"])), "-s", str(int(request["seed"]))]
 
-    def run(self, request: Mapping[str, Any]) -> Dict[str, Any]:
+    def run(self, request: Request) -> RunResult:
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
             proc = subprocess.Popen(self.command(request), stdout=out, stderr=err, stdin=subprocess.DEVNULL)
             try:
@@ -135,11 +137,11 @@ class NativeRunner:
             stats = {"num_draft_tokens": drafted, "num_accepted_tokens": accepted,
                      "acceptance_rate": accepted / drafted if drafted else math.nan,
                      "tokens_per_pass": n_tokens / parsed["eval_runs"] if parsed["eval_runs"] else math.nan}
-        return {"wall_s": wall, "ttft_s": parsed["prompt_s"], "n_first": 0, "n_tokens": n_tokens,
-                "decode_s": parsed["decode_s"], "text": generated_text(stdout, str(request["prompt"])),
-                "tokens": None, "finish_reason": "length" if n_tokens >= int(request["max_tokens"]) else "stop",
-                "stats": stats, "spec_modes": [], "draft_max_last": self.spec.draft_max,
-                "peak_rss_mb": self.peak_rss_mb}
+        return RunResult(text=generated_text(stdout, str(request["prompt"])), n_tokens=n_tokens,
+                         wall_s=wall, ttft_s=parsed["prompt_s"], n_first=0,
+                         finish_reason="length" if n_tokens >= int(request["max_tokens"]) else "stop",
+                         decode_s=parsed["decode_s"], stats=stats, draft_max_last=self.spec.draft_max,
+                         peak_rss_mb=self.peak_rss_mb)
 
     def close(self) -> None:
         """Nothing is held between requests."""

@@ -12,8 +12,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from .bench_config import REFERENCE_RUNNER
-from .bench_metrics import (RunKey, Spread, finite, parity_share, pooled_acceptance, ratio_by_prompt,
+from .config import REFERENCE_RUNNER
+from .metrics import (RunKey, Spread, finite, parity_share, pooled_acceptance, ratio_by_prompt,
                             ratio_by_suite, same_run_ratios, spread)
 
 Record = Mapping[str, Any]

@@ -7,16 +7,15 @@ Protocol: one JSON object per line. The parent writes ``{"cmd": "init", "runner"
 The reply channel is a private copy of the original stdout; fd 1 is pointed at stderr so that anything
 a library prints cannot corrupt the protocol.
 
-Run as ``python -m gemma_spec_ros.tools.bench_worker`` (the parent does this).
+Run as ``python -m gemma_spec_ros.tools.bench.worker`` (the parent does this).
 """
 from __future__ import annotations
 
-try:  # llama.cpp's libraries first: on a CUDA image, loading them after numpy/yaml segfaulted
-    import llama_cpp  # noqa: F401
-except ImportError:  # pragma: no cover - the action runner does not need it
-    pass
+from ..llama_first import import_llama_cpp_first
 
-import json
+import_llama_cpp_first()
+
+import json  # noqa: E402
 import math
 import os
 import resource
@@ -24,12 +23,10 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, TextIO
+from typing import Any, Dict, Iterable, List, Optional, TextIO, Tuple
 
-from .bench_config import RunnerSpec, engine_config, model_config, thread_count
-
-#: A request as the parent sends it: prompt, max_tokens, temperature, seed.
-Request = Dict[str, Any]
+from .config import RunnerSpec, engine_config, model_config, thread_count
+from .runner import Request, RunResult, Runner
 
 
 def peak_rss_mb() -> float:
@@ -52,10 +49,10 @@ class Timeline:
             self.first = time.perf_counter()
             self.first_tokens = n_tokens
 
-    def finish(self) -> Dict[str, float]:
+    def finish(self) -> Tuple[float, float, int]:
+        """(wall_s, ttft_s, n_first): RunResult's timing fields."""
         self.end = time.perf_counter()
-        return {"wall_s": self.end - self.start, "ttft_s": self.first - self.start,
-                "n_first": self.first_tokens}
+        return self.end - self.start, self.first - self.start, self.first_tokens
 
 
 def stats_dict(stats: Any) -> Dict[str, Any]:
@@ -66,18 +63,25 @@ def stats_dict(stats: Any) -> Dict[str, Any]:
     return out
 
 
+def stats_from_msg(msg: Any) -> Dict[str, Any]:
+    """A gemma_spec_msgs/SpecStats as the same figures by name (every field but the header), the
+    reverse of the node's ``spec_stats_msg``."""
+    return {name: list(getattr(msg, name)) if ros_type.startswith("sequence<") else getattr(msg, name)
+            for name, ros_type in msg.get_fields_and_field_types().items() if name != "header"}
+
+
 class EngineRunner:
     """Our engine in one mode, with K fixed or adaptive (one Engine per worker)."""
 
     def __init__(self, spec: RunnerSpec, params: Dict[str, Any]) -> None:
-        from ..engine.engine import Engine  # imported here: the parent process never loads models
+        from ...engine.engine import Engine  # imported here: the parent process never loads models
 
         self._mode = spec.mode
         self._engine = Engine(engine_config(params, spec.mode, spec.draft_max))
         self.info = {"model_info": self._engine.model_info(), "spec": repr(self._engine.spec)}
 
-    def run(self, request: Request) -> Dict[str, Any]:
-        from ..engine.types import GenerationRequest, SamplingParams
+    def run(self, request: Request) -> RunResult:
+        from ...engine.types import GenerationRequest, SamplingParams
 
         sampling = SamplingParams(temperature=float(request["temperature"]), seed=int(request["seed"]))
         req = GenerationRequest(prompt=request["prompt"], max_tokens=int(request["max_tokens"]),
@@ -94,12 +98,11 @@ class EngineRunner:
             if step.spec_mode not in modes:
                 modes.append(step.spec_mode)
             last = step
-        out: Dict[str, Any] = timeline.finish()
-        out.update(text="".join(texts), tokens=tokens, n_tokens=len(tokens),
-                   finish_reason=last.finish_reason if last else "error",
-                   stats=stats_dict(last.stats) if last else None, spec_modes=modes,
-                   draft_max_last=last.draft_max if last else None)
-        return out
+        wall, ttft, n_first = timeline.finish()
+        return RunResult(text="".join(texts), n_tokens=len(tokens), wall_s=wall, ttft_s=ttft,
+                         n_first=n_first, finish_reason=last.finish_reason if last else "error",
+                         tokens=tokens, stats=stats_dict(last.stats) if last else None,
+                         spec_modes=modes, draft_max_last=last.draft_max if last else None)
 
     def close(self) -> None:
         self._engine.close()
@@ -126,7 +129,7 @@ class LlamaCppRunner:
         self.info = {"llama_cpp_version": __import__("llama_cpp").__version__,
                      "logits_all": bool(getattr(self._llm, "_logits_all", False))}
 
-    def run(self, request: Request) -> Dict[str, Any]:
+    def run(self, request: Request) -> RunResult:
         from llama_cpp import StoppingCriteriaList
 
         sampled = [0]
@@ -148,15 +151,14 @@ class LlamaCppRunner:
             timeline.output(1 if choice["text"] else 0)
             texts.append(choice["text"])
             finish = choice.get("finish_reason") or finish
-        out: Dict[str, Any] = timeline.finish()
+        wall, ttft, n_first = timeline.finish()
         text = "".join(texts)
         # The end-of-generation token is sampled (and counted) but not part of the completion.
         n_tokens = sampled[0] - (1 if finish == "stop" else 0)
         # Token ids for the repetition figure: the output re-tokenized, outside the timed span.
         tokens = self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=True) if text else []
-        out.update(text=text, tokens=None, retokenized=list(tokens), n_tokens=n_tokens,
-                   finish_reason=finish, stats=None, spec_modes=[], draft_max_last=None)
-        return out
+        return RunResult(text=text, n_tokens=n_tokens, wall_s=wall, ttft_s=ttft, n_first=n_first,
+                         finish_reason=finish, retokenized=list(tokens))
 
     def close(self) -> None:
         self._llm.close()
@@ -189,7 +191,7 @@ class ActionRunner:
         self._rclpy.spin_until_future_complete(self._node, future)
         return future.result()
 
-    def run(self, request: Request) -> Dict[str, Any]:
+    def run(self, request: Request) -> RunResult:
         goal = self._generate.Goal()
         goal.prompt = request["prompt"]
         goal.max_tokens = int(request["max_tokens"])
@@ -211,19 +213,14 @@ class ActionRunner:
         if handle is None or not handle.accepted:
             raise RuntimeError(f"goal rejected by {self._action}")
         wrapped = self._wait(handle.get_result_async())
-        out: Dict[str, Any] = timeline.finish()
+        wall, ttft, n_first = timeline.finish()
         result = wrapped.result
         if result.finish_reason == "error":
             raise RuntimeError(f"node reported an error: {result.error}")
-        stats = {name: getattr(result.stats, name) for name in (
-            "spec_mode", "draft_max", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
-            "num_generated_tokens", "acceptance_rate", "mean_acceptance_length", "tokens_per_second",
-            "time_to_first_token_ms", "predicted_speedup", "measured_speedup")}
-        stats["acceptance_per_position"] = list(result.stats.acceptance_per_position)
-        out.update(text=result.text, tokens=None, n_tokens=int(result.completion_tokens),
-                   finish_reason=result.finish_reason, stats=stats, spec_modes=modes or [result.spec_mode],
-                   draft_max_last=int(result.stats.draft_max))
-        return out
+        return RunResult(text=result.text, n_tokens=int(result.completion_tokens), wall_s=wall,
+                         ttft_s=ttft, n_first=n_first, finish_reason=result.finish_reason,
+                         stats=stats_from_msg(result.stats), spec_modes=modes or [result.spec_mode],
+                         draft_max_last=int(result.stats.draft_max))
 
     def close(self) -> None:
         try:
@@ -232,7 +229,7 @@ class ActionRunner:
             self._rclpy.try_shutdown()
 
 
-def make_runner(spec: RunnerSpec, params: Dict[str, Any], node_name: str) -> Any:
+def make_runner(spec: RunnerSpec, params: Dict[str, Any], node_name: str) -> Runner:
     """The runner object for a spec (engine, llama-cpp or action)."""
     if spec.kind == "engine":
         return EngineRunner(spec, params)
@@ -245,7 +242,7 @@ def make_runner(spec: RunnerSpec, params: Dict[str, Any], node_name: str) -> Any
 
 def serve(lines: Iterable[str], reply: TextIO) -> int:
     """Answer protocol lines until ``close`` or end of input; returns the exit status."""
-    runner = None
+    runner: Optional[Runner] = None
 
     def send(obj: Dict[str, Any]) -> None:
         obj["peak_rss_mb"] = peak_rss_mb()
@@ -266,7 +263,7 @@ def serve(lines: Iterable[str], reply: TextIO) -> int:
             elif cmd == "run":
                 if runner is None:
                     raise RuntimeError("run before init")
-                send({"ok": True, "result": runner.run(message["request"])})
+                send({"ok": True, "result": runner.run(message["request"]).to_json()})
             elif cmd == "close":
                 if runner is not None:
                     runner.close()
@@ -280,7 +277,7 @@ def serve(lines: Iterable[str], reply: TextIO) -> int:
 
 
 def main() -> int:
-    """Entry of ``python -m gemma_spec_ros.tools.bench_worker``."""
+    """Entry of ``python -m gemma_spec_ros.tools.bench.worker``."""
     reply = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)  # stray prints (libraries) go to stderr, never into the protocol
     sys.stdout = sys.stderr
