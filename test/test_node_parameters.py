@@ -32,7 +32,8 @@ target.model_path target.n_gpu_layers target.n_ctx target.n_batch target.n_threa
 draft.model_path draft.n_gpu_layers draft.n_ctx draft.n_threads spec.mode spec.draft_max
 spec.draft_min spec.p_min spec.adaptive spec.verification lookup.static_path lookup.dynamic_path
 lookup.ngram_min lookup.ngram_max generation.max_tokens generation.temperature generation.top_p
-generation.top_k generation.seed limits.max_prompt_tokens limits.max_tokens queue.max_depth
+generation.top_k generation.seed generation.time_budget generation.prompt_cache limits.max_prompt_tokens
+limits.max_tokens queue.max_depth
 feedback.min_period diagnostics.period diagnostics.hardware_id
 """.split()
 
