@@ -13,6 +13,7 @@ import pytest
 import rclpy
 from action_msgs.msg import GoalStatus
 from rclpy.executors import MultiThreadedExecutor
+from rclpy.lifecycle import TransitionCallbackReturn
 from rclpy.parameter import Parameter
 
 from gemma_spec_ros.node.node import MIN_EXECUTOR_THREADS, GemmaSpecNode
@@ -37,8 +38,8 @@ def node(tmp_path_factory: pytest.TempPathFactory, embedded_model_path: Path) ->
     executor.add_node(gemma)
     spinner = threading.Thread(target=executor.spin, daemon=True)
     spinner.start()
-    assert gemma.trigger_configure().label == "inactive"  # rclpy returns the new state
-    gemma.trigger_activate()
+    assert gemma.trigger_configure() == TransitionCallbackReturn.SUCCESS
+    assert gemma.trigger_activate() == TransitionCallbackReturn.SUCCESS
     yield gemma
     gemma.release("test teardown")
     executor.shutdown(timeout_sec=5.0)
