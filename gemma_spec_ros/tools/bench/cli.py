@@ -42,7 +42,7 @@ from typing import Any, Dict, IO, List, Mapping, Optional, Sequence, Tuple
 from ...engine.types import expand_path
 from .config import (REFERENCE_RUNNER, Prompt, RunnerSpec, Suite, apply_overrides,
                            default_params, find_data_dir, load_params, load_suites, model_config, parse_baselines, parse_ks,
-                           parse_modes, plan_runners, select_suites, thread_count)
+                           PROMPT_REUSE_CHOICES, parse_modes, plan_runners, select_suites, thread_count)
 from .metrics import decode_rate, repeated_ngram_share, text_hash, tokens_hash
 from .native import NativeRunner
 from .report import add_speedups, dump_results, markdown, markdown_per_prompt, plot_all, summarize
@@ -119,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts-dir", default="", help="folder of suite files (default: the package's prompts/)")
     p.add_argument("--modes", default="all", help="comma-separated of off,draft,lookup,draft+lookup,auto, "
                    "or all (off always runs: it is the reference)")
+    p.add_argument("--prompt-reuse", choices=PROMPT_REUSE_CHOICES, default="on",
+                   help="engine runners reuse the previous request's prompt prefix (on, the node's "
+                        "default), evaluate every prompt whole (off), or both side by side (a "
+                        "<name>/no-reuse twin of each; the 'Prompt reuse' table compares them)")
     p.add_argument("--k", default="adaptive", help="draft lengths: e.g. 2,3,4,8,adaptive (adaptive = the "
                    "configured K with the policy)")
     p.add_argument("--repeats", type=int, default=3, help="repeats of every (prompt, runner)")
@@ -256,7 +260,7 @@ class Bench:
         native_ks = [k for k in parse_ks(args.native_k) if k is not None]
         self.specs, self.notes = plan_runners(parse_modes(args.modes), parse_ks(args.k), has_draft,
                                               parse_baselines(args.baselines), args.native_bin, native_ks,
-                                              args.via_action)
+                                              args.via_action, args.prompt_reuse)
         self.out_dir = Path(expand_path(args.out))
         if args.omp_wait_policy != "inherit":  # every worker and native tool inherits it
             os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -207,6 +207,7 @@ class RunnerSpec:
     mode: str = ""  # engine/action: spec mode; llama-cpp: plain | prompt-lookup; native: tool
     draft_max: Optional[int] = None  # K; None = the configured K with the adaptive policy
     reference: str = REFERENCE_RUNNER  # runner whose tokens/s this one's "own baseline" ratio uses
+    reuse_prompt: bool = True  # engine: keep the previous request's KV prefix (generation.prompt_cache)
 
     @property
     def k_label(self) -> str:
@@ -267,12 +268,20 @@ def parse_baselines(text: str) -> List[str]:
 NATIVE_TOOLS: Dict[str, str] = {"lookup": "llama-lookup", "speculative": "llama-speculative-simple"}
 
 
+#: ``--prompt-reuse`` choices: engine runners with prompt reuse, without, or both side by side.
+PROMPT_REUSE_CHOICES: Tuple[str, ...] = ("on", "off", "both")
+#: Name suffix of an engine runner that evaluates every prompt whole.
+NO_REUSE_SUFFIX = "/no-reuse"
+
+
 def plan_runners(modes: Sequence[str], ks: Sequence[Optional[int]], has_draft: bool,
                  baselines: Sequence[str], native_bin: str, native_ks: Sequence[int],
-                 via_action: str) -> Tuple[List[RunnerSpec], List[str]]:
+                 via_action: str, prompt_reuse: str = "on") -> Tuple[List[RunnerSpec], List[str]]:
     """The runners of one bench invocation and notes on what was skipped and why.
 
     ``off`` is always run (every speedup is measured against it). Each other mode runs once per K.
+    ``prompt_reuse`` ``off`` runs the engine runners without prompt reuse; ``both`` adds a
+    ``<name>/no-reuse`` twin of each, whose own baseline is the runner with reuse.
     """
     notes: List[str] = []
     specs: List[RunnerSpec] = [RunnerSpec(REFERENCE_RUNNER, "engine", "off", None, "")]
@@ -283,6 +292,13 @@ def plan_runners(modes: Sequence[str], ks: Sequence[Optional[int]], has_draft: b
             notes.append(f"mode {mode} skipped: no draft model configured (draft.model_path or --draft)")
             continue
         specs.extend(RunnerSpec(runner_name(mode, k), "engine", mode, k) for k in ks)
+    if prompt_reuse not in PROMPT_REUSE_CHOICES:
+        raise ValueError(f"--prompt-reuse {prompt_reuse!r}: expected one of {', '.join(PROMPT_REUSE_CHOICES)}")
+    if prompt_reuse == "off":
+        specs = [replace(s, reuse_prompt=False) for s in specs]
+    elif prompt_reuse == "both":
+        specs += [replace(s, name=s.name + NO_REUSE_SUFFIX, reference=s.name, reuse_prompt=False)
+                  for s in list(specs)]
     if "plain" in baselines:
         specs.append(RunnerSpec("lcp-plain", "llama-cpp", "plain", None))
     if "prompt-lookup" in baselines:

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from .config import REFERENCE_RUNNER
+from .config import NO_REUSE_SUFFIX, REFERENCE_RUNNER
 from .metrics import (RunKey, Spread, finite, parity_share, pooled_acceptance, ratio_by_prompt,
                             ratio_by_suite, same_run_ratios, spread)
 
@@ -158,9 +159,54 @@ def markdown(results: Mapping[str, Any]) -> str:
                   "(median ms, same prompts):", ""]
         lines += [_row(["runner", "TTFF ms (action)", "TTFT ms (engine)"]), _row(["---"] * 3)]
         lines += [_row([f"`{n}`", _num(a, 0), _num(b, 0)]) for n, (a, b) in ttff.items()]
+    lines += _prompt_reuse_lines(results)
     if results.get("notes"):
         lines += ["", "## Notes", ""] + [f"- {n}" for n in results["notes"]]
     return "\n".join(lines) + "\n"
+
+
+def prompt_reuse_pairs(results: Mapping[str, Any]) -> List[Dict[str, Any]]:
+    """Per (runner, suite, prompt): median TTFT and total latency with prompt reuse and without
+    (the ``<runner>/no-reuse`` twin of ``--prompt-reuse both``) over the repeats, and their ratios."""
+    by_key: Dict[Tuple[str, str, str], Dict[str, List[Tuple[float, float]]]] = {}
+    for r in results["runs"]:
+        if not finite(r.get("ttft_s")) or not finite(r.get("wall_s")):
+            continue
+        name = str(r["runner"])
+        base, reuse = (name[:-len(NO_REUSE_SUFFIX)], "off") if name.endswith(NO_REUSE_SUFFIX) else (name, "on")
+        entry = by_key.setdefault((base, str(r["suite"]), str(r["prompt_id"])), {"on": [], "off": []})
+        entry[reuse].append((float(r["ttft_s"]), float(r["wall_s"])))
+    rows = []
+    for (runner, suite, prompt_id), entry in by_key.items():
+        if not entry["on"] or not entry["off"]:
+            continue
+        ttft_on, ttft_off = (statistics.median(t for t, _ in entry[k]) for k in ("on", "off"))
+        wall_on, wall_off = (statistics.median(w for _, w in entry[k]) for k in ("on", "off"))
+        rows.append({"runner": runner, "suite": suite, "prompt_id": prompt_id,
+                     "ttft_ms_reuse": ttft_on * 1e3, "ttft_ms_no_reuse": ttft_off * 1e3,
+                     "ttft_ratio": ttft_on / ttft_off if ttft_off else math.nan,
+                     "latency_s_reuse": wall_on, "latency_s_no_reuse": wall_off,
+                     "latency_ratio": wall_on / wall_off if wall_off else math.nan})
+    return rows
+
+
+def _prompt_reuse_lines(results: Mapping[str, Any]) -> List[str]:
+    rows = prompt_reuse_pairs(results)
+    if not rows:
+        return []
+    lines = ["", "## Prompt reuse", "",
+             "Each engine runner with prompt reuse (the node's default) against its `/no-reuse` twin "
+             "(every prompt evaluated whole), same prompts, same run; medians over repeats. The first "
+             "prompt a runner serves in a repeat has nothing to reuse. ratio = with / without.", ""]
+    header = ["runner", "prompt", "TTFT ms with", "TTFT ms without", "TTFT ratio", "latency s with",
+              "latency s without", "latency ratio"]
+    lines += [_row(header), _row(["---"] * len(header))]
+    for r in rows:
+        lines.append(_row([f"`{r['runner']}`", f"{r['suite']}/{r['prompt_id']}", _num(r["ttft_ms_reuse"], 0),
+                           _num(r["ttft_ms_no_reuse"], 0), _num(r["ttft_ratio"], 3),
+                           _num(r["latency_s_reuse"], 2), _num(r["latency_s_no_reuse"], 2),
+                           _num(r["latency_ratio"], 2)]))
+    return lines
 
 
 def markdown_per_prompt(results: Mapping[str, Any]) -> str:

@@ -77,6 +77,7 @@ class EngineRunner:
         from ...engine.engine import Engine  # imported here: the parent process never loads models
 
         self._mode = spec.mode
+        self._reuse_prompt = spec.reuse_prompt
         self._engine = Engine(engine_config(params, spec.mode, spec.draft_max))
         self.info = {"model_info": self._engine.model_info(), "spec": repr(self._engine.spec)}
 
@@ -85,7 +86,7 @@ class EngineRunner:
 
         sampling = SamplingParams(temperature=float(request["temperature"]), seed=int(request["seed"]))
         req = GenerationRequest(prompt=request["prompt"], max_tokens=int(request["max_tokens"]),
-                                sampling=sampling, spec_mode=self._mode)
+                                sampling=sampling, spec_mode=self._mode, reuse_prompt=self._reuse_prompt)
         tokens: List[int] = []
         texts: List[str] = []
         modes: List[str] = []
