@@ -290,7 +290,12 @@ class RemoteEngine:
         n_prompt = self.count_prompt_tokens(request) if self.kind == KIND_LLAMA_CPP_PYTHON else 0
         with self._lock:
             try:
-                stream = self._open_stream(request)
+                stream = self._open_stream(request, cancel)
+            except _Cancelled:
+                self._note_served("remote", "")
+                yield Step((), "", SpecStats(spec_mode=REMOTE_MODE, verification="server",
+                                             num_prompt_tokens=n_prompt), REMOTE_MODE, 0, "cancelled")
+                return
             except ServerUnreachableError as exc:
                 self._set_probe(False, math.nan, str(exc))
                 if self._fallback is None:
@@ -528,23 +533,31 @@ class RemoteEngine:
         body["prompt"] = prompt
         return "/v1/completions", body
 
-    def _open_stream(self, request: GenerationRequest) -> "_Stream":
+    def _open_stream(self, request: GenerationRequest, cancel: threading.Event) -> "_Stream":
+        """Connect, send, read the status: a stream whose socket a watcher thread shuts down on
+        cancel (from here on, so a server silent before its first byte is covered too)."""
         path, body = self._payload(request)
         before = self._read_metrics() if self._has_metrics else None
         started = now()
         conn = self._connect(self.config.read_timeout)
+        done = threading.Event()
+        threading.Thread(target=_watch, args=(cancel, done, conn), daemon=True,
+                         name="gemma_spec_remote_cancel").start()
         try:
             conn.request("POST", self._base + path, body=json.dumps(body).encode(),
                          headers={**self._headers(), "Accept": "text/event-stream"})
             response = conn.getresponse()
-        except socket.timeout:
-            conn.close()
-            raise RemoteError(f"no response from {self.config.url} within remote.read_timeout="
-                              f"{self.config.read_timeout:g} s") from None
         except (OSError, http.client.HTTPException) as exc:
+            done.set()
             conn.close()
+            if cancel.is_set():
+                raise _Cancelled() from None
+            if isinstance(exc, socket.timeout):
+                raise RemoteError(f"no response from {self.config.url} within remote.read_timeout="
+                                  f"{self.config.read_timeout:g} s") from None
             raise RemoteError(f"POST {path} on {self.config.url}: {_describe(exc)}") from None
         if response.status != 200:
+            done.set()
             try:
                 detail = _error_message(response.read(1 << 16))
             except (OSError, http.client.HTTPException):
@@ -552,7 +565,7 @@ class RemoteEngine:
             conn.close()
             raise RemoteError(f"HTTP {response.status} {response.reason} from POST {path} on "
                               f"{self.config.url}" + (f": {detail}" if detail else ""))
-        return _Stream(conn, response, started, before)
+        return _Stream(conn, response, started, before, done)
 
     def _stream(self, stream: "_Stream", n_prompt: int, cancel: threading.Event) -> Iterator[Step]:
         stats = SpecStats(spec_mode=REMOTE_MODE, verification="server", num_prompt_tokens=n_prompt)
@@ -561,10 +574,6 @@ class RemoteEngine:
         finish: Optional[str] = None
         usage: Dict[str, Any] = {}
         timings: Dict[str, Any] = {}
-        done = threading.Event()
-        watcher = threading.Thread(target=_watch, args=(cancel, done, stream.conn), daemon=True,
-                                   name="gemma_spec_remote_cancel")
-        watcher.start()
         ended = "error"
         try:
             try:
@@ -606,7 +615,7 @@ class RemoteEngine:
                 self._attribute_metrics(stats, stream.metrics_before, timings)
             yield Step((), "", stats.snapshot(), REMOTE_MODE, 0, ended)
         finally:
-            done.set()
+            stream.done.set()
             stream.conn.close()
             with self._state_lock:
                 self._rolling.merge(stats)
@@ -660,6 +669,11 @@ class _Stream:
     response: http.client.HTTPResponse
     started: float  # perf_counter when the request was sent (TTFT counts from here)
     metrics_before: Optional[Dict[str, float]]
+    done: threading.Event  # set when the stream is over: its cancel watcher exits
+
+
+class _Cancelled(Exception):
+    """Cancel was set before the server's response arrived."""
 
 
 def _watch(cancel: threading.Event, done: threading.Event, conn: http.client.HTTPConnection) -> None:
