@@ -435,7 +435,9 @@ class RemoteEngine:
         return counters if "spec_decode_num_drafts" in counters else None
 
     def _server_token_count(self, text: str) -> Optional[int]:
-        kind = self.kind
+        with self._state_lock:
+            unreachable = self._probe.reachable is False
+        kind = "" if unreachable else self.kind  # no wait on a server the last probe found down
         timeout = self.config.connect_timeout
         reply: Optional[Any] = None
         if kind == KIND_LLAMA_SERVER:

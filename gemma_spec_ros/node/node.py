@@ -183,9 +183,10 @@ class GemmaSpecNode(LifecycleNode):
             goal_callback=self._on_goal, handle_accepted_callback=self._on_accepted,
             cancel_callback=self._on_cancel, callback_group=self._goal_group)
         self._state = "inactive"
+        mode = (f"backend remote ({self._engine.backend_status()['server']})" if remote
+                else f"spec.mode={config.spec.mode}")
         self.get_logger().info(
-            f"configured in {time.monotonic() - started:.1f} s: spec.mode={config.spec.mode}, "
-            f"n_ctx={self._engine.n_ctx}")
+            f"configured in {time.monotonic() - started:.1f} s: {mode}, n_ctx={self._engine.n_ctx}")
         return _SUCCESS
 
     def _configure_failed(self, reason: str) -> TransitionCallbackReturn:
