@@ -109,7 +109,9 @@ def llama_cpp_server(model: Path, log_dir: Path, port: int = 0, api_key: str = A
     """llama-cpp-python's server on the embedded model (not started)."""
     port = port or free_port()
     argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1",
-            "--port", str(port), "--n_threads", "1", "--n_threads_batch", "1", "--n_ctx", str(n_ctx)]
+            "--port", str(port), "--n_threads", "1", "--n_threads_batch", "1", "--n_ctx", str(n_ctx),
+            # its default computes logits for every prompt row (3x slower prompts, n_ctx x n_vocab floats)
+            "--logits_all", "False"]
     if api_key:
         argv += ["--api_key", api_key]
     return Server(argv, port, log_dir / f"llama_cpp_server_{port}.log", "llama_cpp.server")

@@ -118,6 +118,22 @@ def test_streams_text_per_chunk_with_stats(engine: RemoteEngine) -> None:
     assert status["prompt tokens by"] == "llama-cpp-python server tokenizer"
 
 
+@pytest.mark.timeout(180)
+def test_greedy_text_is_the_local_engines(engine: RemoteEngine, embedded_model_path: Path) -> None:
+    """Same model, same greedy request: the server's text is the in-process engine's (the request
+    neutralises llama_cpp.server's own sampling defaults: top_k 40, repeat_penalty 1.1)."""
+    local = Engine(EngineConfig(target=ModelConfig(path=str(embedded_model_path), n_ctx=256,
+                                                   n_threads=1), spec=SpecConfig(mode="off")),
+                   calibrate=False)
+    try:
+        for prompt in (CODE_PROMPT, "Q: What is DNS?\nA:"):
+            request = GenerationRequest(prompt=prompt, max_tokens=16)
+            assert "".join(s.text for s in run(engine, request)) == \
+                "".join(s.text for s in local.generate(request))
+    finally:
+        local.close()
+
+
 @pytest.mark.timeout(120)
 def test_chat_template_goal_uses_chat_completions(engine: RemoteEngine) -> None:
     request = GenerationRequest(prompt="Name a colour.", system_prompt="Answer in one word.",

@@ -515,7 +515,11 @@ class RemoteEngine:
             "top_p": sampling.top_p, "min_p": sampling.min_p, "stream": True,
             "stream_options": {"include_usage": True},
         }
-        if sampling.top_k > 0:  # 0 (no limit) is spelled differently by each server: leave it out
+        if self.kind in (KIND_LLAMA_SERVER, KIND_LLAMA_CPP_PYTHON):
+            # the request's sampler exactly: llama.cpp reads top_k 0 as no limit, and
+            # llama_cpp.server would otherwise apply its own defaults (top_k 40, repeat_penalty 1.1)
+            body.update(top_k=sampling.top_k, repeat_penalty=1.0)
+        elif sampling.top_k > 0:  # vLLM & co spell "no limit" differently: leave it to them
             body["top_k"] = sampling.top_k
         if sampling.seed >= 0:
             body["seed"] = sampling.seed
