@@ -7,16 +7,30 @@ ours to report) and is interleaved with the local runners like any other, so its
 local ``off`` (and against ``lcp-plain``, the same llama.cpp library in-process, which isolates the
 HTTP + server overhead) are same-run ratios. The server's own speculation, if any, shows in tau
 when the server reports it (see the RemoteEngine's docstring).
+
+``python -m gemma_spec_ros.tools.bench_remote URL --model GGUF`` measures the fixed cost of a request
+over HTTP: the probe's round trip (GET /health) and a one-token completion through RemoteEngine
+against the same one-token completion by llama-cpp-python in-process, alternated, medians written
+as JSON (docs/deployment.md quotes them).
 """
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import statistics
+import sys
 import threading
-from typing import Any, Dict, List, Mapping, Optional
+import time
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from ..engine.remote import RemoteConfig, RemoteEngine
 from ..engine.types import GenerationRequest, SamplingParams, SpecConfig
 from .bench_config import REFERENCE_RUNNER, RunnerSpec
 from .bench_worker import Timeline, stats_dict
+
+#: Prompt of the overhead measurement: short, so the prompt pass is a small share.
+OVERHEAD_PROMPT = "The robot picked up the"
 
 RUNNER_NAME = "remote"
 
@@ -74,3 +88,56 @@ class RemoteRunner:
 
     def close(self) -> None:
         self._engine.close()
+
+
+def measure_overhead(url: str, model_path: str, repeats: int = 20, threads: int = 1) -> Dict[str, Any]:
+    """Medians (ms) of GET /health, of a one-token completion through RemoteEngine, and of the same
+    completion by llama-cpp-python in-process (same model file, ``threads`` threads, greedy);
+    remote minus local is the cost of serving one request over HTTP (connect, JSON, SSE, the
+    server's request handling), which a streamed generation pays once."""
+    import llama_cpp
+
+    engine = RemoteEngine(RemoteConfig(url=url, probe_period=0), SpecConfig())
+    local = llama_cpp.Llama(model_path=os.path.expanduser(model_path), n_ctx=256, n_threads=threads,
+                            n_threads_batch=threads, verbose=False)
+    request = GenerationRequest(prompt=OVERHEAD_PROMPT, max_tokens=1)
+    probe, remote, inproc = [], [], []
+    try:
+        for i in range(repeats + 1):  # the first round warms both up and is dropped
+            t0 = time.perf_counter()
+            engine.probe()
+            t1 = time.perf_counter()
+            for _ in engine.generate(request):
+                pass
+            t2 = time.perf_counter()
+            local.create_completion(OVERHEAD_PROMPT, max_tokens=1, temperature=0.0)
+            t3 = time.perf_counter()
+            if i:
+                probe.append(t1 - t0)
+                remote.append(t2 - t1)
+                inproc.append(t3 - t2)
+    finally:
+        engine.close()
+        local.close()
+    med = {k: statistics.median(v) * 1e3 for k, v in
+           (("probe_rtt_ms", probe), ("remote_one_token_ms", remote), ("local_one_token_ms", inproc))}
+    return {"url": url, "server": engine.kind, "model": model_path, "repeats": repeats,
+            "threads": threads, **med,
+            "request_overhead_ms": med["remote_one_token_ms"] - med["local_one_token_ms"],
+            "loadavg": [round(x, 2) for x in os.getloadavg()]}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=measure_overhead.__doc__.split("\n")[0])
+    parser.add_argument("url", help="base URL of a running server serving --model")
+    parser.add_argument("--model", required=True, help="the GGUF the server serves (for in-process)")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    json.dump(measure_overhead(args.url, args.model, args.repeats, args.threads), sys.stdout, indent=1)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
