@@ -11,7 +11,10 @@ when the server reports it (see the RemoteEngine's docstring).
 ``python -m gemma_spec_ros.tools.bench_remote URL --model GGUF`` measures the fixed cost of a request
 over HTTP: the probe's round trip (GET /health) and a one-token completion through RemoteEngine
 against the same one-token completion by llama-cpp-python in-process, alternated, medians written
-as JSON (docs/deployment.md quotes them).
+as JSON (docs/deployment.md quotes them). ``--concurrency 1,2,4`` instead starts that many streams
+together at each level and reports per-stream and aggregate decode rates (``T(c)`` of the
+robots-per-server arithmetic) on a server that decodes several requests at once (llama-server
+``-np``, vLLM; llama_cpp.server serves one at a time).
 """
 from __future__ import annotations
 
@@ -127,14 +130,65 @@ def measure_overhead(url: str, model_path: str, repeats: int = 20, threads: int 
             "loadavg": [round(x, 2) for x in os.getloadavg()]}
 
 
+def measure_concurrency(url: str, concurrency: int, max_tokens: int = 64,
+                        prompt: str = OVERHEAD_PROMPT) -> Dict[str, Any]:
+    """``concurrency`` streams started together (one RemoteEngine each, greedy, ``max_tokens``
+    tokens; the prompts differ by a number so no server shares their cache): each stream's decode
+    rate and TTFT, their sum ``T(c)`` (aggregate decode rate while all run) and the batch's wall
+    time. What docs/deployment.md's robots-per-server arithmetic needs, on the server at hand."""
+    results: List[Any] = [None] * concurrency
+    barrier = threading.Barrier(concurrency)
+
+    def one(i: int) -> None:
+        engine = RemoteEngine(RemoteConfig(url=url, probe_period=0), SpecConfig())
+        try:
+            request = GenerationRequest(prompt=f"{prompt} {i + 1}", max_tokens=max_tokens)
+            barrier.wait()
+            last = None
+            for last in engine.generate(request):
+                pass
+            results[i] = last.stats if last is not None else None
+        except Exception as exc:  # noqa: BLE001  reported, not raised, so the others finish
+            results[i] = exc
+        finally:
+            engine.close()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(concurrency)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    errors = [str(r) for r in results if not hasattr(r, "tokens_per_second")]
+    stats = [r for r in results if hasattr(r, "tokens_per_second")]
+    rates = [s.tokens_per_second for s in stats]
+    return {"concurrency": concurrency, "max_tokens": max_tokens, "errors": errors,
+            "stream_tokens_per_s": statistics.median(rates) if rates else None,
+            "aggregate_tokens_per_s": sum(rates) if rates else None,
+            "ttft_ms": statistics.median(s.time_to_first_token for s in stats) * 1e3 if stats else None,
+            "tau": statistics.median(s.mean_acceptance_length for s in stats) if stats else None,
+            "wall_s": wall, "loadavg": [round(x, 2) for x in os.getloadavg()]}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=measure_overhead.__doc__.split("\n")[0])
     parser.add_argument("url", help="base URL of a running server serving --model")
-    parser.add_argument("--model", required=True, help="the GGUF the server serves (for in-process)")
+    parser.add_argument("--model", default="", help="the GGUF the server serves (overhead: in-process)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--concurrency", default="", metavar="1,2,4",
+                        help="instead: streams started together at each of these concurrencies")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per stream (--concurrency)")
     args = parser.parse_args(argv)
-    json.dump(measure_overhead(args.url, args.model, args.repeats, args.threads), sys.stdout, indent=1)
+    if args.concurrency:
+        out: Any = [measure_concurrency(args.url, int(c), args.max_tokens)
+                    for c in args.concurrency.split(",")]
+    elif not args.model:
+        parser.error("--model is needed for the overhead measurement")
+    else:
+        out = measure_overhead(args.url, args.model, args.repeats, args.threads)
+    json.dump(out, sys.stdout, indent=1)
     print()
     return 0
 
