@@ -286,7 +286,8 @@ def test_tau_from_llama_server_with_ngram_speculation(embedded_model_path: Path,
     timings, the verify-pass count from its /metrics deltas, so tau and the acceptance rate are the
     server's own; its tokenizer counts the prompt."""
     srv = llama_server(embedded_model_path, tmp_path,
-                       ["--spec-type", "ngram-simple", "--spec-draft-n-max", "4"]).start()
+                       ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
+                        "--spec-ngram-simple-size-m", "6"]).start()
     eng = RemoteEngine(RemoteConfig(url=srv.url, probe_period=0.2), SPEC)
     try:
         assert eng.kind == remote_module.KIND_LLAMA_SERVER and eng.n_ctx == 1024
@@ -296,7 +297,9 @@ def test_tau_from_llama_server_with_ngram_speculation(embedded_model_path: Path,
         assert steps[-1].finish_reason in ("length", "stop")
         assert stats.num_prompt_tokens == eng.count_prompt_tokens(request)
         assert stats.num_draft_tokens > 0 and 0 <= stats.acceptance_rate <= 1
-        assert stats.num_drafts > 0 and 1.0 <= stats.mean_acceptance_length <= 5.0
+        # tau counts the bonus token: between 1 and 1 + the mean draft length (drafts of <= 6 here)
+        assert stats.num_drafts > 0 and stats.num_draft_tokens <= 6 * stats.num_drafts
+        assert 1.0 <= stats.mean_acceptance_length <= 1 + stats.num_draft_tokens / stats.num_drafts
         assert "timings" in eng.backend_status()["tau source"]
         _wait(lambda: eng.rolling_stats().num_drafts >= stats.num_drafts, 10, "the rolling counters")
         assert eng.backend_status()["prompt tokens by"] == "llama.cpp server tokenizer"
