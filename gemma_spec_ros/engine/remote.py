@@ -369,7 +369,7 @@ class RemoteEngine:
             self._set_probe(False, math.nan, str(exc))
             return False
         self._set_probe(True, now() - started, "" if status < 500 else f"/health: HTTP {status}")
-        if not self.kind:
+        if not self.kind and status < 500:  # llama-server answers 503 while it loads the model
             self._when_idle(self._detect)
         if self._has_metrics:
             counters = self._read_metrics()
