@@ -46,7 +46,9 @@ asked while this engine is not streaming (the estimate otherwise), and one such 
 one robot (or run with ``--interrupt_requests false``).
 
 Fallback: with ``fallback`` (a local :class:`Engine`), a request whose connection fails (refused,
-unreachable, connect timeout) is generated locally; :meth:`backend_status` says which backend served.
+unreachable, connect timeout), or that arrives while the prober's last look found the server down,
+is generated locally; :meth:`backend_status` says which backend served. A stream that breaks after
+it started is not resumed locally: that goal ends with an error.
 """
 from __future__ import annotations
 
@@ -289,6 +291,11 @@ class RemoteEngine:
         # llama_cpp.server streams no usage: count the prompt first (its tokenizer is free now)
         n_prompt = self.count_prompt_tokens(request) if self.kind == KIND_LLAMA_CPP_PYTHON else 0
         with self._lock:
+            down = self._known_down() if self._fallback is not None else ""
+            if down:  # the prober found the server down just now: no connect timeout to wait out
+                self._note_served("local", down)
+                yield from self._fallback.generate(request, cancel)
+                return
             try:
                 stream = self._open_stream(request, cancel)
             except _Cancelled:
@@ -388,6 +395,16 @@ class RemoteEngine:
                 self.probe()
             except Exception as exc:  # noqa: BLE001  a probe must never kill its thread
                 self._set_probe(False, math.nan, f"probe failed: {exc!r}")
+
+    def _known_down(self) -> str:
+        """The last probe's error if the running prober found the server unreachable within its
+        last two periods, else '' (then a request tries to connect)."""
+        if self._prober is None:
+            return ""
+        with self._state_lock:
+            probe = self._probe
+        fresh = time.monotonic() - probe.checked_at <= 2 * self.config.probe_period
+        return probe.error if probe.reachable is False and fresh else ""
 
     def _set_probe(self, reachable: bool, rtt: float, error: str) -> None:
         with self._state_lock:

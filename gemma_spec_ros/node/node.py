@@ -156,6 +156,7 @@ class GemmaSpecNode(LifecycleNode):
             files = f"server {values['remote.url']}" + (f" (fallback: {files})" if local else "")
         self.get_logger().info(f"configuring: {'loading' if local else 'using'} {files}")
         started = time.monotonic()
+        engine: Optional[Any] = None
         try:
             engine = Engine(config) if local else None
             if remote:
@@ -164,7 +165,7 @@ class GemmaSpecNode(LifecycleNode):
         except (EngineError, ValueError, OSError, MemoryError) as exc:
             if remote and engine is not None:
                 engine.close()
-            return self._configure_failed(f"cannot load {files}: {exc}")
+            return self._configure_failed(f"cannot {'use' if remote else 'load'} {files}: {exc}")
         if remote and engine.backend_status()["server reachable"] is not True:
             self.get_logger().warning(
                 f"inference server {values['remote.url']} unreachable at configure "
