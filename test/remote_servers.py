@@ -53,7 +53,7 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 120.0) -> "Server":
-        env = {**os.environ, "OMP_WAIT_POLICY": "passive"}
+        env = {**os.environ, "OMP_WAIT_POLICY": "passive", "PYTHONUNBUFFERED": "1"}  # logs read live
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)

@@ -143,9 +143,11 @@ def test_chat_template_goal_uses_chat_completions(engine: RemoteEngine) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_cancel_within_one_chunk_and_the_server_stops(engine: RemoteEngine) -> None:
-    """Cancel ends the stream at the next chunk; the server, seeing the client gone, stops: the next
-    request is served long before the cancelled one could have finished."""
+def test_cancel_within_one_chunk_and_the_server_stops(engine: RemoteEngine, server: Server) -> None:
+    """Cancel ends the stream at the next chunk; the server sees the client gone (its log says so,
+    before any other request could interrupt it) and stops: the next request is served long before
+    the cancelled one could have finished."""
+    disconnects = server.log_path.read_text(errors="replace").count("Disconnected from client")
     cancel = threading.Event()
     seen: List[Step] = []
     started = time.perf_counter()
@@ -156,6 +158,8 @@ def test_cancel_within_one_chunk_and_the_server_stops(engine: RemoteEngine) -> N
             cancel.set()
     assert seen[-1].finish_reason == "cancelled"
     assert len(seen) == 5, "the cancelled request yielded chunks after the cancel"
+    _wait(lambda: server.log_path.read_text(errors="replace").count("Disconnected from client")
+          > disconnects, 10, "the server to notice the closed stream")
     remaining_s = (800 - 4) / rate  # what the server would still need, at the rate seen
     t0 = time.perf_counter()
     after = run(engine, GenerationRequest(prompt="The robot", max_tokens=2))
