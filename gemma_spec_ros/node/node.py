@@ -9,6 +9,9 @@ Lifecycle (the standard ``~/change_state`` / ``~/get_state`` services):
   ``~/generate`` action server and the stats publishers. A missing/corrupt file, an out-of-memory
   load or a vocabulary mismatch returns FAILURE with the reason (naming the files) logged and shown
   in diagnostics; the node stays unconfigured and configures again once the parameter is fixed.
+  With ``backend: remote`` configure builds a :class:`~gemma_spec_ros.engine.remote.RemoteEngine`
+  over the server at ``remote.url`` instead (plus the local Engine when ``remote.fallback`` is
+  ``local``); an unreachable server is logged and shown in diagnostics, not a failure.
 - activate: goals are accepted. deactivate: no new goals; the running goal stops at its next step
   (result ``finish_reason`` cancelled, status ABORTED unless its client cancelled it) and waiting
   goals end unstarted the same way.
