@@ -35,6 +35,8 @@ lookup.ngram_min lookup.ngram_max generation.max_tokens generation.temperature g
 generation.top_k generation.seed generation.time_budget generation.prompt_cache limits.max_prompt_tokens
 limits.max_tokens queue.max_depth
 feedback.min_period diagnostics.period diagnostics.hardware_id
+backend remote.url remote.model remote.api_key_env remote.connect_timeout remote.read_timeout
+remote.probe_period remote.n_ctx remote.fallback
 """.split()
 
 

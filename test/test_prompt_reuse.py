@@ -15,7 +15,7 @@ from gemma_spec_ros.engine.types import (EngineConfig, GenerationRequest, ModelC
 
 SYSTEM = ("You control a mobile manipulator in a kitchen. Skills: move_to(place), pick(object), "
           "place(object, place), open(door), close(door), say(text). Rules: never move while "
-          "holding a hot object; always close doors you opened; report failures with say().\n" * 3)
+          "holding a hot object; always close doors you opened; report failures with say().\n")
 INSTRUCTIONS = ("Task: bring the red cup to the sink.\nPlan:\n1.",
                 "Task: put the milk back in the fridge.\nPlan:\n1.",
                 "Task: wipe the table, then report.\nPlan:\n1.")
@@ -26,7 +26,7 @@ SAMPLED = SamplingParams(temperature=0.8, top_k=40, seed=11)
 def generate(engine: Engine, prompt: str, sampling: SamplingParams, reuse: bool,
              mode: str) -> Tuple[List[int], int, int]:
     """(tokens, prompt tokens, prompt tokens reused) of one request."""
-    request = GenerationRequest(prompt, max_tokens=12, sampling=sampling, spec_mode=mode,
+    request = GenerationRequest(prompt, max_tokens=10, sampling=sampling, spec_mode=mode,
                                 reuse_prompt=reuse)
     tokens: List[int] = []
     for step in engine.generate(request):
@@ -72,7 +72,7 @@ def test_a_failed_request_leaves_nothing_to_reuse(f16_engine: Engine) -> None:
     """After an error inside generate() the KV cache is emptied, so the next request cannot reuse
     a prefix the cache may no longer hold."""
     generate(f16_engine, SYSTEM + INSTRUCTIONS[0], GREEDY, True, "off")
-    request = GenerationRequest(SYSTEM + INSTRUCTIONS[1], max_tokens=24)
+    request = GenerationRequest(SYSTEM + INSTRUCTIONS[1], max_tokens=4)
     steps = f16_engine.generate(request)
     next(steps)
     with pytest.raises(RuntimeError):  # raised inside the generator, where a failure would be

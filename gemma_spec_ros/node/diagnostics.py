@@ -10,8 +10,12 @@ Status levels of ``<node>: speculative decoding`` (the convention rqt_robot_moni
 - ERROR: the last request failed in the engine (cleared by the next request that does not).
 - WARN: speculation measured slower than plain decoding over the window
   (``measured_speedup`` < :data:`SLOWER_THAN_PLAIN`), the policy predicts no gain
-  (``predicted_speedup`` < 1, i.e. tau below break-even), or the goal queue is full.
+  (``predicted_speedup`` < 1, i.e. tau below break-even), the goal queue is full, or (backend
+  remote) the inference server is unreachable.
 - OK otherwise.
+
+With ``backend: remote`` the status also carries the remote engine's key-values (server url,
+reachable, RTT, which backend served, where tau comes from); ``mode`` reads "set by the server".
 """
 from __future__ import annotations
 
@@ -149,6 +153,7 @@ class NodeView:
     spec: Optional[Any]  # the engine's SpecConfig, None when unconfigured
     model_info: Mapping[str, Any]
     configure_error: str = ""
+    backend: Mapping[str, Any] = field(default_factory=dict)  # engine's backend key-values
 
 
 def hardware_id(configured: str) -> str:
@@ -179,9 +184,11 @@ def spec_status(view: NodeView, log: RequestLog, rolling: Optional[SpecStats]) -
     latencies = list(log.latencies)
     level, message = _spec_level(view, log, window)
     mode = current.spec_mode if rolling is not None else (view.spec.mode if view.spec else "")
+    remote = view.backend.get("backend") == "remote"
+    configured_mode = "set by the server" if remote else (view.spec.mode if view.spec else mode)
     pairs = [
         ("state", view.lifecycle_state),
-        ("mode", view.spec.mode if view.spec else mode),
+        ("mode", configured_mode),
         ("mode in effect", mode),
         ("verification", view.spec.verification if view.spec else ""),
         ("tau (mean acceptance length)", current.mean_acceptance_length),
@@ -211,6 +218,7 @@ def spec_status(view: NodeView, log: RequestLog, rolling: Optional[SpecStats]) -
         ("last rejection", log.last_rejection),
         ("last error", log.last_error),
         ("RSS MiB", rss_bytes() / 2**20),
+        *view.backend.items(),
     ]
     return DiagnosticStatus(level=level, name=f"{view.node_name}: speculative decoding",
                             message=message, hardware_id=view.hardware_id, values=_kv(pairs))
@@ -228,6 +236,10 @@ def _spec_level(view: NodeView, log: RequestLog, window: Optional[SpecStats]) ->
         warnings.append(f"speculation slower than plain decoding (x{window.measured_speedup:.2f})")
     if speculating and window is not None and window.predicted_speedup < 1.0:
         warnings.append(f"tau below break-even (predicted x{window.predicted_speedup:.2f})")
+    if view.backend.get("server reachable") is False:
+        fallback = view.backend.get("fallback") == "local"
+        warnings.append(f"inference server unreachable ({view.backend.get('server error', '')})"
+                        + ("; serving from the local model" if fallback else ""))
     if view.queue_depth >= max(1, view.queue_max_depth):
         warnings.append(f"queue backing up ({view.queue_depth}/{view.queue_max_depth} waiting)")
     if warnings:

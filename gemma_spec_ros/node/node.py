@@ -9,6 +9,9 @@ Lifecycle (the standard ``~/change_state`` / ``~/get_state`` services):
   ``~/generate`` action server and the stats publishers. A missing/corrupt file, an out-of-memory
   load or a vocabulary mismatch returns FAILURE with the reason (naming the files) logged and shown
   in diagnostics; the node stays unconfigured and configures again once the parameter is fixed.
+  With ``backend: remote`` configure builds a :class:`~gemma_spec_ros.engine.remote.RemoteEngine`
+  over the server at ``remote.url`` instead (plus the local Engine when ``remote.fallback`` is
+  ``local``); an unreachable server is logged and shown in diagnostics, not a failure.
 - activate: goals are accepted. deactivate: no new goals; the running goal stops at its next step
   (result ``finish_reason`` cancelled, status ABORTED unless its client cancelled it) and waiting
   goals end unstarted the same way.
@@ -33,7 +36,7 @@ import math
 import threading
 import time
 from dataclasses import replace
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from diagnostic_msgs.msg import DiagnosticArray
 from gemma_spec_msgs.action import Generate
@@ -50,12 +53,13 @@ from rclpy.parameter import Parameter
 from rclpy.timer import Timer
 
 from ..engine.engine import Engine
+from ..engine.remote import RemoteEngine
 from ..engine.stats import SpecStats
 from ..engine.types import EngineError
 from . import NODE_NAME, diagnostics
 from .goals import GoalRejected, Job, JobQueue, check_fits, request_from_goal
 from .parameters import (PARAMETERS, PARAMETERS_BY_NAME, as_declared, check_values,
-                         engine_config_from, spec_config_from)
+                         engine_config_from, remote_config_from, spec_config_from)
 
 #: Executor threads the node needs: a transition or parameter call, the running goal's execute
 #: callback, goal/cancel requests and the diagnostics timer must be able to run at once.
@@ -76,7 +80,7 @@ class GemmaSpecNode(LifecycleNode):
     """
 
     def __init__(self, node_name: str = NODE_NAME, **kwargs: Any) -> None:
-        self._engine: Optional[Engine] = None
+        self._engine: Optional[Union[Engine, RemoteEngine]] = None
         self._model_info: Dict[str, Any] = {}
         self._action_server: Optional[ActionServer] = None
         self._stats_pub: Optional[LifecyclePublisher] = None
@@ -152,12 +156,27 @@ class GemmaSpecNode(LifecycleNode):
         files = f"target {config.target.resolved_path!r}"
         if config.draft is not None:
             files += f", draft {config.draft.resolved_path!r}"
-        self.get_logger().info(f"configuring: loading {files}")
+        remote = values["backend"] == "remote"
+        local = not remote or values["remote.fallback"] == "local"
+        if remote:
+            files = f"server {values['remote.url']}" + (f" (fallback: {files})" if local else "")
+        self.get_logger().info(f"configuring: {'loading' if local else 'using'} {files}")
         started = time.monotonic()
+        engine: Optional[Any] = None
         try:
-            self._engine = Engine(config)
+            engine = Engine(config) if local else None
+            if remote:
+                engine = RemoteEngine(remote_config_from(values), config.spec, fallback=engine)
+            self._engine = engine
         except (EngineError, ValueError, OSError, MemoryError) as exc:
-            return self._configure_failed(f"cannot load {files}: {exc}")
+            if remote and engine is not None:
+                engine.close()
+            return self._configure_failed(f"cannot {'use' if remote else 'load'} {files}: {exc}")
+        if remote and engine.backend_status()["server reachable"] is not True:
+            self.get_logger().warning(
+                f"inference server {values['remote.url']} unreachable at configure "
+                f"({engine.backend_status()['server error']}); goals "
+                + ("fall back to the local model" if local else "fail until it answers"))
         self._model_info = dict(self._engine.model_info())
         self._configure_error = ""
         self._jobs = JobQueue()
@@ -171,9 +190,10 @@ class GemmaSpecNode(LifecycleNode):
             goal_callback=self._on_goal, handle_accepted_callback=self._on_accepted,
             cancel_callback=self._on_cancel, callback_group=self._goal_group)
         self._state = "inactive"
+        mode = (f"backend remote ({self._engine.backend_status()['server']})" if remote
+                else f"spec.mode={config.spec.mode}")
         self.get_logger().info(
-            f"configured in {time.monotonic() - started:.1f} s: spec.mode={config.spec.mode}, "
-            f"n_ctx={self._engine.n_ctx}")
+            f"configured in {time.monotonic() - started:.1f} s: {mode}, n_ctx={self._engine.n_ctx}")
         return _SUCCESS
 
     def _configure_failed(self, reason: str) -> TransitionCallbackReturn:
@@ -446,7 +466,7 @@ class GemmaSpecNode(LifecycleNode):
             queue_max_depth=self._value("queue.max_depth"),
             running=jobs.has_running() if jobs is not None else False,
             spec=engine.spec if engine is not None else None, model_info=self._model_info,
-            configure_error=self._configure_error)
+            configure_error=self._configure_error, backend=_backend_status(engine))
 
     def _publish_diagnostics(self) -> None:
         """Timer: /diagnostics (both statuses) and the rolling SpecStats."""
@@ -463,6 +483,15 @@ class GemmaSpecNode(LifecycleNode):
                 self._rolling_pub.publish(diagnostics.spec_stats_msg(rolling, stamp))
         except Exception as exc:  # noqa: BLE001  e.g. the engine closed during this tick
             self.get_logger().warning(f"diagnostics skipped: {exc!r}", throttle_duration_sec=10.0)
+
+
+def _backend_status(engine: Any) -> Dict[str, Any]:
+    """/diagnostics key-values of the backend: the remote engine's own (reachability, RTT, which
+    backend served), or just ``local``."""
+    if engine is None:
+        return {}
+    status = getattr(engine, "backend_status", None)
+    return status() if status is not None else {"backend": "local", "served by": "local"}
 
 
 def _feedback(step: Any, text: str) -> Generate.Feedback:

@@ -7,8 +7,8 @@ checks it is in sync).
 
 Two kinds of parameter:
 
-- **configure-time** (``target.*``, ``draft.*``, ``lookup.*``): read by the configure transition to
-  load the models. They are *not* ``read_only``: an operator fixing a wrong model path expects
+- **configure-time** (``backend``, ``remote.*``, ``target.*``, ``draft.*``, ``lookup.*``): read
+  by the configure transition to load the models (or reach the inference server). They are *not* ``read_only``: an operator fixing a wrong model path expects
   ``ros2 param set`` to work while the node is unconfigured. The node's set-parameters callback
   refuses to change them in any other state, with a reason ("cleanup first"), because the loaded
   models would no longer match the parameters.
@@ -27,6 +27,7 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
+from ..engine.remote import RemoteConfig
 from ..engine.types import (SPEC_MODES, VERIFICATIONS, EngineConfig, LookupConfig, ModelConfig,
                             SamplingParams, SpecConfig)
 
@@ -35,7 +36,11 @@ ParamValue = Union[str, int, float, bool]
 #: Where scripts/setup.sh assembles the embedded default model (Gemma 3 270M Q4_K_M from PyPI).
 EMBEDDED_MODEL_PATH = "~/.cache/gemma_spec_ros/models/gemma-3-270m-q4_k_m.gguf"
 #: Prefixes of the parameters that only change while the node is unconfigured.
-CONFIGURE_TIME_PREFIXES: Tuple[str, ...] = ("target.", "draft.", "lookup.")
+CONFIGURE_TIME_PREFIXES: Tuple[str, ...] = ("target.", "draft.", "lookup.", "backend", "remote.")
+#: Where generation runs: this process (llama.cpp in-process) or an OpenAI-compatible server.
+BACKENDS: Tuple[str, ...] = ("local", "remote")
+#: What serves when the remote server is unreachable.
+FALLBACKS: Tuple[str, ...] = ("none", "local")
 _INT_MAX = 2**31 - 1
 _INT64_MAX = 2**63 - 1
 
@@ -43,6 +48,7 @@ _MODEL = ModelConfig(path=EMBEDDED_MODEL_PATH)
 _SPEC = SpecConfig()
 _LOOKUP = LookupConfig()
 _SAMPLING = SamplingParams()
+_REMOTE = RemoteConfig(url="http://127.0.0.1:8080")
 
 
 @dataclass(frozen=True)
@@ -128,6 +134,33 @@ def _model_rows(prefix: str, what: str, path_default: str, path_help: str,
 
 #: The parameter table. Order = declaration order = order in docs/parameters.md.
 PARAMETERS: Tuple[ParamSpec, ...] = (
+    ParamSpec("backend", "local",
+              "local: generate in this process (target.*, draft.*); remote: stream from the "
+              "OpenAI-compatible server at remote.url (llama-server, vLLM, llama_cpp.server), which "
+              "runs its own speculation", choices=BACKENDS),
+    ParamSpec("remote.url", _REMOTE.url,
+              "base URL of the inference server (http or https; a trailing /v1 is accepted)"),
+    ParamSpec("remote.model", _REMOTE.model,
+              "model name sent with each request; '' = the server's default model"),
+    ParamSpec("remote.api_key_env", _REMOTE.api_key_env,
+              "NAME of the environment variable holding the server's API key (sent as a Bearer "
+              "token); '' = no key. The key itself is never a parameter"),
+    ParamSpec("remote.connect_timeout", _REMOTE.connect_timeout,
+              "seconds to connect to the server; also the limit of its tokenizer and probe calls",
+              (0.01, 600.0)),
+    ParamSpec("remote.read_timeout", _REMOTE.read_timeout,
+              "seconds a stream may stay silent (the first token included) before the goal ends "
+              "with an error", (0.01, 86400.0)),
+    ParamSpec("remote.probe_period", _REMOTE.probe_period,
+              "seconds between reachability/RTT probes (GET /health) and /metrics reads; 0 = off",
+              (0.0, 3600.0)),
+    ParamSpec("remote.n_ctx", _REMOTE.n_ctx,
+              "context length for goal checks; 0 = what the server reports (llama-server /props, "
+              "vLLM max_model_len), else the server alone checks", (0, 1 << 24)),
+    ParamSpec("remote.fallback", "none",
+              "local: generate with the local model (target.*) when the server is unreachable "
+              "(the model is loaded at configure); none: such goals end with an error",
+              choices=FALLBACKS),
     *_model_rows("target", "target", EMBEDDED_MODEL_PATH,
                  "target model .gguf ('~' and $VARS expanded)", with_batch=True),
     *_model_rows("draft", "draft", "",
@@ -262,6 +295,15 @@ def engine_config_from(values: Mapping[str, Any]) -> EngineConfig:
     return EngineConfig(target=target, draft=draft, spec=spec_config_from(values), lookup=lookup)
 
 
+def remote_config_from(values: Mapping[str, Any]) -> RemoteConfig:
+    """``remote.*`` parameters -> RemoteConfig; raises ValueError with a user-facing reason."""
+    return RemoteConfig(url=values["remote.url"], model=values["remote.model"],
+                        api_key_env=values["remote.api_key_env"],
+                        connect_timeout=values["remote.connect_timeout"],
+                        read_timeout=values["remote.read_timeout"],
+                        probe_period=values["remote.probe_period"], n_ctx=values["remote.n_ctx"])
+
+
 def check_values(values: Mapping[str, Any], configured: bool) -> str:
     """'' if a full set of parameter values is consistent, else the reason.
 
@@ -281,6 +323,8 @@ def check_values(values: Mapping[str, Any], configured: bool) -> str:
             spec_config_from(values)
         else:
             engine_config_from(values)
+            if values["backend"] == "remote":
+                remote_config_from(values)
     except ValueError as exc:
         return str(exc)
     return ""
@@ -294,11 +338,19 @@ def render_markdown() -> str:
         "Generated from `gemma_spec_ros/node/parameters.py` by",
         "`python -m gemma_spec_ros.node.parameters --write docs/parameters.md`; do not edit by hand.",
         "",
-        "Configure-time parameters (`target.*`, `draft.*`, `lookup.*`) are read by the configure",
-        "transition. They can be set (`ros2 param set`) only while the node is unconfigured: in any other",
-        "state the node refuses the change with a reason, since the loaded models would no longer match.",
+        "Configure-time parameters (`backend`, `remote.*`, `target.*`, `draft.*`, `lookup.*`) are read",
+        "by the configure transition. They can be set (`ros2 param set`) only while the node is",
+        "unconfigured: in any other state the node refuses the change with a reason, since the loaded",
+        "models would no longer match.",
         "Runtime parameters are validated when set and apply from the next speculative step (`spec.*`,",
         "no reload of the target) or the next goal.",
+        "",
+        "With `backend: remote` the server runs the speculation: `spec.*` changes and a goal's",
+        "`spec_mode` are refused with the reason. Prompt tokens (for `limits.max_prompt_tokens` and",
+        "`remote.n_ctx`) are counted by the server's tokenizer (llama-server `/tokenize`, vLLM",
+        "`/tokenize`, llama_cpp.server `/extras/tokenize/count`, the latter only while no generation",
+        "of this node runs) or else estimated as one token per 3 UTF-8 bytes (+16 for a chat",
+        "template); `/diagnostics` says which (`prompt tokens by`). See docs/deployment.md.",
         "",
         "| name | type | default | range | description |",
         "|---|---|---|---|---|",

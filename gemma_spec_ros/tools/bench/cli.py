@@ -21,6 +21,7 @@ Examples::
     gemma-spec-bench --temperature 0.7 --seed 7                        # a seeded sampled run
     gemma-spec-bench --native-bin ~/.cache/gemma_spec_ros/native/bin   # + llama-lookup et al.
     gemma-spec-bench --via-action gemma_spec                           # + through a running node
+    gemma-spec-bench --via-remote http://127.0.0.1:8080                # + from an inference server
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ from .metrics import decode_rate, repeated_ngram_share, text_hash, tokens_hash
 from .native import NativeRunner
 from .report import add_speedups, dump_results, markdown, markdown_per_prompt, plot_all, summarize
 from .runner import MeasuredRunner, Request, RunResult
+from .remote import RemoteRunner, remote_runners
 
 SCHEMA_VERSION = 1
 #: A short generation run once by each worker before it is measured (thread pools, page faults).
@@ -136,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--native-k", default="3", help="draft lengths of the native tools (default 3)")
     p.add_argument("--via-action", default="", metavar="NODE",
                    help="also send the requests to /NODE/generate of a running node (e.g. gemma_spec)")
+    p.add_argument("--via-remote", default="", metavar="URL",
+                   help="also stream the requests from the OpenAI-compatible server at URL (llama-server, "
+                   "vLLM, llama_cpp.server), as the node's remote backend does (runner 'remote')")
     p.add_argument("--out", default="bench_out", help="output folder")
     p.add_argument("--smoke", action="store_true",
                    help="tiny run: first prompt of the first 2 suites, 16 tokens, 1 repeat")
@@ -261,6 +266,7 @@ class Bench:
         self.specs, self.notes = plan_runners(parse_modes(args.modes), parse_ks(args.k), has_draft,
                                               parse_baselines(args.baselines), args.native_bin, native_ks,
                                               args.via_action, args.prompt_reuse)
+        self.specs += remote_runners(args.via_remote, parse_baselines(args.baselines))
         self.out_dir = Path(expand_path(args.out))
         if args.omp_wait_policy != "inherit":  # every worker and native tool inherits it
             os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
@@ -272,6 +278,11 @@ class Bench:
     def start(self, spec: RunnerSpec, repeat: int, log: IO[bytes]) -> MeasuredRunner:
         if spec.kind == "native":
             return NativeRunner(spec, self.params, self.args.native_bin, self.out_dir, repeat)
+        if spec.kind == "remote":
+            runner = RemoteRunner(spec, self.args.via_remote, self.params)
+            runner.run(make_request(WARMUP_PROMPT, WARMUP_REQUEST_TOKENS, self.args.temperature,
+                                    self.args.seed))
+            return runner
         handle = WorkerHandle(spec, self.params, self.args.via_action, log, self.args.timeout)
         handle.run(make_request(WARMUP_PROMPT, WARMUP_REQUEST_TOKENS, self.args.temperature, self.args.seed))
         return handle
@@ -358,7 +369,8 @@ class Bench:
             "modes": self.args.modes, "k": self.args.k, "repeats": self.args.repeats,
             "max_tokens": self.args.max_tokens, "temperature": self.args.temperature, "seed": self.args.seed,
             "baselines": self.args.baselines, "native_bin": self.args.native_bin or None,
-            "via_action": self.args.via_action or None, "smoke": self.args.smoke,
+            "via_action": self.args.via_action or None, "via_remote": self.args.via_remote or None,
+            "smoke": self.args.smoke,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "command": "gemma-spec-bench " + " ".join(sys.argv[1:]) if sys.argv else "",
         }
