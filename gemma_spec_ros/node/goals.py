@@ -163,9 +163,14 @@ class JobQueue:
             self._cond.notify_all()
 
     def positions(self) -> List[Tuple[Job, int]]:
-        """Each waiting goal that will start, with its queue position (1 = next to start)."""
+        """Each goal that waits behind another, with its queue position (1 = next to start).
+
+        As in :meth:`depth`, a goal accepted while none runs is the next to run, not waiting: it
+        gets no position (its first feedback is its first text)."""
         with self._cond:
             waiting = [job for job in self._waiting if not (job.drop_reason or job.cancel.is_set())]
+            if self._running is None:
+                waiting = waiting[1:]
             return [(job, i + 1) for i, job in enumerate(waiting)]
 
     def get(self, key: bytes) -> Optional[Job]:

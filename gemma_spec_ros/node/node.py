@@ -257,6 +257,7 @@ class GemmaSpecNode(LifecycleNode):
         if self._dispatcher is not None:
             self._dispatcher.join(timeout=STOP_TIMEOUT)
         if self._action_server is not None:
+            _let_results_out(self._action_server)
             self._action_server.destroy()
         for publisher in (self._stats_pub, self._rolling_pub):
             if publisher is not None:
@@ -492,6 +493,20 @@ def _backend_status(engine: Any) -> Dict[str, Any]:
         return {}
     status = getattr(engine, "backend_status", None)
     return status() if status is not None else {"backend": "local", "served by": "local"}
+
+
+def _let_results_out(server: ActionServer, timeout: float = 5.0, grace: float = 0.5) -> None:
+    """Wait until every goal's result is set, and a little more, before the server is destroyed.
+
+    rclpy sets a goal's result after the execute callback returned (the job queue already counts
+    the goal as finished then) and sends it to waiting clients from a callback the executor runs
+    later still: destroyed at once, a server loses the result of a goal a transition just stopped
+    (seen: SIGINT to ``ros2 launch`` while a goal ran, its client never got the result)."""
+    futures = list(getattr(server, "_result_futures", {}).values())  # rclpy has no public view
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not all(f.done() for f in futures):
+        time.sleep(0.02)
+    time.sleep(grace)
 
 
 def _feedback(step: Any, text: str) -> Generate.Feedback:
