@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Iterator, List, Optional
 
+import pytest
+
 #: Where scripts/build_native_tools.sh installs llama.cpp's binaries.
 NATIVE_BIN = Path(os.environ.get("GEMMA_SPEC_CACHE") or Path.home() / ".cache" / "gemma_spec_ros") / "native" / "bin"
 LLAMA_SERVER = NATIVE_BIN / "llama-server"
@@ -123,3 +125,16 @@ def llama_server(model: Path, log_dir: Path, extra: List[str], port: int = 0) ->
     argv = [str(LLAMA_SERVER), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
             "-t", "1", "-tb", "1", "-c", "1024", "-np", "1", "--metrics", *extra]
     return Server(argv, port, log_dir / f"llama_server_{port}.log", "llama-server")
+
+
+def running_llama_cpp_server(model: Path, log_dir: Path) -> Iterator[Server]:
+    """For a module fixture: llama_cpp.server on ``model``, requiring :data:`API_KEY`, started
+    (a missing ``server`` extra fails the test: the setup installs it), stopped afterwards."""
+    missing = missing_server_extra()
+    if missing:
+        pytest.fail(missing)
+    server = llama_cpp_server(model, log_dir).start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -21,7 +21,7 @@ from gemma_spec_ros.engine.remote import (REMOTE_MODE, RemoteConfig, RemoteEngin
                                           ServerUnreachableError, parse_prometheus)
 from gemma_spec_ros.engine.types import EngineConfig, GenerationRequest, ModelConfig, SpecConfig
 from remote_servers import (API_KEY, API_KEY_ENV, LLAMA_SERVER, Server, free_port, llama_cpp_server,
-                            llama_server, missing_server_extra)
+                            llama_server, running_llama_cpp_server)
 
 CODE_PROMPT = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
 SPEC = SpecConfig(mode="lookup")
@@ -31,12 +31,7 @@ SPEC = SpecConfig(mode="lookup")
 def server(embedded_model_path: Path, tmp_path_factory: pytest.TempPathFactory,
            ) -> Iterator[Server]:
     """llama_cpp.server on the embedded model, requiring an API key."""
-    missing = missing_server_extra()
-    if missing:
-        pytest.fail(missing)
-    srv = llama_cpp_server(embedded_model_path, tmp_path_factory.mktemp("servers")).start()
-    yield srv
-    srv.stop()
+    yield from running_llama_cpp_server(embedded_model_path, tmp_path_factory.mktemp("servers"))
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from rclpy.executors import MultiThreadedExecutor
 from rclpy.parameter import Parameter
 
 from gemma_spec_ros.node.node import MIN_EXECUTOR_THREADS, GemmaSpecNode
-from remote_servers import API_KEY, API_KEY_ENV, Server, llama_cpp_server, missing_server_extra
+from remote_servers import API_KEY, API_KEY_ENV, Server, running_llama_cpp_server
 from test_node_harness import Client, key_values, wait_until
 
 NODE = "gemma_spec_remote"
@@ -31,12 +31,7 @@ PROMPT = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n
 
 @pytest.fixture(scope="module")
 def server(embedded_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    missing = missing_server_extra()
-    if missing:
-        pytest.fail(missing)
-    srv = llama_cpp_server(embedded_model_path, tmp_path_factory.mktemp("servers")).start()
-    yield srv
-    srv.stop()
+    yield from running_llama_cpp_server(embedded_model_path, tmp_path_factory.mktemp("servers"))
 
 
 @pytest.fixture(scope="module")
