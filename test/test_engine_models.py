@@ -111,7 +111,7 @@ def test_seeded_sampling_exact_mode_equals_off(f16_engine):
         assert other_seed != reference  # the seed matters, so equality above is not vacuous
 
 
-def test_mode_and_k_switch_mid_generation_without_reload(f16_engine, off_outputs):
+def test_mode_and_k_switch_mid_generation_without_reload(f16_engine):
     """Each switch applies from the next step: its drafts are at most the new K (exactly K for the
     draft model with p_min 0), no step emits more than K + 1 tokens, and `off` drafts nothing."""
     target_model = f16_engine.target._model
@@ -142,7 +142,7 @@ def test_mode_and_k_switch_mid_generation_without_reload(f16_engine, off_outputs
                 f16_engine.update_spec(SpecConfig(mode=mode, draft_max=k, adaptive=False, p_min=0.0))
     finally:
         f16_engine.update_spec(SpecConfig(mode="off", draft_max=4, adaptive=False))
-    assert tokens == off_outputs["code"]
+    assert tokens == run(f16_engine, PROMPTS["code"], "off")[0]
     # the draft model with p_min 0 always drafts exactly K; lookup really drafted with K = 2
     assert segments[("draft", 3)] and set(segments[("draft", 3)]) == {3}, segments
     assert set(segments[("draft", 1)]) == {1}, segments
@@ -207,7 +207,7 @@ def test_cancel_stops_within_one_step(f16_engine):
     assert len(steps) == 4
 
 
-def test_stop_string_and_finish_reasons(f16_engine, off_outputs):
+def test_stop_string_and_finish_reasons(f16_engine):
     _, full_text, steps = run(f16_engine, PROMPTS["planning"], "lookup")
     assert steps[-1].finish_reason == "length"
     stop = full_text[40:46]
