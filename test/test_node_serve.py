@@ -196,7 +196,7 @@ def test_sigterm_shuts_down_cleanly_and_saves_the_dynamic_cache(
         saved = f"dynamic n-gram cache saved to {dynamic}"
         assert saved in process.log.read_text()  # type: ignore[attr-defined]
     cache = NgramCache.load(dynamic)
-    assert len(cache) > 0 and cache.total_count() >= result.prompt_tokens + result.completion_tokens - 4
+    assert len(cache) > 0 and cache.total_count >= result.prompt_tokens + result.completion_tokens - 4
 
 
 @pytest.mark.timeout(60)
