@@ -60,6 +60,8 @@ def f16_engine(f16_model_path, embedded_model_path):
 
 @pytest.fixture(scope="module")
 def off_outputs(f16_engine):
+    n_prompt = f16_engine.count_prompt_tokens(GenerationRequest(LONG_PROMPT))
+    assert n_prompt < 512 < n_prompt + MAX_TOKENS, "the long prompt must cross the sliding window"
     return {name: run(f16_engine, prompt, "off")[0] for name, prompt in
             list(PROMPTS.items()) + [("long", LONG_PROMPT)]}
 
@@ -74,11 +76,6 @@ def test_greedy_speculation_equals_plain_decoding_token_for_token(f16_engine, of
         assert len(tokens) == MAX_TOKENS
         drafted += steps[-1].stats.num_draft_tokens
     assert drafted > 0, f"{mode} never drafted: parity would be vacuous"
-
-
-def test_long_prompt_crosses_the_sliding_window(f16_engine):
-    n_prompt = f16_engine.count_prompt_tokens(GenerationRequest(LONG_PROMPT))
-    assert n_prompt < 512 < n_prompt + MAX_TOKENS
 
 
 def test_f16_logits_do_not_depend_on_the_batch(f16_engine):
@@ -284,8 +281,10 @@ def test_text_of_real_tokens_splits_neither_utf8_nor_stop_strings(f16_engine):
 
 def test_several_stop_strings_end_at_the_first_match(f16_engine):
     _, full_text, _ = run(f16_engine, PROMPTS["planning"], "lookup", max_tokens=64)
-    stops = (full_text[45:50], full_text[20:25], "never appears")
-    cut = min(full_text.find(s) for s in stops[:2])  # the earliest match of any, not the first listed
+    candidates = sorted({full_text[20:25], full_text[45:50]}, key=full_text.find)
+    assert len(candidates) == 2 and full_text.find(candidates[0]) < full_text.find(candidates[1])
+    stops = (candidates[1], candidates[0], "never appears")  # the earliest match wins, not the first listed
+    cut = full_text.find(candidates[0])
     _, text, steps = run(f16_engine, PROMPTS["planning"], "lookup", max_tokens=64, stop=stops)
     assert steps[-1].finish_reason == "stop" and text == full_text[:cut]
     assert "".join(step.text for step in steps) == text

@@ -229,7 +229,7 @@ def test_spec_mode_and_k_switch_during_stream(client: Client) -> None:
     emits more than 2 tokens (before it, lookup on this code drafts 3 and steps emit up to 4).
     Invalid values are refused with a reason."""
     try:
-        run = client.send(**long_goal(160))
+        run = client.send(**long_goal(200))
         assert run.wait_feedback(1).spec_mode == "lookup"
         wait_until(lambda: any(b.completion_tokens - a.completion_tokens > 2
                                for a, b in zip(run.feedback, run.feedback[1:])),
@@ -237,7 +237,8 @@ def test_spec_mode_and_k_switch_during_stream(client: Client) -> None:
         [result] = client.set_parameters(spec__draft_max=1)
         assert result.successful, result.reason
         switched_at = len(run.feedback)
-        wait_until(lambda: any(f.draft_max == 1 for f in run.feedback[switched_at:]), 60.0, "K = 1")
+        wait_until(lambda: sum(f.draft_max == 1 for f in run.feedback[switched_at:]) >= 20, 90.0,
+                   "20 steps at K = 1")
         [result] = client.set_parameters(spec__mode="off")
         assert result.successful, result.reason
         off_at = len(run.feedback)
@@ -246,8 +247,9 @@ def test_spec_mode_and_k_switch_during_stream(client: Client) -> None:
         wait_until(lambda: run.streamed_text == final.text, 5.0, "all text streamed as feedback")
         after = run.feedback[switched_at:]
         k1 = [i for i, f in enumerate(after) if f.draft_max == 1][0]
-        for a, b in zip(after[k1:], after[k1 + 1:]):
-            assert b.completion_tokens - a.completion_tokens <= 2, (a.completion_tokens, b.completion_tokens)
+        gains = [b.completion_tokens - a.completion_tokens for a, b in zip(after[k1:], after[k1 + 1:])]
+        assert max(gains) <= 2, gains  # one drafted token + the bonus token, at most
+        assert 2 in gains, gains  # lookup still drafted (and was accepted) at K = 1
         # Feedback of the step in flight during the switch may still say lookup; then only off.
         modes = [f.spec_mode for f in run.feedback[off_at:]]
         assert "off" in modes and set(modes[modes.index("off"):]) == {"off"}, modes
