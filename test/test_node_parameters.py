@@ -21,7 +21,7 @@ from gemma_spec_msgs.action import Generate
 
 from gemma_spec_ros.engine.stats import SpecStats
 from gemma_spec_ros.engine.types import SpecConfig
-from gemma_spec_ros.node import diagnostics, goals, parameters
+from gemma_spec_ros.node import diagnostics, goals
 from gemma_spec_ros.node.goals import GoalRejected, request_from_goal
 from gemma_spec_ros.node.parameters import (PARAMETERS, check_values, defaults, engine_config_from,
                                             render_markdown)
