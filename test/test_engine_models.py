@@ -114,7 +114,9 @@ def test_mode_and_k_switch_mid_generation_without_reload(f16_engine):
     target_model = f16_engine.target._model
     tokens, segments = [], {}
     request = GenerationRequest(PROMPTS["code"], max_tokens=MAX_TOKENS)
-    switches = {5: ("lookup", 2), 15: ("draft", 3), 25: ("off", 3), 35: ("auto", 4), 45: ("draft", 1)}
+    # every fixed-K segment ends by step 40 (< 128 tokens whatever is accepted); auto (adaptive,
+    # history-dependent) comes last
+    switches = {5: ("lookup", 2), 15: ("draft", 3), 25: ("off", 3), 30: ("draft", 1), 40: ("auto", 4)}
     current, drafts = None, 0
     f16_engine.update_spec(SpecConfig(mode="off", draft_max=4, adaptive=False))
     try:
