@@ -3,6 +3,10 @@
 DDS stays on this host and on a domain of its own: a concurrent session (another checkout, CI job
 or a developer's running node) on the same machine must not see our action servers, nor we theirs.
 Both variables are set here, before any test module imports rclpy, and child processes inherit them.
+
+``OMP_WAIT_POLICY=passive`` is set here too, before any test loads llama.cpp (its CPU threads are
+OpenMP): spinning OpenMP workers starve the executor threads of the node tests on a 2-core machine.
+Set here, a single test file runs the same as the whole suite (gemma-spec-serve sets it as well).
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import pytest
 os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
 # 1..100: valid for Fast DDS's port mapping on Linux (0..101), never the default domain 0.
 os.environ["ROS_DOMAIN_ID"] = str(1 + os.getpid() % 100)
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EMBEDDED_MODEL_NAME = "gemma-3-270m-q4_k_m.gguf"
@@ -85,13 +90,6 @@ def f16_model_path(embedded_model_path: Path) -> Path:
     must equal plain output token for token, greedy or seeded-sampled."""
     return _converted_copy(embedded_model_path, cache_dir() / "models" / "gemma-3-270m-f16.gguf",
                            "LLAMA_FTYPE_MOSTLY_F16")
-
-
-@pytest.fixture(scope="session")
-def f32_model_path(embedded_model_path: Path) -> Path:
-    """The embedded model converted to F32 (in the cache dir, made once); see ``f16_model_path``."""
-    return _converted_copy(embedded_model_path, cache_dir() / "models" / "gemma-3-270m-f32.gguf",
-                           "LLAMA_FTYPE_ALL_F32")
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,8 @@ whole token sequences, and llama.cpp's kernels give them the same logits for any
 import numpy as np
 import pytest
 
+from dataclasses import replace
+
 from gemma_spec_ros.engine.engine import Engine
 from gemma_spec_ros.engine.types import (EngineConfig, GenerationRequest, ModelConfig, SamplingParams,
                                          SpecConfig)
@@ -110,9 +112,75 @@ def test_seeded_sampling_is_identical_with_and_without_speculation(tiny_pair):
                     tokens.extend(step.tokens)
                     drafts = step.stats.num_drafts
                 outputs[mode] = tokens
-                if mode in ("draft", "draft+lookup"):
-                    assert drafts > 0
+                if mode != "off":  # else parity would be vacuous
+                    assert drafts > 0, f"seed {seed}: {mode} never drafted"
             for mode, tokens in outputs.items():
                 assert tokens == outputs["off"], f"seed {seed}: {mode} differs from off"
     finally:
         engine.close()
+
+
+def generate(engine, request):
+    tokens, text, steps = [], "", []
+    for step in engine.generate(request):
+        tokens.extend(step.tokens)
+        text += step.text
+        steps.append(step)
+    return tokens, text, steps
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_pair):
+    engine = make_engine(tiny_pair, mode="off", draft_max=4, adaptive=False, p_min=0.0)
+    yield engine
+    engine.close()
+
+
+def test_eos_ends_the_generation_with_stop(tiny_engine):
+    """A sampled sequence of the tiny model ends with EOS well before 200 tokens: finish_reason
+    is stop, and EOS itself is neither emitted nor in the text."""
+    finished = []
+    for seed in range(5):
+        sampling = SamplingParams(temperature=1.0, seed=seed)
+        tokens, text, steps = generate(tiny_engine, GenerationRequest(PROMPT, max_tokens=200,
+                                                                      sampling=sampling,
+                                                                      spec_mode="draft"))
+        assert EOS_ID not in tokens and "</s>" not in text
+        finished.append(steps[-1].finish_reason)
+        if steps[-1].finish_reason == "stop":
+            assert len(tokens) < 200 and steps[-1].stats.num_generated_tokens == len(tokens)
+    assert "stop" in finished, finished
+
+
+def test_seed_minus_one_draws_fresh_randomness(tiny_engine):
+    sampling = SamplingParams(temperature=1.0, seed=-1)
+    outputs = {tuple(generate(tiny_engine, GenerationRequest(PROMPT, max_tokens=24, sampling=sampling))[0])
+               for _ in range(3)}
+    assert len(outputs) > 1
+    seeded = SamplingParams(temperature=1.0, seed=8)
+    same = {tuple(generate(tiny_engine, GenerationRequest(PROMPT, max_tokens=24, sampling=seeded))[0])
+            for _ in range(2)}
+    assert len(same) == 1
+
+
+def test_spec_adaptive_switched_at_runtime(tiny_engine):
+    """adaptive off: every step drafts K. Switched on while drafting is (made) far too expensive,
+    the policy stops drafting from the next step until its first probe (8 plain steps later).
+
+    The draft cost is injected into the engine's cost model (10 s a token): measured costs on a
+    tiny model are timing noise, and the test needs a policy decision that cannot flip."""
+    spec = tiny_engine.spec
+    tiny_engine.costs.observe_draft("draft", 1, 10.0)
+    request = GenerationRequest(PROMPT, max_tokens=60, spec_mode="draft")  # greedy
+    tiny_engine.update_spec(replace(spec, adaptive=False))
+    drafts = []
+    try:
+        for i, step in enumerate(tiny_engine.generate(request)):
+            drafts.append(step.stats.num_drafts)
+            if i == 6:
+                tiny_engine.update_spec(replace(spec, adaptive=True))
+    finally:
+        tiny_engine.update_spec(spec)
+    assert len(drafts) > 14, "the request ended too early (EOS)"
+    assert drafts[1:7] == [1, 2, 3, 4, 5, 6]  # adaptive off: a draft at every step
+    assert drafts[7:14] == [6] * 7  # adaptive on: drafting is off

@@ -354,8 +354,9 @@ def robot_log(lines: int, seed: int) -> str:
 
 
 @pytest.mark.skipif(not native_tool("llama-lookup-stats").is_file(),
-                    reason="optional cross-check: llama.cpp's llama-lookup-stats is not built "
-                           "(run scripts/build_native_tools.sh; tens of minutes on 2 cores)")
+                    reason=f"cross-check against llama.cpp skipped: {native_tool('llama-lookup-stats')} is not "
+                           "built (run `bash scripts/build_native_tools.sh`, ~7 min on 2 cores; "
+                           ".ci/run builds it)")
 @pytest.mark.parametrize("with_static_cache", [False, True], ids=["no-static", "static"])
 def test_replays_llama_lookup_stats_exactly(tmp_path: Path, embedded_model_path: Path,
                                             with_static_cache: bool) -> None:

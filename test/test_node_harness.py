@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from gemma_spec_msgs.action import Generate
+from gemma_spec_msgs.msg import SpecStats as SpecStatsMsg
 from lifecycle_msgs.msg import Transition
 from lifecycle_msgs.srv import ChangeState, GetState
 from rcl_interfaces.msg import Log, SetParametersResult
@@ -96,6 +97,12 @@ class Client:
         rosout_qos = QoSProfile(depth=100, reliability=QoSReliabilityPolicy.RELIABLE,
                                 durability=QoSDurabilityPolicy.TRANSIENT_LOCAL)
         self.node.create_subscription(Log, "/rosout", self._on_log, rosout_qos)
+        self.spec_stats: List[SpecStatsMsg] = []
+        self.spec_stats_rolling: List[SpecStatsMsg] = []
+        self.node.create_subscription(SpecStatsMsg, f"{self.node_path}/spec_stats",
+                                      lambda m: self._append(self.spec_stats, m), 50)
+        self.node.create_subscription(SpecStatsMsg, f"{self.node_path}/spec_stats_rolling",
+                                      lambda m: self._append(self.spec_stats_rolling, m), 50)
 
     def close(self) -> None:
         self.action.destroy()
@@ -149,6 +156,15 @@ class Client:
         with self._lock:
             self.logs.append(msg)
 
+    def _append(self, messages: List[Any], msg: Any) -> None:
+        with self._lock:
+            messages.append(msg)
+
+    def log_mark(self) -> int:
+        """A position in the /rosout history: pass it to :meth:`wait_log` as ``since``."""
+        with self._lock:
+            return len(self.logs)
+
     def wait_status(self, name: str, predicate: Callable[[DiagnosticStatus], bool] = lambda s: True,
                     timeout: float = 30.0) -> DiagnosticStatus:
         """The first status named ``name`` that arrives from now on and satisfies ``predicate``."""
@@ -162,13 +178,22 @@ class Client:
 
         return wait_until(find, timeout, f"a diagnostic status {name!r}")
 
-    def wait_log(self, needle: str, timeout: float = 30.0) -> Log:
-        """A /rosout message (from any node) whose text contains ``needle``."""
+    def wait_log(self, needle: str, timeout: float = 30.0, since: int = 0) -> Log:
+        """A /rosout message (from any node) whose text contains ``needle``, among those received
+        after position ``since`` (:meth:`log_mark`, taken before the action that logs it; 0 = the
+        whole history, which /rosout's TRANSIENT_LOCAL durability replays)."""
         def find() -> Optional[Log]:
             with self._lock:
-                return next((m for m in self.logs if needle in m.msg), None)
+                return next((m for m in self.logs[since:] if needle in m.msg), None)
 
         return wait_until(find, timeout, f"a log message containing {needle!r}")
+
+    def wait_subscribed(self, timeout: float = 30.0) -> None:
+        """Until the node's stats publishers are matched with our subscriptions (DDS discovery);
+        a message published before that is lost."""
+        for topic in ("spec_stats", "spec_stats_rolling"):
+            name = f"{self.node_path}/{topic}"
+            wait_until(lambda: self.node.count_publishers(name) > 0, timeout, f"a publisher on {name}")
 
 
 def key_values(status: DiagnosticStatus) -> Dict[str, str]:

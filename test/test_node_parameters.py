@@ -8,6 +8,7 @@ from __future__ import annotations
 import doctest
 import math
 import re
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Dict
@@ -20,7 +21,7 @@ from gemma_spec_msgs.action import Generate
 
 from gemma_spec_ros.engine.stats import SpecStats
 from gemma_spec_ros.engine.types import SpecConfig
-from gemma_spec_ros.node import diagnostics, goals, parameters
+from gemma_spec_ros.node import diagnostics, goals
 from gemma_spec_ros.node.goals import GoalRejected, request_from_goal
 from gemma_spec_ros.node.parameters import (PARAMETERS, check_values, defaults, engine_config_from,
                                             render_markdown)
@@ -198,10 +199,19 @@ def test_status_key_values_and_models_status() -> None:
     assert diagnostics.key_values(models) == {"target.path": "/m.gguf", "target.n_vocab": "262144"}
 
 
+class GoalHandle:
+    """Stand-in for rclpy's ServerGoalHandle, which only an action server can create. It lets a
+    test flip ``is_cancel_requested`` at a chosen moment: rclpy sets it just *after* the cancel
+    callback, and the queue must wait for it (the real sequence is in test_node_inprocess)."""
+
+    def __init__(self, i: int) -> None:
+        self.goal_id = SimpleNamespace(uuid=[i])
+        self.is_cancel_requested = False
+
+
 def test_job_queue_counts_waiting_goals_not_the_running_one() -> None:
     queue = goals.JobQueue()
-    handles = [SimpleNamespace(goal_id=SimpleNamespace(uuid=[i]), is_cancel_requested=False)
-               for i in range(3)]
+    handles = [GoalHandle(i) for i in range(3)]
     jobs = [goals.Job(h, None) for h in handles]
     queue.push(jobs[0])
     assert queue.depth() == 0, "the next goal to run is not waiting"
@@ -217,6 +227,32 @@ def test_job_queue_counts_waiting_goals_not_the_running_one() -> None:
     assert queue.next_to_start() is None
 
 
-@pytest.mark.parametrize("module", [goals, diagnostics, parameters, serve])
+@pytest.mark.parametrize("module", [goals, diagnostics, serve])  # parameters.py has no examples
 def test_docstring_examples(module: Any) -> None:
-    assert doctest.testmod(module).failed == 0
+    result = doctest.testmod(module)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_job_queue_hands_out_a_cancelled_waiting_goal_once_rclpy_reports_the_cancel() -> None:
+    """A cancel accepted for a waiting goal: next_to_start polls until the goal handle says
+    is_cancel_requested (so the goal can end CANCELED), then hands it out before the FIFO order."""
+    queue = goals.JobQueue()
+    handles = [GoalHandle(i) for i in range(3)]
+    jobs = [goals.Job(h, None) for h in handles]
+    for job in jobs:
+        queue.push(job)
+    assert queue.next_to_start() is jobs[0]  # running
+    assert queue.cancel(jobs[2].key)
+    picked: list = []
+    waiter = threading.Thread(target=lambda: picked.append(queue.next_to_start(poll=0.005)), daemon=True)
+    try:
+        waiter.start()
+        waiter.join(0.2)
+        assert waiter.is_alive() and not picked, "handed out before rclpy reported the cancel"
+        handles[2].is_cancel_requested = True  # what rclpy does right after the cancel callback
+        waiter.join(5.0)
+        assert picked == [jobs[2]], "the cancelled goal must not wait behind the running one"
+        queue.finished(jobs[0])
+        assert queue.next_to_start() is jobs[1]
+    finally:
+        queue.close()

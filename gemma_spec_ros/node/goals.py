@@ -83,7 +83,10 @@ def check_fits(engine: Any, request: GenerationRequest, max_prompt_tokens: int) 
         reason = engine.check_spec(replace(engine.spec, mode=request.spec_mode))
         if reason:
             raise GoalRejected(f"spec_mode {request.spec_mode!r}: {reason}")
-    prompt_tokens = engine.count_prompt_tokens(request)
+    try:  # e.g. use_chat_template on a model without a chat template (ValueError)
+        prompt_tokens = engine.count_prompt_tokens(request)
+    except (EngineError, ValueError) as exc:
+        raise GoalRejected(str(exc)) from exc
     if prompt_tokens > max_prompt_tokens:
         raise GoalRejected(
             f"prompt has {prompt_tokens} tokens, more than limits.max_prompt_tokens={max_prompt_tokens}")

@@ -287,8 +287,9 @@ class GemmaSpecNode(LifecycleNode):
         """Accept or reject a goal without blocking; a rejection's reason is logged and kept."""
         try:
             self._check_goal(goal)
-        except GoalRejected as exc:
-            reason = str(exc)
+        except Exception as exc:  # noqa: BLE001  a goal that cannot be validated is rejected:
+            # an exception leaving this callback would stop the node's executor
+            reason = str(exc) if isinstance(exc, GoalRejected) else f"cannot validate the goal: {exc!r}"
             with self._log_lock:
                 self._requests.reject(reason)
             self.get_logger().warning(f"goal rejected: {reason}")
