@@ -170,7 +170,7 @@ def test_spec_adaptive_switched_at_runtime(tiny_engine):
     The draft cost is injected into the engine's cost model (10 s a token): measured costs on a
     tiny model are timing noise, and the test needs a policy decision that cannot flip."""
     spec = tiny_engine.spec
-    tiny_engine.costs.observe_draft("draft", 1, 10.0)
+    tiny_engine.costs.observe_draft_time("draft", 1, 10.0)
     request = GenerationRequest(PROMPT, max_tokens=60, spec_mode="draft")  # greedy
     tiny_engine.update_spec(replace(spec, adaptive=False))
     drafts = []
