@@ -145,3 +145,6 @@ def test_a_repeated_prompt_is_reused_and_shown_on_diagnostics(node: GemmaSpecNod
         assert whole["reused"] == reused["reused"] and whole["evaluated"] - reused["evaluated"] > 100
     finally:
         idle.set_parameters(generation__prompt_cache=True)
+    stats = idle.send(prompt=system + "Task 4: tidy the table.", max_tokens=4).wait_result().stats
+    assert stats.num_prompt_tokens - 20 < stats.num_prompt_tokens_reused < stats.num_prompt_tokens
+    assert stats.queue_wait_ms >= 0.0
