@@ -293,11 +293,13 @@ class LlamaBackend:
         return len(self.kv_tokens)
 
     def decode(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> List[np.ndarray]:
-        """Append ``tokens`` to the sequence; return logits (views, valid until the next decode)
-        for the requested row indices of this batch only.
+        """Append ``tokens`` to the sequence; return logits for the requested row indices of this
+        batch only: views valid until the next decode for rows of the last chunk, copies for rows
+        of earlier chunks.
 
-        Batches longer than ``n_batch`` are split (logits may then be requested only for rows of
-        the last chunk, which is all the prompt path needs).
+        Batches longer than ``n_batch`` are split in chunks of ``n_batch``; the next chunk's
+        ``llama_decode`` overwrites llama.cpp's logits buffer, so rows of an earlier chunk are
+        copied before it runs (a verify batch of K + 1 > n_batch rows needs every row).
         """
         if not tokens:
             raise ValueError("decode of an empty batch")
@@ -330,9 +332,11 @@ class LlamaBackend:
                 raise KVCacheError(f"llama_decode failed with code {rc} at position {base} "
                                    f"({len(part)} tokens; 1 = no KV slot, <0 = error)")
             self.kv_tokens.extend(part)
+            last_chunk = start + len(part) >= len(tokens)
             for i in rows_here:
                 ptr = llama_cpp.llama_get_logits_ith(self._ctx, i)
-                out.append(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)))
+                row = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+                out.append(row if last_chunk else row.copy())
             start += len(part)
         return out
 
