@@ -59,3 +59,31 @@ def test_small_n_batch_speculation_is_lossless(tiny_dir: Path) -> None:
         finally:
             engine.close()
     assert texts["lookup"] == texts["off"]
+
+
+@pytest.mark.parametrize("target_vocab,draft_vocab", [(40, 48), (48, 40)])
+@pytest.mark.parametrize("verification", ["exact", "rejection"])
+def test_draft_and_target_vocabularies_of_different_sizes(tiny_dir: Path, target_vocab: int,
+                                                          draft_vocab: int, verification: str) -> None:
+    """Defect 6: a draft whose vocabulary is larger or smaller than the target's (llama.cpp allows
+    128 tokens) drafts only shared ids, and both verifications work (before: rejection subtracted
+    arrays of different lengths, a larger draft proposed ids the target lacks)."""
+    target = write_tiny_gguf(tiny_dir / f"vt{target_vocab}.gguf", vocab_size=target_vocab, seed=0)
+    draft = write_tiny_gguf(tiny_dir / f"vd{draft_vocab}.gguf", vocab_size=draft_vocab, n_embd=16,
+                            seed=1)
+    engine = Engine(EngineConfig(ModelConfig(str(target), n_ctx=256, n_threads=1),
+                                 draft=ModelConfig(str(draft), n_ctx=256, n_threads=1),
+                                 spec=SpecConfig(mode="draft", draft_max=4, p_min=0.0, adaptive=False,
+                                                 verification=verification)),
+                    calibrate=False)
+    try:
+        for seed in range(6):
+            request = GenerationRequest("ab ba", max_tokens=24, reuse_prompt=False,
+                                        sampling=SamplingParams(temperature=1.0, seed=seed))
+            steps = list(engine.generate(request))
+            assert steps[-1].finish_reason in ("stop", "length")
+            tokens = [t for s in steps for t in s.tokens]
+            assert all(0 <= t < target_vocab for t in tokens)
+        assert engine.rolling_stats().num_draft_tokens > 0
+    finally:
+        engine.close()
