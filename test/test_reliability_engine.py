@@ -87,3 +87,24 @@ def test_draft_and_target_vocabularies_of_different_sizes(tiny_dir: Path, target
         assert engine.rolling_stats().num_draft_tokens > 0
     finally:
         engine.close()
+
+
+def test_close_frees_the_models_when_the_cache_save_fails(tiny_dir: Path, tmp_path: Path) -> None:
+    """Defect 8: a failed dynamic-cache save (here: the path became a directory, a real OSError)
+    still frees the target (before: close stopped at the save and leaked the models); the failure
+    is raised to the caller after everything is freed."""
+    path = write_tiny_gguf(tiny_dir / "t.gguf", vocab_size=40, seed=5)
+    cache = tmp_path / "dynamic.bin"
+    engine = Engine(EngineConfig(ModelConfig(str(path), n_ctx=128, n_threads=1),
+                                 lookup=_lookup(str(cache))), calibrate=False)
+    list(engine.generate(GenerationRequest(REPEAT_PROMPT, max_tokens=4)))
+    cache.mkdir()  # the save's os.replace onto a directory fails
+    with pytest.raises(OSError):
+        engine.close()
+    assert engine.target._ctx is None and engine.target._model is None
+    engine.close()  # idempotent, and nothing is left to fail
+
+
+def _lookup(dynamic_path: str = "", static_path: str = ""):
+    from gemma_spec_ros.engine.types import LookupConfig
+    return LookupConfig(static_path=static_path, dynamic_path=dynamic_path)

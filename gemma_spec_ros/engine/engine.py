@@ -401,9 +401,19 @@ class Engine:
         return measured
 
     def close(self) -> None:
-        """Free models and persist the dynamic n-gram cache (idempotent)."""
+        """Free models and persist the dynamic n-gram cache (idempotent).
+
+        Every model is freed even if a drafter's close fails (a cache save on a full or read-only
+        disk); the first such failure is then raised, for the caller to report.
+        """
         drafters, self.drafters = list(self.drafters.values()), {}
+        errors: List[BaseException] = []
         for drafting in reversed(drafters):  # the n-gram caches first, then the draft model
-            drafting.drafter.close()
+            try:
+                drafting.drafter.close()
+            except Exception as exc:  # noqa: BLE001  freeing the rest comes first
+                errors.append(exc)
         if getattr(self, "target", None) is not None:
             self.target.close()
+        if errors:
+            raise errors[0]

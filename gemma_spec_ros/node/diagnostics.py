@@ -95,6 +95,8 @@ class RequestLog:
     last_failed: bool = False
     last_error: str = ""
     last_rejection: str = ""
+    internal_errors: int = 0  # exceptions caught in callbacks, failed cache saves
+    last_internal_error: str = ""
     latencies: Deque[float] = field(default_factory=lambda: collections.deque(maxlen=WINDOW))
     queue_waits: Deque[float] = field(default_factory=lambda: collections.deque(maxlen=WINDOW))
     ttfts: Deque[float] = field(default_factory=lambda: collections.deque(maxlen=WINDOW))
@@ -121,6 +123,11 @@ class RequestLog:
                 self.ttfts.append(stats.time_to_first_token)
         if stats is not None and stats.num_generated_tokens:
             self.recent.append(stats)
+
+    def fault(self, text: str) -> None:
+        """An internal error outside a request (a callback raised, a cache save failed)."""
+        self.internal_errors += 1
+        self.last_internal_error = text
 
     def reject(self, reason: str) -> None:
         self.rejected += 1
@@ -210,6 +217,8 @@ def spec_status(view: NodeView, log: RequestLog, rolling: Optional[SpecStats]) -
         ("requests rejected", log.rejected),
         ("last rejection", log.last_rejection),
         ("last error", log.last_error),
+        ("internal errors", log.internal_errors),
+        ("last internal error", log.last_internal_error),
         ("RSS MiB", rss_bytes() / 2**20),
     ]
     return DiagnosticStatus(level=level, name=f"{view.node_name}: speculative decoding",

@@ -246,10 +246,20 @@ class GemmaSpecNode(LifecycleNode):
         self._stats_pub = self._rolling_pub = None
         self._model_info = {}
         if engine is not None:
-            engine.close()
             cache = self._value("lookup.dynamic_path")
+            try:
+                engine.close()
+            except Exception as exc:  # noqa: BLE001  the models are freed; the save failed
+                self._report_fault(f"dynamic n-gram cache not saved to {cache}: {exc!r}")
+                return
             self.get_logger().info("engine closed: models freed"
                                    + (f", dynamic n-gram cache saved to {cache}" if cache else ""))
+
+    def _report_fault(self, text: str) -> None:
+        """An internal error: logged as ERROR and shown on /diagnostics ("last internal error")."""
+        self.get_logger().error(text)
+        with self._log_lock:
+            self._requests.fault(text)
 
     @property
     def lifecycle_state(self) -> str:

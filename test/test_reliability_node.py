@@ -1,0 +1,95 @@
+"""Reliability regressions of the node (issue 11) on real rclpy over loopback DDS and real
+llama.cpp (tiny GGUFs: loaded in milliseconds). Each test names its defect; each failed before
+its fix. Fault injection is used only where no real component can produce the fault, and says so.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from pathlib import Path
+from typing import Any, Dict, Iterator, Tuple
+
+import pytest
+import rclpy
+from action_msgs.msg import GoalStatus
+from rclpy.executors import MultiThreadedExecutor
+from rclpy.parameter import Parameter
+
+from gemma_spec_ros.node.node import MIN_EXECUTOR_THREADS, GemmaSpecNode
+from test_node_harness import Client, key_values, wait_until
+from tiny_gguf import write_tiny_gguf
+
+_names = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def ros() -> Iterator[None]:
+    rclpy.init()
+    yield
+    rclpy.try_shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny_node") / "tiny.gguf", vocab_size=64, seed=3)
+
+
+class Served:
+    """A node on its own executor plus a client of it; ``close()`` tears both down."""
+
+    def __init__(self, overrides: Dict[str, Any]) -> None:
+        self.name = f"gemma_spec_rel_{next(_names)}"
+        self.node = GemmaSpecNode(self.name, parameter_overrides=[
+            Parameter(k, value=v) for k, v in overrides.items()])
+        self.executor = MultiThreadedExecutor(num_threads=MIN_EXECUTOR_THREADS + 2)
+        self.executor.add_node(self.node)
+        self.spinner = threading.Thread(target=self.executor.spin, daemon=True)
+        self.spinner.start()
+        self.client = Client(f"/{self.name}", name=f"{self.name}_client")
+        self.status_name = f"{self.name}: speculative decoding"
+
+    def close(self) -> None:
+        self.client.close()
+        self.node.release("test teardown")
+        self.executor.shutdown(timeout_sec=5.0)
+        self.node.destroy_node()
+
+
+@pytest.fixture
+def serve(ros: None, tiny_model: Path) -> Iterator[Any]:
+    made = []
+
+    def make(**overrides: Any) -> Served:
+        values = {"target.model_path": str(tiny_model), "target.n_ctx": 256, "target.n_threads": 1,
+                  "spec.mode": "lookup", "generation.max_tokens": 8, "limits.max_tokens": 64,
+                  "limits.max_prompt_tokens": 128, "diagnostics.period": 0.1}
+        values.update({k.replace("__", "."): v for k, v in overrides.items()})
+        served = Served(values)
+        made.append(served)
+        return served
+
+    yield make
+    for served in made:
+        served.close()
+
+
+def test_cleanup_frees_the_models_and_reports_a_failed_cache_save(serve: Any, tmp_path: Path) -> None:
+    """Defect 8: the dynamic cache cannot be saved (its path became a directory: a real OSError);
+    cleanup still succeeds, the models are freed, and the failure is on /diagnostics (before: the
+    exception left on_cleanup, the transition failed with no reason logged)."""
+    cache = tmp_path / "dynamic.bin"
+    served = serve(lookup__dynamic_path=str(cache))
+    client = served.client
+    assert client.transition("configure") and client.transition("activate")
+    run = client.send(prompt="ab ab ab ab", max_tokens=4, temperature=0.0)
+    assert run.accepted and run.wait_result().finish_reason in ("stop", "length")
+    engine = served.node._engine
+    cache.mkdir()
+    assert client.transition("deactivate")
+    assert client.transition("cleanup") is True
+    assert client.state() == "unconfigured"
+    assert engine.target._ctx is None
+    status = client.wait_status(served.status_name,
+                                lambda s: "not saved" in key_values(s)["last internal error"])
+    assert str(cache) in key_values(status)["last internal error"]
+    client.wait_log("dynamic n-gram cache not saved")
