@@ -157,6 +157,7 @@ def test_context_cache_resets_per_request() -> None:
 
 
 def test_dynamic_cache_learns_across_requests_and_persists(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()  # the folder must exist (issue 11: no folders created by a parameter)
     dynamic_path = tmp_path / "sub" / "dynamic.bin"
     lookup = drafter(dynamic_path=str(dynamic_path))
     finished = [5, 6] + PATTERN * 3

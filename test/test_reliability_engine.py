@@ -108,3 +108,51 @@ def test_close_frees_the_models_when_the_cache_save_fails(tiny_dir: Path, tmp_pa
 def _lookup(dynamic_path: str = "", static_path: str = ""):
     from gemma_spec_ros.engine.types import LookupConfig
     return LookupConfig(static_path=static_path, dynamic_path=dynamic_path)
+
+
+def _construct_in_thread(config, timeout: float = 20.0):
+    """Build a LookupDrafter in a thread: (finished, exception). A hang shows as finished False."""
+    from gemma_spec_ros.engine.lookup import LookupDrafter
+    outcome = {}
+
+    def build() -> None:
+        try:
+            LookupDrafter(config).close()
+            outcome["error"] = None
+        except Exception as exc:  # noqa: BLE001
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=build, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return "error" in outcome, outcome.get("error")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero", "directory"])
+@pytest.mark.parametrize("which", ["static", "dynamic"])
+def test_cache_files_must_be_regular_files(tmp_path: Path, kind: str, which: str) -> None:
+    """Defect 9: a cache path naming a FIFO, /dev/zero or a directory is refused with a reason,
+    never a hang (before: a FIFO blocked configure forever, /dev/zero read until out of memory)."""
+    from gemma_spec_ros.engine.types import CacheFormatError
+    if kind == "fifo":
+        path = tmp_path / "cache.fifo"
+        os.mkfifo(path)
+    elif kind == "directory":
+        path = tmp_path / "cache.d"
+        path.mkdir()
+    else:
+        path = Path("/dev/zero")
+    config = _lookup(**{f"{which}_path": str(path)})
+    finished, error = _construct_in_thread(config)
+    assert finished, f"LookupDrafter hung on a {kind} {which} cache"
+    assert isinstance(error, CacheFormatError), error
+    assert "regular file" in str(error) and str(path) in str(error)
+
+
+def test_dynamic_cache_folder_must_exist(tmp_path: Path) -> None:
+    """Defect 9: the dynamic cache's parent folder must exist (before: close created any folder)."""
+    from gemma_spec_ros.engine.types import CacheFormatError
+    finished, error = _construct_in_thread(_lookup(str(tmp_path / "no" / "such" / "dynamic.bin")))
+    assert finished and isinstance(error, CacheFormatError), error
+    assert "does not exist" in str(error)
+    assert not (tmp_path / "no").exists()

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from .ngram_cache import NGRAM_MAX, NGRAM_STATIC, NgramCache
-from .types import EMPTY_DRAFT, Draft, LookupConfig, SamplingParams, SpecConfig, expand_path
+from .types import EMPTY_DRAFT, CacheFormatError, Draft, LookupConfig, SamplingParams, SpecConfig, expand_path
 
 if TYPE_CHECKING:
     import numpy as np
@@ -203,6 +203,10 @@ class LookupDrafter:
         else:  # a configured static cache must exist: it was built on purpose
             self._static_cache = (NgramCache.load(self._static_path) if self._static_path
                                   else NgramCache())
+        if self._dynamic_path and not Path(self._dynamic_path).parent.is_dir():
+            raise CacheFormatError(
+                f"the folder of the dynamic n-gram cache {self._dynamic_path} does not exist: "
+                "create it, or set lookup.dynamic_path to '' (memory only)")
         self._dynamic_cache = (dynamic_cache if dynamic_cache is not None
                                else _load_if_present(self._dynamic_path))
         self._context_cache = NgramCache()
@@ -282,6 +286,5 @@ class LookupDrafter:
         exists and the cache learned nothing since it was loaded or last saved (a large cache is
         not rewritten for nothing). Safe to call more than once."""
         if self._dynamic_path and (self._dynamic_changed or not Path(self._dynamic_path).exists()):
-            Path(self._dynamic_path).parent.mkdir(parents=True, exist_ok=True)
             self._dynamic_cache.save(self._dynamic_path)
             self._dynamic_changed = False
