@@ -156,3 +156,88 @@ def test_dynamic_cache_folder_must_exist(tmp_path: Path) -> None:
     assert finished and isinstance(error, CacheFormatError), error
     assert "does not exist" in str(error)
     assert not (tmp_path / "no").exists()
+
+
+LONG_PROMPT = " ".join(f"item {i} is {i * 7 % 13}." for i in range(170))  # ~1,500 tokens
+
+
+def test_prompt_evaluation_stops_at_a_chunk_boundary(embedded_model_path: Path) -> None:
+    """Defect 1: a cancel set during prompt evaluation ends the request at the next n_batch chunk,
+    before the rest of the prompt is evaluated (before: the whole prompt ran, then a token)."""
+    engine = Engine(EngineConfig(ModelConfig(str(embedded_model_path), n_ctx=2048, n_batch=32,
+                                             n_threads=1), spec=SpecConfig(mode="off")),
+                    calibrate=False)
+    try:
+        request = GenerationRequest(LONG_PROMPT, max_tokens=8, reuse_prompt=False)
+        n_prompt = engine.count_prompt_tokens(request)
+        cancel = threading.Event()
+        started = threading.Event()
+        original = engine.target.decode
+
+        def decode(tokens, rows, *args, **kwargs):  # observe (not alter) the prompt pass
+            started.set()
+            return original(tokens, rows, *args, **kwargs)
+
+        engine.target.decode = decode
+        result = {}
+        thread = threading.Thread(target=lambda: result.update(steps=list(engine.generate(request, cancel))))
+        thread.start()
+        started.wait(30)
+        cancel.set()
+        thread.join(120)
+        steps = result["steps"]
+        assert steps[-1].finish_reason == "cancelled"
+        assert not [t for s in steps for t in s.tokens]
+        assert engine.target.n_past < n_prompt
+    finally:
+        engine.close()
+
+
+CLOSE_DURING_PROMPT = textwrap.dedent("""
+    import sys, threading, faulthandler
+    faulthandler.enable()
+    sys.path.insert(0, {test_dir!r})
+    from gemma_spec_ros.engine.engine import Engine
+    from gemma_spec_ros.engine.types import EngineConfig, GenerationRequest, ModelConfig, SpecConfig
+    from test_reliability_engine import LONG_PROMPT
+    engine = Engine(EngineConfig(ModelConfig({model!r}, n_ctx=2048, n_batch=512, n_threads=1),
+                                 spec=SpecConfig(mode="off")), calibrate=False)
+    started = threading.Event()
+    original = engine.target.decode
+    def decode(tokens, rows, *args, **kwargs):
+        started.set()
+        return original(tokens, rows, *args, **kwargs)
+    engine.target.decode = decode
+    out = {{}}
+    def run():
+        try:
+            out["steps"] = list(engine.generate(GenerationRequest(LONG_PROMPT, max_tokens=4,
+                                                                  reuse_prompt=False)))
+        except Exception as exc:
+            out["error"] = exc
+    thread = threading.Thread(target=run)
+    thread.start()
+    started.wait(60)
+    engine.close(timeout=0.05)   # a transition gave up waiting: must not free under llama_decode
+    thread.join(300)
+    assert engine.target._ctx is None, "the engine was not freed after the step"
+    print("OK", out.get("error"), out.get("steps", [None])[-1] and out["steps"][-1].finish_reason)
+""")
+
+
+@pytest.mark.timeout(400)
+def test_close_during_prompt_evaluation_never_frees_under_decode(embedded_model_path: Path,
+                                                                 tmp_path: Path) -> None:
+    """Defect 1: close() while llama_decode evaluates a long prompt (a transition that gave up
+    waiting) does not free the models under it: the running step finishes, then the engine is
+    freed (before: llama_free ran under llama_decode, use-after-free). In a subprocess, so that a
+    crash is a failed test, not a dead test session."""
+    script = tmp_path / "close_during_prompt.py"
+    script.write_text(CLOSE_DURING_PROMPT.format(test_dir=str(Path(__file__).parent),
+                                                 model=str(embedded_model_path)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent.parent),
+                                                        os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=360, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "OK" in proc.stdout

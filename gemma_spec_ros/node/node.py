@@ -62,6 +62,9 @@ from .parameters import (PARAMETERS, PARAMETERS_BY_NAME, as_declared, check_valu
 MIN_EXECUTOR_THREADS = 4
 #: Seconds a transition waits for the running goal to stop (it stops at its next step).
 STOP_TIMEOUT = 30.0
+#: Seconds release() then waits for the engine to be idle before leaving the freeing of the models
+#: to the running step (a step or prompt chunk on a slow, shared CPU can outlast STOP_TIMEOUT).
+CLOSE_TIMEOUT = 5.0
 
 _SUCCESS = TransitionCallbackReturn.SUCCESS
 _FAILURE = TransitionCallbackReturn.FAILURE
@@ -248,9 +251,14 @@ class GemmaSpecNode(LifecycleNode):
         if engine is not None:
             cache = self._value("lookup.dynamic_path")
             try:
-                engine.close()
+                freed = engine.close(timeout=CLOSE_TIMEOUT)
             except Exception as exc:  # noqa: BLE001  the models are freed; the save failed
                 self._report_fault(f"dynamic n-gram cache not saved to {cache}: {exc!r}")
+                return
+            if not freed:  # never free under a running llama_decode: the step frees it when done
+                self.get_logger().warning(
+                    f"a generation step is still running {CLOSE_TIMEOUT:.0f} s after {reason}: the "
+                    "engine frees the models when that step ends")
                 return
             self.get_logger().info("engine closed: models freed"
                                    + (f", dynamic n-gram cache saved to {cache}" if cache else ""))
