@@ -93,3 +93,87 @@ def test_cleanup_frees_the_models_and_reports_a_failed_cache_save(serve: Any, tm
                                 lambda s: "not saved" in key_values(s)["last internal error"])
     assert str(cache) in key_values(status)["last internal error"]
     client.wait_log("dynamic n-gram cache not saved")
+
+
+def test_a_goal_the_model_cannot_template_is_rejected_and_the_node_keeps_serving(serve: Any) -> None:
+    """Defect 2: a chat-template goal on a model without a chat template (the tiny llama GGUF: a
+    real llama.cpp refusal) is rejected with its reason; the node keeps answering goals, cancels
+    and parameters (before: the exception left the goal callback and killed the executor)."""
+    served = serve()
+    client = served.client
+    assert client.transition("configure") and client.transition("activate")
+    bad = client.send(prompt="hello", use_chat_template=True, temperature=0.0)
+    assert not bad.accepted
+    status = client.wait_status(served.status_name,
+                                lambda s: "chat template" in key_values(s)["last rejection"])
+    assert key_values(status)["requests rejected"] == "1"
+    good = client.send(prompt="ab ab", max_tokens=4, temperature=0.0)
+    assert good.accepted and good.wait_result().finish_reason in ("stop", "length")
+    assert client.set_parameters(spec__mode="off")[0].successful
+    assert client.state() == "active"
+
+
+def test_an_exception_in_a_callback_is_logged_and_shown(serve: Any) -> None:
+    """Defect 2: an exception escaping the accepted-goal callback (INJECTED: no real component
+    makes JobQueue.push raise) is logged as ERROR, counted on /diagnostics, the goal still gets a
+    result, and the node keeps serving (before: the executor thread died)."""
+    served = serve()
+    client = served.client
+    assert client.transition("configure") and client.transition("activate")
+    jobs = served.node._jobs
+    real_push = jobs.push
+
+    def failing_push(job: Any) -> None:
+        jobs.push = real_push  # one failure only
+        raise RuntimeError("injected fault in push")
+
+    jobs.push = failing_push
+    run = client.send(prompt="ab ab", max_tokens=4, temperature=0.0)
+    assert run.accepted
+    result = run.wait_result(timeout=30)
+    assert run.status == GoalStatus.STATUS_ABORTED and "injected fault" in result.error
+    status = client.wait_status(served.status_name,
+                                lambda s: key_values(s)["internal errors"] == "1")
+    assert "injected fault" in key_values(status)["last internal error"]
+    client.wait_log("injected fault in push")
+    again = client.send(prompt="ab ab", max_tokens=4, temperature=0.0)
+    assert again.accepted and again.wait_result().finish_reason in ("stop", "length")
+
+
+SERVE_WITH_A_FAILING_CALLBACK = """
+import sys
+from gemma_spec_ros.node import node as node_module
+from gemma_spec_ros.tools import serve
+
+original_init = node_module.GemmaSpecNode.__init__
+
+def init(self, *args, **kwargs):
+    original_init(self, *args, **kwargs)
+    def fail():
+        raise RuntimeError("injected fault escaping a timer callback")
+    self._injected_timer = self.create_timer(1.0, fail)
+
+node_module.GemmaSpecNode.__init__ = init
+sys.exit(serve.main(sys.argv))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_serve_exits_non_zero_when_the_executor_dies(tiny_model: Path, tmp_path: Path) -> None:
+    """Defect 2: when an exception kills the executor (INJECTED: a timer callback that raises,
+    since every callback of the node now catches its own), gemma-spec-serve exits with status 1
+    so that respawn/systemd restarts it (before: it exited 0)."""
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "serve_failing.py"
+    script.write_text(SERVE_WITH_A_FAILING_CALLBACK)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, str(script), "--ros-args", "-r", "__node:=gemma_spec_dies",
+         "-p", f"target.model_path:={tiny_model}", "-p", "target.n_ctx:=128",
+         "-p", "target.n_threads:=1"],
+        capture_output=True, text=True, timeout=100, env=env)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "executor stopped" in proc.stderr

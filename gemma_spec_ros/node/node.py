@@ -66,6 +66,9 @@ STOP_TIMEOUT = 30.0
 #: to the running step (a step or prompt chunk on a slow, shared CPU can outlast STOP_TIMEOUT).
 CLOSE_TIMEOUT = 5.0
 
+#: Characters of a client's string (or a reason quoting one) kept in logs and /diagnostics.
+MAX_ECHO = 256
+
 _SUCCESS = TransitionCallbackReturn.SUCCESS
 _FAILURE = TransitionCallbackReturn.FAILURE
 
@@ -94,6 +97,7 @@ class GemmaSpecNode(LifecycleNode):
         self._configure_error = ""
         self._log_lock = threading.Lock()
         self._requests = diagnostics.RequestLog()
+        self._orphans: Dict[bytes, str] = {}  # accepted goals that could not be queued -> why
         super().__init__(node_name, **kwargs)
 
         self._group = ReentrantCallbackGroup()
@@ -114,6 +118,15 @@ class GemmaSpecNode(LifecycleNode):
         return {spec.name: self._value(spec.name) for spec in PARAMETERS}
 
     def _on_set_parameters(self, params: List[Parameter]) -> SetParametersResult:
+        """Validate a set of parameter changes (refused, logged and on /diagnostics if the check
+        itself raises: an exception must never leave a callback and stop the executor)."""
+        try:
+            return self._check_and_apply(params)
+        except Exception as exc:  # noqa: BLE001
+            self._report_fault(f"parameter callback failed: {exc!r}")
+            return SetParametersResult(successful=False, reason=f"internal error: {exc!r}"[:MAX_ECHO])
+
+    def _check_and_apply(self, params: List[Parameter]) -> SetParametersResult:
         """Validate a set of parameter changes; apply ``spec.*`` to the engine when accepted.
 
         rclpy has already checked types and ranges. Runs before the values are stored (and on
@@ -159,7 +172,7 @@ class GemmaSpecNode(LifecycleNode):
         started = time.monotonic()
         try:
             self._engine = Engine(config)
-        except (EngineError, ValueError, OSError, MemoryError) as exc:
+        except Exception as exc:  # noqa: BLE001  any failure is a FAILURE with its reason
             return self._configure_failed(f"cannot load {files}: {exc}")
         self._model_info = dict(self._engine.model_info())
         self._configure_error = ""
@@ -284,8 +297,12 @@ class GemmaSpecNode(LifecycleNode):
         """Accept or reject a goal without blocking; a rejection's reason is logged and kept."""
         try:
             self._check_goal(goal)
-        except GoalRejected as exc:
+        except Exception as exc:  # noqa: BLE001  any failure to validate a goal is a rejection
             reason = str(exc)
+            if not isinstance(exc, GoalRejected):
+                reason = f"internal error while checking the goal: {exc!r}"
+                self._report_fault(reason)
+            reason = clip(reason)
             with self._log_lock:
                 self._requests.reject(reason)
             self.get_logger().warning(f"goal rejected: {reason}")
@@ -304,6 +321,19 @@ class GemmaSpecNode(LifecycleNode):
         check_fits(engine, request, values["limits.max_prompt_tokens"])
 
     def _on_accepted(self, goal_handle: ServerGoalHandle) -> None:
+        """Queue an accepted goal; if that fails, the goal still ends (ABORTED with the reason)."""
+        try:
+            self._queue_accepted(goal_handle)
+        except Exception as exc:  # noqa: BLE001
+            reason = f"internal error while queueing the goal: {exc!r}"
+            self._report_fault(reason)
+            self._orphans[bytes(goal_handle.goal_id.uuid)] = reason
+            try:
+                goal_handle.execute(self._execute)
+            except Exception as again:  # noqa: BLE001
+                self._report_fault(f"cannot end the goal: {again!r}")
+
+    def _queue_accepted(self, goal_handle: ServerGoalHandle) -> None:
         """Queue an accepted goal; the dispatcher starts it in turn."""
         jobs = self._jobs
         if jobs is None:  # cleaned up between accept and here
@@ -332,9 +362,12 @@ class GemmaSpecNode(LifecycleNode):
 
     def _on_cancel(self, goal_handle: ServerGoalHandle) -> CancelResponse:
         """Accept a cancel for a known goal; it stops at its next step (or before it starts)."""
-        jobs = self._jobs
-        if jobs is not None and jobs.cancel(bytes(goal_handle.goal_id.uuid)):
-            return CancelResponse.ACCEPT
+        try:
+            jobs = self._jobs
+            if jobs is not None and jobs.cancel(bytes(goal_handle.goal_id.uuid)):
+                return CancelResponse.ACCEPT
+        except Exception as exc:  # noqa: BLE001
+            self._report_fault(f"cancel callback failed: {exc!r}")
         return CancelResponse.REJECT
 
     def _dispatch(self) -> None:
@@ -356,7 +389,8 @@ class GemmaSpecNode(LifecycleNode):
         jobs = self._jobs
         job = jobs.get(bytes(goal_handle.goal_id.uuid)) if jobs is not None else None
         if job is None:
-            result = Generate.Result(finish_reason="cancelled", error="the node was cleaned up")
+            error = self._orphans.pop(bytes(goal_handle.goal_id.uuid), "the node was cleaned up")
+            result = Generate.Result(finish_reason="cancelled", error=error)
             self._end_goal(goal_handle, result)
             return result
         try:
@@ -481,6 +515,15 @@ class GemmaSpecNode(LifecycleNode):
                 self._rolling_pub.publish(diagnostics.spec_stats_msg(rolling, stamp))
         except Exception as exc:  # noqa: BLE001  e.g. the engine closed during this tick
             self.get_logger().warning(f"diagnostics skipped: {exc!r}", throttle_duration_sec=10.0)
+
+
+def clip(text: str, limit: int = MAX_ECHO) -> str:
+    """``text`` cut to ``limit`` characters (with a note of how many were cut).
+
+    >>> clip("x" * 300, 10)
+    'xxxxxxxxxx... (290 more characters)'
+    """
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
 def _feedback(step: Any, text: str) -> Generate.Feedback:
