@@ -177,3 +177,46 @@ def test_serve_exits_non_zero_when_the_executor_dies(tiny_model: Path, tmp_path:
         capture_output=True, text=True, timeout=100, env=env)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "executor stopped" in proc.stderr
+
+
+def test_goal_inputs_are_bounded_and_echoes_truncated(serve: Any) -> None:
+    """Defect 7: stop lists (count, length) and the prompt's bytes have limits, refused with a
+    reason before tokenizing; client strings echoed in reasons and on /diagnostics are cut
+    (before: all accepted, a 100 kB spec_mode was republished on /diagnostics every period)."""
+    served = serve(limits__max_stop_strings=4, limits__max_stop_length=16,
+                   limits__max_prompt_bytes=1000, limits__max_prompt_tokens=10_000,
+                   target__n_ctx=2048)
+    client = served.client
+    assert client.transition("configure") and client.transition("activate")
+    cases = [
+        (dict(prompt="ab", stop=["a", "b", "c", "d", "e"]), "limits.max_stop_strings=4"),
+        (dict(prompt="ab", stop=["x" * 17]), "limits.max_stop_length=16"),
+        (dict(prompt="ab " * 400), "limits.max_prompt_bytes=1000"),
+        (dict(prompt="ab", system_prompt="s" * 999), "limits.max_prompt_bytes=1000"),
+    ]
+    for fields, needle in cases:
+        run = client.send(max_tokens=2, temperature=0.0, **fields)
+        assert not run.accepted, fields
+        client.wait_status(served.status_name, lambda s, n=needle: n in key_values(s)["last rejection"])
+    huge = "m" * 100_000
+    assert not client.send(prompt="ab", spec_mode=huge).accepted
+    status = client.wait_status(served.status_name,
+                                lambda s: "spec_mode" in key_values(s)["last rejection"])
+    assert len(key_values(status)["last rejection"]) < 400
+    assert client.set_parameters(diagnostics__hardware_id="h" * 10_000)[0].successful
+    status = client.wait_status(served.status_name, lambda s: s.hardware_id.startswith("hhh"))
+    assert len(status.hardware_id) < 100
+    ok = client.send(prompt="ab ab", stop=["b a"], max_tokens=4, temperature=0.0)
+    assert ok.accepted and ok.wait_result().finish_reason in ("stop", "length")
+
+
+def test_finished_goals_are_not_retained_for_15_minutes(serve: Any) -> None:
+    """Defect 7: a finished goal's handle (with its request) is dropped after queue.result_timeout
+    (before: rclpy's default 900 s for every goal)."""
+    served = serve(queue__result_timeout=1.0)
+    client = served.client
+    assert client.transition("configure") and client.transition("activate")
+    run = client.send(prompt="ab ab", max_tokens=2, temperature=0.0)
+    assert run.accepted and run.wait_result().finish_reason in ("stop", "length")
+    server = served.node._action_server
+    wait_until(lambda: not server._goal_handles, 30, "the finished goal's handle to expire")

@@ -169,8 +169,13 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+#: Characters of a key-value shown on /diagnostics (values may quote a client's strings, and they
+#: are republished every period).
+MAX_VALUE_CHARS = 512
+
+
 def _kv(pairs: Iterable[Tuple[str, Any]]) -> List[KeyValue]:
-    return [KeyValue(key=k, value=_fmt(v)) for k, v in pairs]
+    return [KeyValue(key=k, value=_fmt(v)[:MAX_VALUE_CHARS]) for k, v in pairs]
 
 
 def spec_status(view: NodeView, log: RequestLog, rolling: Optional[SpecStats]) -> DiagnosticStatus:

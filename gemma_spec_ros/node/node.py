@@ -53,7 +53,7 @@ from ..engine.engine import Engine
 from ..engine.stats import SpecStats
 from ..engine.types import EngineError
 from . import NODE_NAME, diagnostics
-from .goals import GoalRejected, Job, JobQueue, check_fits, request_from_goal
+from .goals import GoalRejected, Job, JobQueue, check_fits, check_input_bounds, request_from_goal
 from .parameters import (PARAMETERS, PARAMETERS_BY_NAME, as_declared, check_values,
                          engine_config_from, spec_config_from)
 
@@ -141,6 +141,7 @@ class GemmaSpecNode(LifecycleNode):
             except ValueError as exc:
                 reason = str(exc)
         if reason:
+            reason = clip(reason)
             self.get_logger().warning(f"parameter change refused: {reason}")
             return SetParametersResult(successful=False, reason=reason)
         if "diagnostics.period" in changes and self._diag_timer is not None:
@@ -185,7 +186,8 @@ class GemmaSpecNode(LifecycleNode):
         self._action_server = ActionServer(
             self, Generate, "~/generate", execute_callback=self._execute,
             goal_callback=self._on_goal, handle_accepted_callback=self._on_accepted,
-            cancel_callback=self._on_cancel, callback_group=self._goal_group)
+            cancel_callback=self._on_cancel, callback_group=self._goal_group,
+            result_timeout=max(1, round(values["queue.result_timeout"])))
         self._state = "inactive"
         self.get_logger().info(
             f"configured in {time.monotonic() - started:.1f} s: spec.mode={config.spec.mode}, "
@@ -314,6 +316,7 @@ class GemmaSpecNode(LifecycleNode):
         if not self._accepting or engine is None or jobs is None:
             raise GoalRejected(f"the node is {self._state}, not active")
         values = self._values()
+        check_input_bounds(goal, values)
         request = request_from_goal(goal, values)
         max_depth = values["queue.max_depth"]
         if jobs.busy() and jobs.depth() >= max_depth:
@@ -493,7 +496,7 @@ class GemmaSpecNode(LifecycleNode):
         engine, jobs = self._engine, self._jobs
         return diagnostics.NodeView(
             node_name=self.get_name(),
-            hardware_id=diagnostics.hardware_id(self._value("diagnostics.hardware_id")),
+            hardware_id=clip(diagnostics.hardware_id(self._value("diagnostics.hardware_id")), 64),
             lifecycle_state=self._state, queue_depth=jobs.depth() if jobs else 0,
             queue_max_depth=self._value("queue.max_depth"),
             running=jobs.has_running() if jobs is not None else False,

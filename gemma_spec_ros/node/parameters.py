@@ -177,6 +177,15 @@ PARAMETERS: Tuple[ParamSpec, ...] = (
               "goals whose (templated) prompt has more tokens are rejected", (1, 1 << 20)),
     ParamSpec("limits.max_tokens", 1024,
               "goals asking for more tokens are rejected", (1, 1 << 20)),
+    ParamSpec("limits.max_prompt_bytes", 1 << 16,
+              "goals whose prompt + system prompt exceed this many UTF-8 bytes are rejected before "
+              "tokenizing", (1, 1 << 26)),
+    ParamSpec("limits.max_stop_strings", 16, "goals with more stop strings are rejected", (0, 1024)),
+    ParamSpec("limits.max_stop_length", 128,
+              "goals with a longer stop string (characters) are rejected", (1, 1 << 16)),
+    ParamSpec("queue.result_timeout", 60.0,
+              "seconds a finished goal's result (and its request) is kept for late get_result "
+              "calls; read by configure", (1.0, 86_400.0)),
     ParamSpec("queue.max_depth", 4,
               "accepted goals that may wait behind the running one; more are rejected", (0, 1000)),
     ParamSpec("feedback.min_period", 0.0,
