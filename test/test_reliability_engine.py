@@ -241,3 +241,59 @@ def test_close_during_prompt_evaluation_never_frees_under_decode(embedded_model_
                           timeout=360, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "OK" in proc.stdout
+
+
+def _learn(lookup, rng, n_requests: int, length: int = 120) -> None:
+    for _ in range(n_requests):
+        tokens = rng.integers(3, 5000, size=length).tolist()
+        lookup.begin(tokens[:10])
+        lookup.end(tokens)
+
+
+def test_dynamic_cache_is_bounded_and_keeps_what_recurs(tmp_path: Path) -> None:
+    """Defect 3: the dynamic cache holds at most lookup.dynamic_max_ngrams n-grams whatever the
+    traffic; n-grams that recur survive the eviction (before: every request's n-grams were kept
+    forever)."""
+    from gemma_spec_ros.engine.lookup import LookupDrafter
+    from gemma_spec_ros.engine.types import LookupConfig
+    lookup = LookupDrafter(LookupConfig(dynamic_max_ngrams=2000, save_period=0))
+    rng = np.random.default_rng(0)
+    routine = [7, 8, 9, 10, 11, 12, 13, 14]
+    for _ in range(40):
+        lookup.begin(routine[:4])
+        lookup.end(routine * 2)
+        _learn(lookup, rng, 5)
+        assert len(lookup.dynamic_cache) <= 2000
+    assert lookup.dynamic_cache.get((7, 8, 9, 10)) == {11: 80}
+
+
+def test_dynamic_cache_is_saved_periodically(tmp_path: Path) -> None:
+    """Defect 3: with lookup.save_period the learned cache is saved while serving, atomically
+    (before: only at cleanup/shutdown, so a crash lost everything learned)."""
+    import time
+    from gemma_spec_ros.engine.lookup import LookupDrafter
+    from gemma_spec_ros.engine.ngram_cache import NgramCache
+    from gemma_spec_ros.engine.types import LookupConfig
+    path = tmp_path / "dynamic.bin"
+    lookup = LookupDrafter(LookupConfig(dynamic_path=str(path), save_period=0.01))
+    _learn(lookup, np.random.default_rng(1), 1)
+    time.sleep(0.05)
+    _learn(lookup, np.random.default_rng(2), 1)
+    assert path.is_file() and NgramCache.load(path) == lookup.dynamic_cache
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_corrupt_learned_cache_is_moved_aside(tmp_path: Path) -> None:
+    """Defect 3: a corrupt dynamic cache is moved aside with a warning and learning restarts
+    (before: configure failed); a corrupt static cache still fails with its reason."""
+    from gemma_spec_ros.engine.lookup import LookupDrafter
+    from gemma_spec_ros.engine.types import CacheFormatError, LookupConfig
+    path = tmp_path / "dynamic.bin"
+    path.write_bytes(b"\x01\x00\x00\x00garbage")
+    lookup = LookupDrafter(LookupConfig(dynamic_path=str(path)))
+    assert len(lookup.dynamic_cache) == 0
+    aside = [p for p in tmp_path.iterdir() if ".corrupt-" in p.name]
+    assert len(aside) == 1 and aside[0].read_bytes() == b"\x01\x00\x00\x00garbage"
+    assert str(aside[0]) in lookup.warnings[0]
+    with pytest.raises(CacheFormatError, match="byte offset"):
+        LookupDrafter(LookupConfig(static_path=str(aside[0])))

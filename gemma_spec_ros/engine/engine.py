@@ -154,6 +154,16 @@ class Engine:
         drafting = self.drafters.get(DraftModelDrafter.name)
         return drafting.drafter if drafting is not None else None
 
+    @property
+    def warnings(self) -> List[str]:
+        """Problems the drafters recovered from while loading (e.g. a corrupt cache moved aside)."""
+        return [w for d in self.drafters.values() for w in getattr(d.drafter, "warnings", ())]
+
+    def dynamic_ngrams(self) -> int:
+        """N-grams in the lookup drafter's dynamic (learned) cache; 0 without one."""
+        drafting = self.drafters.get(LookupDrafter.name)
+        return len(drafting.drafter.dynamic_cache) if drafting is not None else 0
+
     def check_spec(self, spec: SpecConfig) -> str:
         """Why ``spec`` cannot be used here ('' if it can)."""
         if spec.mode in DRAFT_MODES and self.draft is None:

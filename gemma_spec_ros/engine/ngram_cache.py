@@ -159,6 +159,27 @@ class NgramCache:
                 else:
                     part[continuation] = part.get(continuation, 0) + 1
 
+    def prune(self, max_ngrams: int, keep_fraction: float = 0.9) -> int:
+        """If the cache holds more than ``max_ngrams`` n-grams, evict the least useful down to
+        ``keep_fraction * max_ngrams``: the smallest sample sizes (times seen), the oldest first
+        among equals (insertion order). Returns how many were evicted.
+
+        >>> cache = NgramCache(); cache.update([1, 2, 1, 2, 1, 2, 3, 4], 1, 1); len(cache)
+        3
+        >>> cache.prune(2, keep_fraction=1.0), sorted(cache)
+        (1, [(1,), (2,)])
+        """
+        table = self._table
+        if len(table) <= max_ngrams:
+            return 0
+        keep = max(1, int(max_ngrams * keep_fraction))
+        totals = np.fromiter((sum(part.values()) for part in table.values()), dtype=np.int64,
+                             count=len(table))
+        order = np.lexsort((np.arange(len(table)), totals))  # by total, then age (oldest first)
+        evict = set(order[:len(table) - keep].tolist())
+        self._table = {ngram: part for i, (ngram, part) in enumerate(table.items()) if i not in evict}
+        return len(evict)
+
     def merge(self, other: "NgramCache") -> None:
         """Add all counts of ``other`` to this cache (llama.cpp's ``common_ngram_cache_merge``).
 
@@ -293,6 +314,7 @@ class NgramCache:
                 stream.flush()
                 os.fsync(stream.fileno())
             os.replace(temporary, target)
+            _fsync_directory(target.parent)
         except BaseException:
             temporary.unlink(missing_ok=True)
             raise
@@ -316,6 +338,20 @@ class NgramCache:
                 f"cannot read n-gram cache file {os.fspath(path)}: "
                 f"{error.strerror or error}") from None
         return cls.from_bytes(data, source=os.fspath(path))
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (best effort: not every file system allows it)."""
+    try:
+        fd = os.open(os.fspath(directory), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 #: The largest n-gram cache file read (parsing costs several times the file size in memory).

@@ -156,6 +156,7 @@ class NodeView:
     spec: Optional[Any]  # the engine's SpecConfig, None when unconfigured
     model_info: Mapping[str, Any]
     configure_error: str = ""
+    dynamic_ngrams: int = 0  # n-grams in the dynamic (learned) lookup cache
 
 
 def hardware_id(configured: str) -> str:
@@ -225,6 +226,7 @@ def spec_status(view: NodeView, log: RequestLog, rolling: Optional[SpecStats]) -
         ("internal errors", log.internal_errors),
         ("last internal error", log.last_internal_error),
         ("RSS MiB", rss_bytes() / 2**20),
+        ("dynamic cache n-grams", view.dynamic_ngrams),
     ]
     return DiagnosticStatus(level=level, name=f"{view.node_name}: speculative decoding",
                             message=message, hardware_id=view.hardware_id, values=_kv(pairs))

@@ -175,6 +175,8 @@ class GemmaSpecNode(LifecycleNode):
             self._engine = Engine(config)
         except Exception as exc:  # noqa: BLE001  any failure is a FAILURE with its reason
             return self._configure_failed(f"cannot load {files}: {exc}")
+        for warning in self._engine.warnings:
+            self.get_logger().warning(warning)
         self._model_info = dict(self._engine.model_info())
         self._configure_error = ""
         self._jobs = JobQueue()
@@ -501,7 +503,8 @@ class GemmaSpecNode(LifecycleNode):
             queue_max_depth=self._value("queue.max_depth"),
             running=jobs.has_running() if jobs is not None else False,
             spec=engine.spec if engine is not None else None, model_info=self._model_info,
-            configure_error=self._configure_error)
+            configure_error=self._configure_error,
+            dynamic_ngrams=engine.dynamic_ngrams() if engine is not None else 0)
 
     def _publish_diagnostics(self) -> None:
         """Timer: /diagnostics (both statuses) and the rolling SpecStats."""

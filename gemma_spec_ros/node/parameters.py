@@ -151,6 +151,12 @@ PARAMETERS: Tuple[ParamSpec, ...] = (
               "static n-gram cache (llama-lookup-create format); '' = none"),
     ParamSpec("lookup.dynamic_path", _LOOKUP.dynamic_path,
               "dynamic n-gram cache: loaded if present, saved at cleanup/shutdown; '' = memory only"),
+    ParamSpec("lookup.dynamic_max_ngrams", _LOOKUP.dynamic_max_ngrams,
+              "the dynamic cache keeps at most this many n-grams (~0.4 KB each in memory); the "
+              "least seen are evicted", (1, 100_000_000)),
+    ParamSpec("lookup.save_period", _LOOKUP.save_period,
+              "seconds between atomic saves of the dynamic cache while serving; 0 = only at "
+              "cleanup/shutdown", (0.0, 86_400.0)),
     ParamSpec("lookup.ngram_min", _LOOKUP.ngram_min, "shortest context n-gram tried", (1, 4)),
     ParamSpec("lookup.ngram_max", _LOOKUP.ngram_max,
               "longest context n-gram tried; >= lookup.ngram_min", (1, 4)),
@@ -267,7 +273,9 @@ def engine_config_from(values: Mapping[str, Any]) -> EngineConfig:
                         n_threads=values["draft.n_threads"])
     lookup = LookupConfig(static_path=values["lookup.static_path"],
                           dynamic_path=values["lookup.dynamic_path"],
-                          ngram_min=values["lookup.ngram_min"], ngram_max=values["lookup.ngram_max"])
+                          ngram_min=values["lookup.ngram_min"], ngram_max=values["lookup.ngram_max"],
+                          dynamic_max_ngrams=values["lookup.dynamic_max_ngrams"],
+                          save_period=values["lookup.save_period"])
     return EngineConfig(target=target, draft=draft, spec=spec_config_from(values), lookup=lookup)
 
 
