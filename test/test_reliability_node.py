@@ -220,3 +220,83 @@ def test_finished_goals_are_not_retained_for_15_minutes(serve: Any) -> None:
     assert run.accepted and run.wait_result().finish_reason in ("stop", "length")
     server = served.node._action_server
     wait_until(lambda: not server._goal_handles, 30, "the finished goal's handle to expire")
+
+
+def test_the_running_goal_gets_its_result_at_shutdown(serve: Any, embedded_model_path: Path) -> None:
+    """Defect 5 (found by gemma-spec-soak): shutdown with a goal running and one queued: both get a
+    result (before: the running goal's result was lost, the action server was destroyed before
+    rclpy handed it over)."""
+    served = serve(target__model_path=str(embedded_model_path), target__n_ctx=512,
+                   limits__max_tokens=200, spec__mode="off")
+    client = served.client
+    assert client.transition("configure") and client.transition("activate")
+    running = client.send(prompt="The robot moved to the kitchen. The robot", max_tokens=200,
+                          temperature=0.0)
+    queued = client.send(prompt="ab", max_tokens=4, temperature=0.0)
+    assert running.accepted and queued.accepted
+    running.wait_feedback(2)
+    assert client.transition("shutdown")
+    for run in (running, queued):
+        result = run.wait_result(timeout=30)
+        assert run.status == GoalStatus.STATUS_ABORTED and "shutting down" in result.error
+    assert served.node.lifecycle_state == "finalized"
+
+
+def test_cancels_at_random_points_each_goal_gets_one_result(serve: Any) -> None:
+    """Defect 5: goals cancelled at random points (in the goal-response callback, at once, after a
+    short delay) on the tiny model: every accepted goal gets its result, and a goal whose cancel
+    was accepted ends CANCELED unless it had finished (SUCCEEDED). 200 goals here; the soak's
+    cancel profile runs >= 1,000 (docs/reliability.md)."""
+    import random
+    import time
+    served = serve(limits__max_tokens=64, generation__max_tokens=32, queue__max_depth=50)
+    client = served.client
+    assert client.transition("configure") and client.transition("activate")
+    assert client.action.wait_for_server(timeout_sec=30.0)
+    rng = random.Random(5)
+    outcomes = []
+    lock = threading.Lock()
+
+    def send_one(i: int) -> None:
+        state: Dict[str, Any] = {"cancel_ok": None, "result": None, "done": threading.Event()}
+        point = rng.choice(["response", "now", "delay"])
+
+        def cancel(handle: Any) -> None:
+            fut = handle.cancel_goal_async()
+            fut.add_done_callback(lambda f: state.update(cancel_ok=bool(f.result().goals_canceling)))
+
+        def on_result(fut: Any) -> None:
+            state["result"] = fut.result()
+            state["done"].set()
+
+        def on_response(fut: Any) -> None:
+            handle = fut.result()
+            state["handle"] = handle
+            if not handle.accepted:
+                state["done"].set()
+                return
+            if point == "response":
+                cancel(handle)
+            handle.get_result_async().add_done_callback(on_result)
+
+        from gemma_spec_msgs.action import Generate
+        goal = Generate.Goal(prompt="ab ba ab", max_tokens=rng.randint(1, 32), temperature=0.0)
+        client.action.send_goal_async(goal).add_done_callback(on_response)
+        wait_until(lambda: "handle" in state, 30, "goal response")
+        if state["handle"].accepted and point != "response":
+            if point == "delay":
+                time.sleep(rng.uniform(0, 0.02))
+            cancel(state["handle"])
+        with lock:
+            outcomes.append((i, state))
+
+    for i in range(200):
+        send_one(i)
+    for i, state in outcomes:
+        if not state["handle"].accepted:
+            continue
+        assert state["done"].wait(30), f"goal {i}: no result"
+        wait_until(lambda: state["cancel_ok"] is not None, 30, "cancel response")
+        if state["cancel_ok"]:
+            assert state["result"].status in (GoalStatus.STATUS_CANCELED, GoalStatus.STATUS_SUCCEEDED), (
+                i, state["result"].status, state["result"].result.error)

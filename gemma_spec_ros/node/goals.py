@@ -124,6 +124,7 @@ class Job:
     preempt: bool = False  # on arrival, stop a running goal of lower priority
     preempted_by: str = ""  # set: stopped by an urgent goal (finish_reason preempted)
     queue_position: int = 0  # the last queue position sent in feedback (0 = none sent yet)
+    client_cancelled: bool = False  # its client's cancel was accepted (rclpy marks it CANCELING next)
 
     @property
     def key(self) -> bytes:
@@ -203,6 +204,7 @@ class JobQueue:
             job = self._jobs.get(key)
             if job is None:
                 return False
+            job.client_cancelled = True
             job.cancel.set()
             self._cond.notify_all()
             return True

@@ -65,6 +65,12 @@ STOP_TIMEOUT = 30.0
 #: Seconds release() then waits for the engine to be idle before leaving the freeing of the models
 #: to the running step (a step or prompt chunk on a slow, shared CPU can outlast STOP_TIMEOUT).
 CLOSE_TIMEOUT = 5.0
+#: Seconds release() waits for rclpy to hand the last results to the action server before
+#: destroying it (the goals themselves have ended by then).
+RESULT_GRACE = 2.0
+#: Seconds the end of a client-cancelled goal waits for rclpy to mark it CANCELING (rclpy updates
+#: the goal state just after the cancel callback returns ACCEPT).
+CANCELING_GRACE = 1.0
 
 #: Characters of a client's string (or a reason quoting one) kept in logs and /diagnostics.
 MAX_ECHO = 256
@@ -257,6 +263,7 @@ class GemmaSpecNode(LifecycleNode):
         if self._dispatcher is not None:
             self._dispatcher.join(timeout=STOP_TIMEOUT)
         if self._action_server is not None:
+            self._wait_results_sent(self._action_server, RESULT_GRACE)
             self._action_server.destroy()
         for publisher in (self._stats_pub, self._rolling_pub):
             if publisher is not None:
@@ -279,6 +286,22 @@ class GemmaSpecNode(LifecycleNode):
                 return
             self.get_logger().info("engine closed: models freed"
                                    + (f", dynamic n-gram cache saved to {cache}" if cache else ""))
+
+    def _wait_results_sent(self, server: ActionServer, timeout: float) -> None:
+        """Wait until rclpy has handed every finished goal's result to the action server.
+
+        ``jobs.finished`` runs inside the execute callback, before rclpy sets the goal's result
+        (after the callback returns): destroying the server at once lost the running goal's result.
+        """
+        futures = getattr(server, "_result_futures", None)
+        if futures is None:  # another rclpy: a fixed grace period instead
+            time.sleep(min(timeout, 0.5))
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not all(f.done() for f in list(futures.values())):
+            time.sleep(0.01)
+        if futures:  # a done future sends its result from a task the executor runs next
+            time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
 
     def _report_fault(self, text: str) -> None:
         """An internal error: logged as ERROR and shown on /diagnostics ("last internal error")."""
@@ -384,10 +407,23 @@ class GemmaSpecNode(LifecycleNode):
                 return
             self._publish_queue_positions(jobs)
             try:
-                job.goal_handle.execute()
+                self._start(job.goal_handle)
             except Exception as exc:  # noqa: BLE001  the context went away; nothing to serve
-                self.get_logger().error(f"cannot start a goal: {exc}")
+                self._report_fault(f"cannot start a goal: {exc!r}")
                 jobs.finished(job)
+
+    @staticmethod
+    def _start(goal_handle: ServerGoalHandle) -> None:
+        """``execute()`` the goal. A cancel accepted between rclpy's cancel check and its EXECUTE
+        transition makes that transition fail (CANCELING -> EXECUTING is invalid); the second try
+        sees the cancel, skips the transition and runs the execute callback, which ends the goal
+        CANCELED (else the goal never got a result)."""
+        try:
+            goal_handle.execute()
+        except Exception:  # noqa: BLE001
+            if not goal_handle.is_cancel_requested:
+                raise
+            goal_handle.execute()
 
     def _execute(self, goal_handle: ServerGoalHandle) -> Generate.Result:
         """Execute callback: run the goal if it is the running one, else end it unstarted."""
@@ -410,6 +446,8 @@ class GemmaSpecNode(LifecycleNode):
             else:
                 reason = job.drop_reason or "cancelled before it started"
                 result, stats = Generate.Result(finish_reason="cancelled", error=reason), None
+            if job.client_cancelled and result.finish_reason in ("cancelled", "preempted"):
+                self._await_canceling(goal_handle)
             self._end_goal(goal_handle, result)
             self._record(job, result, stats)
             return result
@@ -473,6 +511,14 @@ class GemmaSpecNode(LifecycleNode):
             result.prompt_tokens = step.stats.num_prompt_tokens
             result.stats = diagnostics.spec_stats_msg(step.stats, self.get_clock().now().to_msg())
         return result
+
+    @staticmethod
+    def _await_canceling(goal_handle: ServerGoalHandle) -> None:
+        """A client's cancel was accepted, but rclpy marks the goal CANCELING only after the cancel
+        callback returned: wait for it, so that the goal ends CANCELED rather than ABORTED."""
+        deadline = time.monotonic() + CANCELING_GRACE
+        while not goal_handle.is_cancel_requested and time.monotonic() < deadline:
+            time.sleep(0.002)
 
     def _end_goal(self, goal_handle: ServerGoalHandle, result: Generate.Result) -> None:
         """Set the goal's terminal state from the result's finish_reason."""
