@@ -47,6 +47,7 @@ from rclpy.lifecycle import Publisher as LifecyclePublisher
 from rclpy.lifecycle import State as LifecycleState
 from rclpy.lifecycle import TransitionCallbackReturn
 from rclpy.parameter import Parameter
+from rclpy.qos import QoSProfile
 from rclpy.timer import Timer
 
 from ..engine.engine import Engine
@@ -68,6 +69,9 @@ CLOSE_TIMEOUT = 5.0
 #: Seconds release() waits for rclpy to hand the last results to the action server before
 #: destroying it (the goals themselves have ended by then).
 RESULT_GRACE = 2.0
+#: Feedback messages the action server keeps per writer (rclpy's default, 10, lets a burst of
+#: one-token steps overwrite messages a busy client has not read: streamed text != result text).
+FEEDBACK_DEPTH = 1000
 #: Seconds the end of a client-cancelled goal waits for rclpy to mark it CANCELING (rclpy updates
 #: the goal state just after the cancel callback returns ACCEPT).
 CANCELING_GRACE = 1.0
@@ -195,7 +199,8 @@ class GemmaSpecNode(LifecycleNode):
             self, Generate, "~/generate", execute_callback=self._execute,
             goal_callback=self._on_goal, handle_accepted_callback=self._on_accepted,
             cancel_callback=self._on_cancel, callback_group=self._goal_group,
-            result_timeout=max(1, round(values["queue.result_timeout"])))
+            result_timeout=max(1, round(values["queue.result_timeout"])),
+            feedback_pub_qos_profile=QoSProfile(depth=FEEDBACK_DEPTH))
         self._state = "inactive"
         self.get_logger().info(
             f"configured in {time.monotonic() - started:.1f} s: spec.mode={config.spec.mode}, "

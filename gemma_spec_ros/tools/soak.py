@@ -299,7 +299,10 @@ class Soak:
         from rclpy.action import ActionClient
 
         path = f"/{self.args.node_name}"
-        self.action = ActionClient(self.node, Generate, f"{path}/generate")
+        from rclpy.qos import QoSProfile
+        # a deep feedback queue: the client must not drop a burst of one-token steps itself
+        self.action = ActionClient(self.node, Generate, f"{path}/generate",
+                                   feedback_sub_qos_profile=QoSProfile(depth=1000))
         self.Goal = Generate.Goal
         self.node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diagnostics, 10)
         self._make_service_clients(path)
@@ -607,7 +610,8 @@ class Soak:
         invalid_accepted = [r.kind for r in records if r.invalid and r.accepted]
         bad_cancels = [(r.index, r.cancel_point, r.status) for r in accepted
                        if r.cancel_accepted and r.status not in (4, 5)]  # SUCCEEDED, CANCELED
-        mismatched = [r.index for r in accepted if r.result_at and r.streamed != r.text]
+        mismatched = [(r.index, r.kind, r.streamed[:40], r.text[:40]) for r in accepted
+                      if r.result_at and r.streamed != r.text]
         params_bad = [p for p in self.param_results
                       if (p["valid"] and not p["ok"]) or (not p["valid"] and (p["ok"] or not p["reason"]))]
         log = (self.out / "serve.log").read_text(errors="replace")
