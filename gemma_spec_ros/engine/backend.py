@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -62,6 +62,10 @@ def _install_quiet_logger(llama_cpp) -> None:
 
     _LOG_CALLBACK = _quiet
     llama_cpp.llama_log_set(_quiet, ctypes.c_void_p(0))
+
+
+class DecodeInterrupted(Exception):
+    """``LlamaBackend.decode`` stopped between two chunks because its ``stop`` callback said so."""
 
 
 @dataclass(frozen=True)
@@ -292,12 +296,19 @@ class LlamaBackend:
     def n_past(self) -> int:
         return len(self.kv_tokens)
 
-    def decode(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> List[np.ndarray]:
-        """Append ``tokens`` to the sequence; return logits (views, valid until the next decode)
-        for the requested row indices of this batch only.
+    def decode(self, tokens: Sequence[int], logit_rows: Sequence[int],
+               stop: Optional[Callable[[], bool]] = None) -> List[np.ndarray]:
+        """Append ``tokens`` to the sequence; return logits for the requested row indices of this
+        batch only: views valid until the next decode for rows of the last chunk, copies for rows
+        of earlier chunks.
 
-        Batches longer than ``n_batch`` are split (logits may then be requested only for rows of
-        the last chunk, which is all the prompt path needs).
+        Batches longer than ``n_batch`` are split in chunks of ``n_batch``; the next chunk's
+        ``llama_decode`` overwrites llama.cpp's logits buffer, so rows of an earlier chunk are
+        copied before it runs (a verify batch of K + 1 > n_batch rows needs every row).
+
+        ``stop`` is asked before every chunk after the first: True raises DecodeInterrupted, with
+        the chunks decoded so far kept (``kv_tokens`` says which), so a long prompt can be
+        cancelled within one chunk.
         """
         if not tokens:
             raise ValueError("decode of an empty batch")
@@ -309,6 +320,8 @@ class LlamaBackend:
         start = 0
         out: List[np.ndarray] = []
         while start < len(tokens):
+            if start and stop is not None and stop():
+                raise DecodeInterrupted(f"stopped after {start} of {len(tokens)} tokens")
             part = tokens[start:start + chunk]
             batch = self._batch
             base = self.n_past
@@ -330,9 +343,11 @@ class LlamaBackend:
                 raise KVCacheError(f"llama_decode failed with code {rc} at position {base} "
                                    f"({len(part)} tokens; 1 = no KV slot, <0 = error)")
             self.kv_tokens.extend(part)
+            last_chunk = start + len(part) >= len(tokens)
             for i in rows_here:
                 ptr = llama_cpp.llama_get_logits_ith(self._ctx, i)
-                out.append(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)))
+                row = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+                out.append(row if last_chunk else row.copy())
             start += len(part)
         return out
 

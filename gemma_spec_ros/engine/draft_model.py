@@ -29,6 +29,9 @@ class DraftModelDrafter:
     - ``spec.p_min``: greedy drafting stops when the draft's own top-token probability falls below
       it (llama.cpp's rule), since a low-confidence token is likely to be rejected.
     - ``spec.draft_min``: a draft shorter than this is dropped (verification costs a pass anyway).
+    - Vocabularies of different sizes (llama.cpp allows 128 tokens apart): drafts use only the
+      ids both models have, and a draft distribution covers those ids only; a context holding an
+      id the draft lacks (a larger target) gets no draft.
     """
 
     name = "draft"
@@ -41,6 +44,8 @@ class DraftModelDrafter:
         except Exception:
             self.backend.close()
             raise
+        # llama.cpp allows vocabularies up to 128 tokens apart: draft only ids both models have
+        self._n_shared = min(target.n_vocab, self.backend.n_vocab)
         self._sampler: Optional[Sampler] = None  # set for stochastic (rejection) drafting
         self._rng: Optional[np.random.Generator] = None
 
@@ -60,8 +65,12 @@ class DraftModelDrafter:
         if max_tokens <= 0:
             return Draft()
         backend.reuse_prefix(context, keep_last=1)
-        rows = backend.decode(list(context[backend.n_past:]), [len(context) - backend.n_past - 1])
-        logits = rows[0]
+        new_tokens = list(context[backend.n_past:])
+        if max(new_tokens) >= backend.n_vocab:  # the target emitted an id the draft lacks
+            return Draft()
+        rows = backend.decode(new_tokens, [len(context) - backend.n_past - 1])
+        n_shared = self._n_shared
+        logits = rows[0][:n_shared]
         tokens: List[int] = []
         probs: List[np.ndarray] = []
         while True:
@@ -76,7 +85,7 @@ class DraftModelDrafter:
             tokens.append(token)
             if len(tokens) >= max_tokens or backend.is_eog(token):
                 break
-            logits = backend.decode([token], [0])[0]
+            logits = backend.decode([token], [0])[0][:n_shared]
         if len(tokens) < spec.draft_min:
             return Draft()
         return Draft(tuple(tokens), tuple(probs) if self._sampler is not None else None, self.name)

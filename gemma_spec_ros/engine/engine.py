@@ -23,7 +23,8 @@ Public API (the node and the bench use only this):
     engine.model_info()                      # {"target": {...}, "draft": {...} or None}, each with
                                              # path, size_bytes, n_params, description,
                                              # n_gpu_layers, n_ctx, n_vocab, vocab_type
-    engine.close()                           # frees models, saves the dynamic n-gram cache; idempotent
+    engine.close(timeout=None)               # frees models, saves the dynamic n-gram cache; idempotent;
+                                             # never under a running step (see close())
 """
 from __future__ import annotations
 
@@ -35,15 +36,15 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .backend import LlamaBackend
+from .backend import DecodeInterrupted, LlamaBackend
 from .draft_model import DraftModelDrafter
 from .lookup import LookupDrafter
 from .policy import PLAIN_STEP, CostModel, Decision, DraftLengthPolicy
 from .sampling import Sampler, make_rng
 from .stats import SpecStats, timed
 from .text import TextAssembler
-from .types import (DRAFT_MODES, EMPTY_DRAFT, Draft, Drafter, EngineConfig, GenerationRequest,
-                    PromptTooLongError, SpecConfig, Step)
+from .types import (DRAFT_MODES, EMPTY_DRAFT, Draft, Drafter, EngineConfig, EngineError,
+                    GenerationRequest, PromptTooLongError, SpecConfig, Step)
 from .verify import Verdict, verify_exact, verify_rejection
 
 
@@ -116,7 +117,9 @@ class Engine:
     def __init__(self, config: EngineConfig, *, calibrate: bool = True) -> None:
         self.config = config
         self._spec: SpecConfig = config.spec
-        self._lock = threading.Lock()  # one generation at a time
+        self._lock = threading.Lock()  # one generation at a time; models are freed only under it
+        self._closing = threading.Event()  # close() was called: stop the running generation
+        self.close_error: Optional[BaseException] = None  # a failed deferred close (see close())
         self._stats_lock = threading.Lock()
         self._rolling = SpecStats()
         self.costs = CostModel()
@@ -150,6 +153,16 @@ class Engine:
         """The draft-model drafter, None without a draft model."""
         drafting = self.drafters.get(DraftModelDrafter.name)
         return drafting.drafter if drafting is not None else None
+
+    @property
+    def warnings(self) -> List[str]:
+        """Problems the drafters recovered from while loading (e.g. a corrupt cache moved aside)."""
+        return [w for d in self.drafters.values() for w in getattr(d.drafter, "warnings", ())]
+
+    def dynamic_ngrams(self) -> int:
+        """N-grams in the lookup drafter's dynamic (learned) cache; 0 without one."""
+        drafting = self.drafters.get(LookupDrafter.name)
+        return len(drafting.drafter.dynamic_cache) if drafting is not None else 0
 
     def check_spec(self, spec: SpecConfig) -> str:
         """Why ``spec`` cannot be used here ('' if it can)."""
@@ -206,18 +219,35 @@ class Engine:
                  cancel: Optional[threading.Event] = None) -> Iterator[Step]:
         """Yield one Step per target pass; see the module docstring."""
         with self._lock:
-            yield from self._generate(request, cancel)
+            if self._closing.is_set():
+                raise EngineError("the engine is closed")
+            try:
+                yield from self._generate(request, cancel)
+            finally:
+                if self._closing.is_set():  # close() gave up waiting: free the models here
+                    try:
+                        self._free()
+                    except Exception as exc:  # noqa: BLE001  kept for the owner to report
+                        self.close_error = exc
+
+    def _stop_requested(self, cancel: Optional[threading.Event]) -> bool:
+        return self._closing.is_set() or (cancel is not None and cancel.is_set())
 
     def _generate(self, request: GenerationRequest, cancel: Optional[threading.Event]) -> Iterator[Step]:
         prompt = self.prompt_tokens(request)
         self.check_request(request, len(prompt))
         run = self._new_run(request, prompt)
         try:
-            first = self._prompt_pass(run)
+            try:
+                first = self._prompt_pass(run, cancel)
+            except DecodeInterrupted:  # cancelled (or closing) between two prompt chunks
+                yield Step((), run.text.flush(), run.stats.snapshot(), self._mode_label(run, None),
+                           self._spec.draft_max, "cancelled")
+                return
             step = self._emit(run, (first,), self._mode_label(run, None), self._spec.draft_max, cancel)
             yield step
             while step.finish_reason is None:
-                if cancel is not None and cancel.is_set():  # set while the consumer held the step
+                if self._stop_requested(cancel):  # set while the consumer held the step
                     yield Step((), run.text.flush(), run.stats.snapshot(), step.spec_mode,
                                step.draft_max, "cancelled")
                     return
@@ -237,12 +267,14 @@ class Engine:
                     SpecStats(num_prompt_tokens=len(prompt)), TextAssembler(self.target, request.stop),
                     prompt, verification, verification == "rejection" and not sampler.greedy)
 
-    def _prompt_pass(self, run: _Run) -> int:
-        """Decode the prompt, sample the first token, start the drafters and their policies."""
+    def _prompt_pass(self, run: _Run, cancel: Optional[threading.Event] = None) -> int:
+        """Decode the prompt, sample the first token, start the drafters and their policies.
+
+        Raises DecodeInterrupted if ``cancel`` (or close()) stops it between two n_batch chunks."""
         with timed(run.stats, "prompt_time"):
             reused = self._keep_prompt_prefix(run.prompt, run.request.reuse_prompt)
             rest = run.prompt[reused:]
-            rows = self.target.decode(rest, [len(rest) - 1])
+            rows = self.target.decode(rest, [len(rest) - 1], stop=lambda: self._stop_requested(cancel))
             first = run.sampler.sample(rows[0], run.rng)
         run.stats.num_prompt_tokens_reused = reused
         run.stats.time_to_first_token = time.perf_counter() - run.started
@@ -338,7 +370,7 @@ class Engine:
             finish = "stop"
         elif len(run.generated) >= max_tokens or target.n_past + 1 >= self.n_ctx:
             finish = "length"
-        elif cancel is not None and cancel.is_set():
+        elif self._stop_requested(cancel):
             finish = "cancelled"
         elif run.request.time_budget and time.perf_counter() - run.started >= run.request.time_budget:
             finish = "timeout"
@@ -400,10 +432,35 @@ class Engine:
         target.clear()
         return measured
 
-    def close(self) -> None:
-        """Free models and persist the dynamic n-gram cache (idempotent)."""
+    def close(self, timeout: Optional[float] = None) -> bool:
+        """Free models and persist the dynamic n-gram cache (idempotent). Never frees a model while
+        a generation runs: the running generation stops at its next step or prompt chunk, and
+        close waits for it up to ``timeout`` seconds (None = as long as it takes). True if the
+        engine is freed on return; False if the wait timed out, in which case the generation frees
+        the engine itself when its step ends (a failure then lands in ``close_error``).
+
+        Every model is freed even if a drafter's close fails (a cache save on a full or read-only
+        disk); the first such failure is then raised, for the caller to report.
+        """
+        self._closing.set()
+        if not self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            return False
+        try:
+            self._free()
+        finally:
+            self._lock.release()
+        return True
+
+    def _free(self) -> None:
+        """Free models, save the dynamic cache; the generation lock is held (or never used)."""
         drafters, self.drafters = list(self.drafters.values()), {}
+        errors: List[BaseException] = []
         for drafting in reversed(drafters):  # the n-gram caches first, then the draft model
-            drafting.drafter.close()
+            try:
+                drafting.drafter.close()
+            except Exception as exc:  # noqa: BLE001  freeing the rest comes first
+                errors.append(exc)
         if getattr(self, "target", None) is not None:
             self.target.close()
+        if errors:
+            raise errors[0]

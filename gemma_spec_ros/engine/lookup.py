@@ -16,12 +16,14 @@ the *sample size* is the sum of the counts of all continuations of that n-gram.
 """
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from .ngram_cache import NGRAM_MAX, NGRAM_STATIC, NgramCache
-from .types import EMPTY_DRAFT, Draft, LookupConfig, SamplingParams, SpecConfig, expand_path
+from .types import EMPTY_DRAFT, CacheFormatError, Draft, LookupConfig, SamplingParams, SpecConfig, expand_path
 
 if TYPE_CHECKING:
     import numpy as np
@@ -203,13 +205,35 @@ class LookupDrafter:
         else:  # a configured static cache must exist: it was built on purpose
             self._static_cache = (NgramCache.load(self._static_path) if self._static_path
                                   else NgramCache())
+        if self._dynamic_path and not Path(self._dynamic_path).parent.is_dir():
+            raise CacheFormatError(
+                f"the folder of the dynamic n-gram cache {self._dynamic_path} does not exist: "
+                "create it, or set lookup.dynamic_path to '' (memory only)")
+        self.warnings: List[str] = []  # for the owner to log (e.g. a corrupt cache moved aside)
         self._dynamic_cache = (dynamic_cache if dynamic_cache is not None
-                               else _load_if_present(self._dynamic_path))
+                               else self._load_dynamic(self._dynamic_path))
+        self._last_save = time.monotonic()
         self._context_cache = NgramCache()
         self._context_length = 0  # tokens of the current request already in the context cache
         # its last NGRAM_MAX tokens, to detect a context that is not a continuation
         self._context_tail: Tuple[int, ...] = ()
         self._dynamic_changed = False
+
+    def _load_dynamic(self, path: str) -> NgramCache:
+        """The learned cache at ``path``. One that is a regular file but not a valid cache (a
+        crash mid-write by another tool, a disk error) is moved aside to ``<path>.corrupt-<time>``
+        with a warning, and learning starts again: losing learned n-grams must not stop a robot.
+        A path that is not a regular file is still refused (CacheFormatError)."""
+        try:
+            return _load_if_present(path)
+        except CacheFormatError as error:
+            if not Path(path).is_file() or "cannot read" in str(error):
+                raise
+            aside = f"{path}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}"
+            os.replace(path, aside)
+            self.warnings.append(f"dynamic n-gram cache {path} is corrupt ({error}); moved it to "
+                                 f"{aside} and started an empty one")
+            return NgramCache()
 
     # ---------------------------------------------------------------------------------- caches
     @property
@@ -270,6 +294,17 @@ class LookupDrafter:
         self._dynamic_cache.merge(self._context_cache)
         self._dynamic_changed = self._dynamic_changed or len(self._context_cache) > 0
         self._reset_context()
+        self._dynamic_cache.prune(self.config.dynamic_max_ngrams)
+        period = self.config.save_period
+        if period and self._dynamic_changed and time.monotonic() - self._last_save >= period:
+            self.save()
+
+    def save(self) -> None:
+        """Save the dynamic cache now (atomically) if ``LookupConfig.dynamic_path`` is set."""
+        self._last_save = time.monotonic()
+        if self._dynamic_path:
+            self._dynamic_cache.save(self._dynamic_path)
+            self._dynamic_changed = False
 
     def warm_up(self, filler: Sequence[int], max_rows: int, passes: int) -> None:
         """Nothing to warm up: no model."""
@@ -282,6 +317,4 @@ class LookupDrafter:
         exists and the cache learned nothing since it was loaded or last saved (a large cache is
         not rewritten for nothing). Safe to call more than once."""
         if self._dynamic_path and (self._dynamic_changed or not Path(self._dynamic_path).exists()):
-            Path(self._dynamic_path).parent.mkdir(parents=True, exist_ok=True)
-            self._dynamic_cache.save(self._dynamic_path)
-            self._dynamic_changed = False
+            self.save()

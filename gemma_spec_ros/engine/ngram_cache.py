@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import stat
 from pathlib import Path
 from typing import Dict, ItemsView, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -158,6 +159,27 @@ class NgramCache:
                 else:
                     part[continuation] = part.get(continuation, 0) + 1
 
+    def prune(self, max_ngrams: int, keep_fraction: float = 0.9) -> int:
+        """If the cache holds more than ``max_ngrams`` n-grams, evict the least useful down to
+        ``keep_fraction * max_ngrams``: the smallest sample sizes (times seen), the oldest first
+        among equals (insertion order). Returns how many were evicted.
+
+        >>> cache = NgramCache(); cache.update([1, 2, 1, 2, 1, 2, 3, 4], 1, 1); len(cache)
+        3
+        >>> cache.prune(2, keep_fraction=1.0), sorted(cache)
+        (1, [(1,), (2,)])
+        """
+        table = self._table
+        if len(table) <= max_ngrams:
+            return 0
+        keep = max(1, int(max_ngrams * keep_fraction))
+        totals = np.fromiter((sum(part.values()) for part in table.values()), dtype=np.int64,
+                             count=len(table))
+        order = np.lexsort((np.arange(len(table)), totals))  # by total, then age (oldest first)
+        evict = set(order[:len(table) - keep].tolist())
+        self._table = {ngram: part for i, (ngram, part) in enumerate(table.items()) if i not in evict}
+        return len(evict)
+
     def merge(self, other: "NgramCache") -> None:
         """Add all counts of ``other`` to this cache (llama.cpp's ``common_ngram_cache_merge``).
 
@@ -292,6 +314,7 @@ class NgramCache:
                 stream.flush()
                 os.fsync(stream.fileno())
             os.replace(temporary, target)
+            _fsync_directory(target.parent)
         except BaseException:
             temporary.unlink(missing_ok=True)
             raise
@@ -305,12 +328,64 @@ class NgramCache:
         :class:`CacheFormatError` if it cannot be read or is not a valid cache.
         """
         try:
-            data = Path(path).read_bytes()
+            data = read_regular_file(path, MAX_FILE_BYTES)
         except FileNotFoundError:
             raise CacheFileNotFoundError(
                 f"n-gram cache file {os.fspath(path)} does not exist "
                 "(build a static cache with gemma-spec-lookup-create)") from None
         except OSError as error:
             raise CacheFormatError(
-                f"cannot read n-gram cache file {os.fspath(path)}: {error.strerror}") from None
+                f"cannot read n-gram cache file {os.fspath(path)}: "
+                f"{error.strerror or error}") from None
         return cls.from_bytes(data, source=os.fspath(path))
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (best effort: not every file system allows it)."""
+    try:
+        fd = os.open(os.fspath(directory), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+#: The largest n-gram cache file read (parsing costs several times the file size in memory).
+MAX_FILE_BYTES = 1 << 30
+
+
+class NotARegularFileError(OSError):
+    """A path that must name a regular file names a directory, device, FIFO or socket."""
+
+
+def read_regular_file(path: PathLike, max_bytes: int) -> bytes:
+    """The bytes of the regular file ``path``, at most ``max_bytes`` of them.
+
+    Opened without blocking (a FIFO cannot hang the caller) and checked on the open descriptor: a
+    directory, a device such as ``/dev/zero``, a FIFO or a socket raises NotARegularFileError, a
+    larger file OSError, a missing one FileNotFoundError; never a hang or an unbounded read.
+    """
+    fd = os.open(os.fspath(path), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise NotARegularFileError(
+                f"{os.fspath(path)} is not a regular file (a directory, device or FIFO)")
+        if info.st_size > max_bytes:
+            raise OSError(f"{os.fspath(path)} has {info.st_size} bytes, more than the "
+                          f"{max_bytes} bytes allowed")
+        chunks = []
+        remaining = info.st_size
+        while remaining > 0:
+            chunk = os.read(fd, min(remaining, 1 << 24))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            remaining -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)

@@ -354,15 +354,18 @@ class RemoteEngine:
             "prompt tokens by": self._tokenizer,
         }
 
-    def close(self) -> None:
-        """Stop the prober; close the fallback engine (idempotent)."""
+    def close(self, timeout: Optional[float] = None) -> bool:
+        """Stop the prober; close the fallback engine (idempotent). Like ``Engine.close``: False if
+        the fallback's running step keeps its models until that step ends (it frees them then)."""
         self._closed.set()
         if self._prober is not None:
             self._prober.join(timeout=self.config.connect_timeout * 3 + 1.0)
             self._prober = None
+        freed = True
         if self._fallback is not None:
-            self._fallback.close()
+            freed = self._fallback.close(timeout=timeout)
             self._fallback = None
+        return freed
 
     # -- probing -------------------------------------------------------------------------------------
     def probe(self) -> bool:

@@ -116,8 +116,17 @@ class LookupConfig:
     dynamic_path: str = ""  # dynamic cache: loaded if present, saved on close; '' = in memory only
     ngram_min: int = 1  # shortest context n-gram tried
     ngram_max: int = 4  # longest context n-gram tried (llama.cpp's cache format allows <= 4)
+    #: the dynamic cache keeps at most this many n-grams (~0.4 KB each in memory): past it, the
+    #: n-grams seen least often (the oldest among equals) are evicted, down to 90 % of it
+    dynamic_max_ngrams: int = 100_000
+    #: seconds between atomic saves of the dynamic cache while serving; 0 = only on close
+    save_period: float = 300.0
 
     def __post_init__(self) -> None:
+        if self.dynamic_max_ngrams < 1:
+            raise ValueError(f"dynamic_max_ngrams={self.dynamic_max_ngrams}: must be >= 1")
+        if not math.isfinite(self.save_period) or self.save_period < 0:
+            raise ValueError(f"save_period={self.save_period}: must be >= 0 seconds (0 = on close)")
         if not 1 <= self.ngram_min <= self.ngram_max <= 4:
             raise ValueError(
                 f"lookup n-gram sizes {self.ngram_min}..{self.ngram_max}: need 1 <= min <= max <= 4")

@@ -65,6 +65,8 @@ def verify_rejection(rows: Sequence[np.ndarray], draft: Sequence[int],
     ``draft_probs[i]`` is the dense distribution q the drafter sampled x_i from; None means each x_i
     was chosen deterministically (q = point mass). p is the target's distribution after the
     request's temperature / top-k / top-p / min-p, the same one plain decoding samples from.
+    A q over fewer ids than p (a draft vocabulary of another size) is 0 on the ids it lacks; ids
+    past p's vocabulary have p = 0 and cannot be drafted.
     """
     if len(rows) != len(draft) + 1:
         raise ValueError(f"{len(rows)} logit rows for a {len(draft)}-token draft (need K+1)")
@@ -78,7 +80,7 @@ def verify_rejection(rows: Sequence[np.ndarray], draft: Sequence[int],
             emitted.append(token)
             continue
         if draft_probs is not None:
-            residual = np.maximum(p - draft_probs[i], 0.0)
+            residual = np.maximum(p - _aligned(draft_probs[i], len(p)), 0.0)
         else:
             residual = p.copy()
             residual[token] = 0.0
@@ -88,3 +90,12 @@ def verify_rejection(rows: Sequence[np.ndarray], draft: Sequence[int],
         return Verdict(tuple(emitted), i)
     emitted.append(sampler.sample(rows[len(draft)], rng))
     return Verdict(tuple(emitted), len(draft))
+
+
+def _aligned(q: np.ndarray, n_vocab: int) -> np.ndarray:
+    """``q`` over exactly ``n_vocab`` ids: cut, or padded with zeros (ids the draft lacks)."""
+    if len(q) == n_vocab:
+        return q
+    if len(q) > n_vocab:
+        return q[:n_vocab]
+    return np.concatenate([q, np.zeros(n_vocab - len(q), dtype=q.dtype)])

@@ -99,6 +99,8 @@ class RequestLog:
     last_failed: bool = False
     last_error: str = ""
     last_rejection: str = ""
+    internal_errors: int = 0  # exceptions caught in callbacks, failed cache saves
+    last_internal_error: str = ""
     latencies: Deque[float] = field(default_factory=lambda: collections.deque(maxlen=WINDOW))
     queue_waits: Deque[float] = field(default_factory=lambda: collections.deque(maxlen=WINDOW))
     ttfts: Deque[float] = field(default_factory=lambda: collections.deque(maxlen=WINDOW))
@@ -125,6 +127,11 @@ class RequestLog:
                 self.ttfts.append(stats.time_to_first_token)
         if stats is not None and stats.num_generated_tokens:
             self.recent.append(stats)
+
+    def fault(self, text: str) -> None:
+        """An internal error outside a request (a callback raised, a cache save failed)."""
+        self.internal_errors += 1
+        self.last_internal_error = text
 
     def reject(self, reason: str) -> None:
         self.rejected += 1
@@ -154,6 +161,7 @@ class NodeView:
     model_info: Mapping[str, Any]
     configure_error: str = ""
     backend: Mapping[str, Any] = field(default_factory=dict)  # engine's backend key-values
+    dynamic_ngrams: int = 0  # n-grams in the dynamic (learned) lookup cache
 
 
 def hardware_id(configured: str) -> str:
@@ -167,8 +175,13 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+#: Characters of a key-value shown on /diagnostics (values may quote a client's strings, and they
+#: are republished every period).
+MAX_VALUE_CHARS = 512
+
+
 def _kv(pairs: Iterable[Tuple[str, Any]]) -> List[KeyValue]:
-    return [KeyValue(key=k, value=_fmt(v)) for k, v in pairs]
+    return [KeyValue(key=k, value=_fmt(v)[:MAX_VALUE_CHARS]) for k, v in pairs]
 
 
 def spec_status(view: NodeView, log: RequestLog, rolling: Optional[SpecStats]) -> DiagnosticStatus:
@@ -217,8 +230,11 @@ def spec_status(view: NodeView, log: RequestLog, rolling: Optional[SpecStats]) -
         ("requests rejected", log.rejected),
         ("last rejection", log.last_rejection),
         ("last error", log.last_error),
+        ("internal errors", log.internal_errors),
+        ("last internal error", log.last_internal_error),
         ("RSS MiB", rss_bytes() / 2**20),
         *view.backend.items(),
+        ("dynamic cache n-grams", view.dynamic_ngrams),
     ]
     return DiagnosticStatus(level=level, name=f"{view.node_name}: speculative decoding",
                             message=message, hardware_id=view.hardware_id, values=_kv(pairs))

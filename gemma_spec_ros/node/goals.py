@@ -47,7 +47,7 @@ def request_from_goal(goal: Any, values: Mapping[str, Any]) -> GenerationRequest
         raise GoalRejected(f"top_k={goal.top_k}: must be >= 0 (0 = no limit), "
                            "or -1 for the node's generation.top_k")
     if goal.spec_mode and goal.spec_mode not in SPEC_MODES:
-        raise GoalRejected(f"spec_mode {goal.spec_mode!r}: expected one of {', '.join(SPEC_MODES)} "
+        raise GoalRejected(f"spec_mode {goal.spec_mode[:32]!r}: expected one of {', '.join(SPEC_MODES)} "
                            "or empty for the node's spec.mode")
     if goal.seed < -1:
         raise GoalRejected(f"seed={goal.seed}: must be >= 0, or -1 for a random seed")
@@ -71,6 +71,23 @@ def request_from_goal(goal: Any, values: Mapping[str, Any]) -> GenerationRequest
                                  reuse_prompt=bool(values["generation.prompt_cache"]))
     except ValueError as exc:
         raise GoalRejected(str(exc)) from exc
+
+
+def check_input_bounds(goal: Any, values: Mapping[str, Any]) -> None:
+    """Raise GoalRejected if the goal's strings exceed the ``limits.*`` size bounds; cheap, and
+    done before anything tokenizes or copies them (an unauthenticated client sets their size)."""
+    max_bytes = values["limits.max_prompt_bytes"]
+    size = len(goal.prompt.encode("utf-8", "replace")) + len(goal.system_prompt.encode("utf-8", "replace"))
+    if size > max_bytes:
+        raise GoalRejected(f"prompt + system prompt of {size} bytes exceed "
+                           f"limits.max_prompt_bytes={max_bytes}")
+    max_stops, max_length = values["limits.max_stop_strings"], values["limits.max_stop_length"]
+    if len(goal.stop) > max_stops:
+        raise GoalRejected(f"{len(goal.stop)} stop strings: more than limits.max_stop_strings={max_stops}")
+    longest = max((len(stop) for stop in goal.stop), default=0)
+    if longest > max_length:
+        raise GoalRejected(f"a stop string of {longest} characters: longer than "
+                           f"limits.max_stop_length={max_length}")
 
 
 def check_fits(engine: Any, request: GenerationRequest, max_prompt_tokens: int) -> None:
@@ -110,6 +127,7 @@ class Job:
     preempt: bool = False  # on arrival, stop a running goal of lower priority
     preempted_by: str = ""  # set: stopped by an urgent goal (finish_reason preempted)
     queue_position: int = 0  # the last queue position sent in feedback (0 = none sent yet)
+    client_cancelled: bool = False  # its client's cancel was accepted (rclpy marks it CANCELING next)
 
     @property
     def key(self) -> bytes:
@@ -194,6 +212,7 @@ class JobQueue:
             job = self._jobs.get(key)
             if job is None:
                 return False
+            job.client_cancelled = True
             job.cancel.set()
             self._cond.notify_all()
             return True

@@ -50,6 +50,7 @@ from rclpy.lifecycle import Publisher as LifecyclePublisher
 from rclpy.lifecycle import State as LifecycleState
 from rclpy.lifecycle import TransitionCallbackReturn
 from rclpy.parameter import Parameter
+from rclpy.qos import QoSProfile
 from rclpy.timer import Timer
 
 from ..engine.engine import Engine
@@ -57,7 +58,7 @@ from ..engine.remote import RemoteEngine
 from ..engine.stats import SpecStats
 from ..engine.types import EngineError
 from . import NODE_NAME, diagnostics
-from .goals import GoalRejected, Job, JobQueue, check_fits, request_from_goal
+from .goals import GoalRejected, Job, JobQueue, check_fits, check_input_bounds, request_from_goal
 from .parameters import (PARAMETERS, PARAMETERS_BY_NAME, as_declared, check_values,
                          engine_config_from, remote_config_from, spec_config_from)
 
@@ -66,6 +67,21 @@ from .parameters import (PARAMETERS, PARAMETERS_BY_NAME, as_declared, check_valu
 MIN_EXECUTOR_THREADS = 4
 #: Seconds a transition waits for the running goal to stop (it stops at its next step).
 STOP_TIMEOUT = 30.0
+#: Seconds release() then waits for the engine to be idle before leaving the freeing of the models
+#: to the running step (a step or prompt chunk on a slow, shared CPU can outlast STOP_TIMEOUT).
+CLOSE_TIMEOUT = 5.0
+#: Seconds release() waits for rclpy to hand the last results to the action server before
+#: destroying it (the goals themselves have ended by then).
+RESULT_GRACE = 2.0
+#: Feedback messages the action server keeps per writer (rclpy's default, 10, lets a burst of
+#: one-token steps overwrite messages a busy client has not read: streamed text != result text).
+FEEDBACK_DEPTH = 1000
+#: Seconds the end of a client-cancelled goal waits for rclpy to mark it CANCELING (rclpy updates
+#: the goal state just after the cancel callback returns ACCEPT).
+CANCELING_GRACE = 1.0
+
+#: Characters of a client's string (or a reason quoting one) kept in logs and /diagnostics.
+MAX_ECHO = 256
 
 _SUCCESS = TransitionCallbackReturn.SUCCESS
 _FAILURE = TransitionCallbackReturn.FAILURE
@@ -95,6 +111,7 @@ class GemmaSpecNode(LifecycleNode):
         self._configure_error = ""
         self._log_lock = threading.Lock()
         self._requests = diagnostics.RequestLog()
+        self._orphans: Dict[bytes, str] = {}  # accepted goals that could not be queued -> why
         super().__init__(node_name, **kwargs)
 
         self._group = ReentrantCallbackGroup()
@@ -115,6 +132,15 @@ class GemmaSpecNode(LifecycleNode):
         return {spec.name: self._value(spec.name) for spec in PARAMETERS}
 
     def _on_set_parameters(self, params: List[Parameter]) -> SetParametersResult:
+        """Validate a set of parameter changes (refused, logged and on /diagnostics if the check
+        itself raises: an exception must never leave a callback and stop the executor)."""
+        try:
+            return self._check_and_apply(params)
+        except Exception as exc:  # noqa: BLE001
+            self._report_fault(f"parameter callback failed: {exc!r}")
+            return SetParametersResult(successful=False, reason=f"internal error: {exc!r}"[:MAX_ECHO])
+
+    def _check_and_apply(self, params: List[Parameter]) -> SetParametersResult:
         """Validate a set of parameter changes; apply ``spec.*`` to the engine when accepted.
 
         rclpy has already checked types and ranges. Runs before the values are stored (and on
@@ -129,6 +155,7 @@ class GemmaSpecNode(LifecycleNode):
             except ValueError as exc:
                 reason = str(exc)
         if reason:
+            reason = clip(reason)
             self.get_logger().warning(f"parameter change refused: {reason}")
             return SetParametersResult(successful=False, reason=reason)
         if "diagnostics.period" in changes and self._diag_timer is not None:
@@ -168,10 +195,12 @@ class GemmaSpecNode(LifecycleNode):
             if remote:
                 engine = RemoteEngine(remote_config_from(values), config.spec, fallback=engine)
             self._engine = engine
-        except (EngineError, ValueError, OSError, MemoryError) as exc:
+        except Exception as exc:  # noqa: BLE001  any failure is a FAILURE with its reason
             if remote and engine is not None:
                 engine.close()
             return self._configure_failed(f"cannot {'use' if remote else 'load'} {files}: {exc}")
+        for warning in getattr(self._engine, "warnings", ()):  # the local engine's (a cache moved aside)
+            self.get_logger().warning(warning)
         if remote and engine.backend_status()["server reachable"] is not True:
             self.get_logger().warning(
                 f"inference server {values['remote.url']} unreachable at configure "
@@ -188,7 +217,9 @@ class GemmaSpecNode(LifecycleNode):
         self._action_server = ActionServer(
             self, Generate, "~/generate", execute_callback=self._execute,
             goal_callback=self._on_goal, handle_accepted_callback=self._on_accepted,
-            cancel_callback=self._on_cancel, callback_group=self._goal_group)
+            cancel_callback=self._on_cancel, callback_group=self._goal_group,
+            result_timeout=max(1, round(values["queue.result_timeout"])),
+            feedback_pub_qos_profile=QoSProfile(depth=FEEDBACK_DEPTH))
         self._state = "inactive"
         mode = (f"backend remote ({self._engine.backend_status()['server']})" if remote
                 else f"spec.mode={config.spec.mode}")
@@ -257,7 +288,7 @@ class GemmaSpecNode(LifecycleNode):
         if self._dispatcher is not None:
             self._dispatcher.join(timeout=STOP_TIMEOUT)
         if self._action_server is not None:
-            _let_results_out(self._action_server)
+            self._wait_results_sent(self._action_server, RESULT_GRACE)
             self._action_server.destroy()
         for publisher in (self._stats_pub, self._rolling_pub):
             if publisher is not None:
@@ -267,10 +298,41 @@ class GemmaSpecNode(LifecycleNode):
         self._stats_pub = self._rolling_pub = None
         self._model_info = {}
         if engine is not None:
-            engine.close()
             cache = self._value("lookup.dynamic_path")
+            try:
+                freed = engine.close(timeout=CLOSE_TIMEOUT)
+            except Exception as exc:  # noqa: BLE001  the models are freed; the save failed
+                self._report_fault(f"dynamic n-gram cache not saved to {cache}: {exc!r}")
+                return
+            if not freed:  # never free under a running llama_decode: the step frees it when done
+                self.get_logger().warning(
+                    f"a generation step is still running {CLOSE_TIMEOUT:.0f} s after {reason}: the "
+                    "engine frees the models when that step ends")
+                return
             self.get_logger().info("engine closed: models freed"
                                    + (f", dynamic n-gram cache saved to {cache}" if cache else ""))
+
+    def _wait_results_sent(self, server: ActionServer, timeout: float) -> None:
+        """Wait until rclpy has handed every finished goal's result to the action server.
+
+        ``jobs.finished`` runs inside the execute callback, before rclpy sets the goal's result
+        (after the callback returns): destroying the server at once lost the running goal's result.
+        """
+        futures = getattr(server, "_result_futures", None)
+        if futures is None:  # another rclpy: a fixed grace period instead
+            time.sleep(min(timeout, 0.5))
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not all(f.done() for f in list(futures.values())):
+            time.sleep(0.01)
+        if futures:  # a done future sends its result from a task the executor runs next
+            time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
+
+    def _report_fault(self, text: str) -> None:
+        """An internal error: logged as ERROR and shown on /diagnostics ("last internal error")."""
+        self.get_logger().error(text)
+        with self._log_lock:
+            self._requests.fault(text)
 
     @property
     def lifecycle_state(self) -> str:
@@ -287,9 +349,12 @@ class GemmaSpecNode(LifecycleNode):
         """Accept or reject a goal without blocking; a rejection's reason is logged and kept."""
         try:
             self._check_goal(goal)
-        except Exception as exc:  # noqa: BLE001  a goal that cannot be validated is rejected:
-            # an exception leaving this callback would stop the node's executor
-            reason = str(exc) if isinstance(exc, GoalRejected) else f"cannot validate the goal: {exc!r}"
+        except Exception as exc:  # noqa: BLE001  any failure to validate a goal is a rejection
+            reason = str(exc)
+            if not isinstance(exc, GoalRejected):
+                reason = f"internal error while checking the goal: {exc!r}"
+                self._report_fault(reason)
+            reason = clip(reason)
             with self._log_lock:
                 self._requests.reject(reason)
             self.get_logger().warning(f"goal rejected: {reason}")
@@ -301,6 +366,7 @@ class GemmaSpecNode(LifecycleNode):
         if not self._accepting or engine is None or jobs is None:
             raise GoalRejected(f"the node is {self._state}, not active")
         values = self._values()
+        check_input_bounds(goal, values)
         request = request_from_goal(goal, values)
         max_depth = values["queue.max_depth"]
         if jobs.busy() and jobs.depth() >= max_depth:
@@ -308,6 +374,19 @@ class GemmaSpecNode(LifecycleNode):
         check_fits(engine, request, values["limits.max_prompt_tokens"])
 
     def _on_accepted(self, goal_handle: ServerGoalHandle) -> None:
+        """Queue an accepted goal; if that fails, the goal still ends (ABORTED with the reason)."""
+        try:
+            self._queue_accepted(goal_handle)
+        except Exception as exc:  # noqa: BLE001
+            reason = f"internal error while queueing the goal: {exc!r}"
+            self._report_fault(reason)
+            self._orphans[bytes(goal_handle.goal_id.uuid)] = reason
+            try:
+                goal_handle.execute(self._execute)
+            except Exception as again:  # noqa: BLE001
+                self._report_fault(f"cannot end the goal: {again!r}")
+
+    def _queue_accepted(self, goal_handle: ServerGoalHandle) -> None:
         """Queue an accepted goal; the dispatcher starts it in turn."""
         jobs = self._jobs
         if jobs is None:  # cleaned up between accept and here
@@ -336,9 +415,12 @@ class GemmaSpecNode(LifecycleNode):
 
     def _on_cancel(self, goal_handle: ServerGoalHandle) -> CancelResponse:
         """Accept a cancel for a known goal; it stops at its next step (or before it starts)."""
-        jobs = self._jobs
-        if jobs is not None and jobs.cancel(bytes(goal_handle.goal_id.uuid)):
-            return CancelResponse.ACCEPT
+        try:
+            jobs = self._jobs
+            if jobs is not None and jobs.cancel(bytes(goal_handle.goal_id.uuid)):
+                return CancelResponse.ACCEPT
+        except Exception as exc:  # noqa: BLE001
+            self._report_fault(f"cancel callback failed: {exc!r}")
         return CancelResponse.REJECT
 
     def _dispatch(self) -> None:
@@ -350,17 +432,31 @@ class GemmaSpecNode(LifecycleNode):
                 return
             self._publish_queue_positions(jobs)
             try:
-                job.goal_handle.execute()
+                self._start(job.goal_handle)
             except Exception as exc:  # noqa: BLE001  the context went away; nothing to serve
-                self.get_logger().error(f"cannot start a goal: {exc}")
+                self._report_fault(f"cannot start a goal: {exc!r}")
                 jobs.finished(job)
+
+    @staticmethod
+    def _start(goal_handle: ServerGoalHandle) -> None:
+        """``execute()`` the goal. A cancel accepted between rclpy's cancel check and its EXECUTE
+        transition makes that transition fail (CANCELING -> EXECUTING is invalid); the second try
+        sees the cancel, skips the transition and runs the execute callback, which ends the goal
+        CANCELED (else the goal never got a result)."""
+        try:
+            goal_handle.execute()
+        except Exception:  # noqa: BLE001
+            if not goal_handle.is_cancel_requested:
+                raise
+            goal_handle.execute()
 
     def _execute(self, goal_handle: ServerGoalHandle) -> Generate.Result:
         """Execute callback: run the goal if it is the running one, else end it unstarted."""
         jobs = self._jobs
         job = jobs.get(bytes(goal_handle.goal_id.uuid)) if jobs is not None else None
         if job is None:
-            result = Generate.Result(finish_reason="cancelled", error="the node was cleaned up")
+            error = self._orphans.pop(bytes(goal_handle.goal_id.uuid), "the node was cleaned up")
+            result = Generate.Result(finish_reason="cancelled", error=error)
             self._end_goal(goal_handle, result)
             return result
         try:
@@ -375,6 +471,8 @@ class GemmaSpecNode(LifecycleNode):
             else:
                 reason = job.drop_reason or "cancelled before it started"
                 result, stats = Generate.Result(finish_reason="cancelled", error=reason), None
+            if job.client_cancelled and result.finish_reason in ("cancelled", "preempted"):
+                self._await_canceling(goal_handle)
             self._end_goal(goal_handle, result)
             self._record(job, result, stats)
             return result
@@ -439,6 +537,14 @@ class GemmaSpecNode(LifecycleNode):
             result.stats = diagnostics.spec_stats_msg(step.stats, self.get_clock().now().to_msg())
         return result
 
+    @staticmethod
+    def _await_canceling(goal_handle: ServerGoalHandle) -> None:
+        """A client's cancel was accepted, but rclpy marks the goal CANCELING only after the cancel
+        callback returned: wait for it, so that the goal ends CANCELED rather than ABORTED."""
+        deadline = time.monotonic() + CANCELING_GRACE
+        while not goal_handle.is_cancel_requested and time.monotonic() < deadline:
+            time.sleep(0.002)
+
     def _end_goal(self, goal_handle: ServerGoalHandle, result: Generate.Result) -> None:
         """Set the goal's terminal state from the result's finish_reason."""
         try:
@@ -463,12 +569,13 @@ class GemmaSpecNode(LifecycleNode):
         engine, jobs = self._engine, self._jobs
         return diagnostics.NodeView(
             node_name=self.get_name(),
-            hardware_id=diagnostics.hardware_id(self._value("diagnostics.hardware_id")),
+            hardware_id=clip(diagnostics.hardware_id(self._value("diagnostics.hardware_id")), 64),
             lifecycle_state=self._state, queue_depth=jobs.depth() if jobs else 0,
             queue_max_depth=self._value("queue.max_depth"),
             running=jobs.has_running() if jobs is not None else False,
             spec=engine.spec if engine is not None else None, model_info=self._model_info,
-            configure_error=self._configure_error, backend=_backend_status(engine))
+            configure_error=self._configure_error, backend=_backend_status(engine),
+            dynamic_ngrams=_dynamic_ngrams(engine))
 
     def _publish_diagnostics(self) -> None:
         """Timer: /diagnostics (both statuses) and the rolling SpecStats."""
@@ -496,18 +603,19 @@ def _backend_status(engine: Any) -> Dict[str, Any]:
     return status() if status is not None else {"backend": "local", "served by": "local"}
 
 
-def _let_results_out(server: ActionServer, timeout: float = 5.0, grace: float = 0.5) -> None:
-    """Wait until every goal's result is set, and a little more, before the server is destroyed.
+def _dynamic_ngrams(engine: Any) -> int:
+    """N-grams in the local engine's learned lookup cache (0 without one, e.g. remote only)."""
+    count = getattr(engine, "dynamic_ngrams", None)
+    return count() if count is not None else 0
 
-    rclpy sets a goal's result after the execute callback returned (the job queue already counts
-    the goal as finished then) and sends it to waiting clients from a callback the executor runs
-    later still: destroyed at once, a server loses the result of a goal a transition just stopped
-    (seen: SIGINT to ``ros2 launch`` while a goal ran, its client never got the result)."""
-    futures = list(getattr(server, "_result_futures", {}).values())  # rclpy has no public view
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not all(f.done() for f in futures):
-        time.sleep(0.02)
-    time.sleep(grace)
+
+def clip(text: str, limit: int = MAX_ECHO) -> str:
+    """``text`` cut to ``limit`` characters (with a note of how many were cut).
+
+    >>> clip("x" * 300, 10)
+    'xxxxxxxxxx... (290 more characters)'
+    """
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
 def _feedback(step: Any, text: str) -> Generate.Feedback:

@@ -184,6 +184,12 @@ PARAMETERS: Tuple[ParamSpec, ...] = (
               "static n-gram cache (llama-lookup-create format); '' = none"),
     ParamSpec("lookup.dynamic_path", _LOOKUP.dynamic_path,
               "dynamic n-gram cache: loaded if present, saved at cleanup/shutdown; '' = memory only"),
+    ParamSpec("lookup.dynamic_max_ngrams", _LOOKUP.dynamic_max_ngrams,
+              "the dynamic cache keeps at most this many n-grams (~0.4 KB each in memory); the "
+              "least seen are evicted", (1, 100_000_000)),
+    ParamSpec("lookup.save_period", _LOOKUP.save_period,
+              "seconds between atomic saves of the dynamic cache while serving; 0 = only at "
+              "cleanup/shutdown", (0.0, 86_400.0)),
     ParamSpec("lookup.ngram_min", _LOOKUP.ngram_min, "shortest context n-gram tried", (1, 4)),
     ParamSpec("lookup.ngram_max", _LOOKUP.ngram_max,
               "longest context n-gram tried; >= lookup.ngram_min", (1, 4)),
@@ -210,6 +216,15 @@ PARAMETERS: Tuple[ParamSpec, ...] = (
               "goals whose (templated) prompt has more tokens are rejected", (1, 1 << 20)),
     ParamSpec("limits.max_tokens", 1024,
               "goals asking for more tokens are rejected", (1, 1 << 20)),
+    ParamSpec("limits.max_prompt_bytes", 1 << 16,
+              "goals whose prompt + system prompt exceed this many UTF-8 bytes are rejected before "
+              "tokenizing", (1, 1 << 26)),
+    ParamSpec("limits.max_stop_strings", 16, "goals with more stop strings are rejected", (0, 1024)),
+    ParamSpec("limits.max_stop_length", 128,
+              "goals with a longer stop string (characters) are rejected", (1, 1 << 16)),
+    ParamSpec("queue.result_timeout", 60.0,
+              "seconds a finished goal's result (and its request) is kept for late get_result "
+              "calls; read by configure", (1.0, 86_400.0)),
     ParamSpec("queue.max_depth", 4,
               "accepted goals that may wait behind the running one; more are rejected", (0, 1000)),
     ParamSpec("feedback.min_period", 0.0,
@@ -291,7 +306,9 @@ def engine_config_from(values: Mapping[str, Any]) -> EngineConfig:
                         n_threads=values["draft.n_threads"])
     lookup = LookupConfig(static_path=values["lookup.static_path"],
                           dynamic_path=values["lookup.dynamic_path"],
-                          ngram_min=values["lookup.ngram_min"], ngram_max=values["lookup.ngram_max"])
+                          ngram_min=values["lookup.ngram_min"], ngram_max=values["lookup.ngram_max"],
+                          dynamic_max_ngrams=values["lookup.dynamic_max_ngrams"],
+                          save_period=values["lookup.save_period"])
     return EngineConfig(target=target, draft=draft, spec=spec_config_from(values), lookup=lookup)
 
 

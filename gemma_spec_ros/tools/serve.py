@@ -86,7 +86,15 @@ def run(argv: Sequence[str], autostart_default: bool) -> int:
     node = GemmaSpecNode(args.node_name)
     executor = MultiThreadedExecutor(num_threads=MIN_EXECUTOR_THREADS + 2)
     executor.add_node(node)
-    spinner = threading.Thread(target=executor.spin, name="executor", daemon=True)
+    died: List[BaseException] = []
+
+    def spin() -> None:
+        try:
+            executor.spin()
+        except BaseException as exc:  # noqa: BLE001  reported by the main loop
+            died.append(exc)
+
+    spinner = threading.Thread(target=spin, name="executor", daemon=True)
     spinner.start()
     status = 0
     try:
@@ -94,6 +102,14 @@ def run(argv: Sequence[str], autostart_default: bool) -> int:
             status = _bring_up(node)
         while status == 0 and not stop.wait(0.2) and spinner.is_alive():
             pass
+        if status == 0 and not stop.is_set() and not spinner.is_alive():
+            # Nothing answers goals, cancels, parameters or transitions any more: exit non-zero
+            # so that respawn / systemd restarts the node.
+            reason = repr(died[0]) if died else "it returned"
+            node.get_logger().fatal(f"the executor stopped ({reason}): the node cannot serve; "
+                                    "exiting with status 1")
+            print(f"gemma-spec-serve: the executor stopped: {reason}", file=sys.stderr)
+            status = 1
     finally:
         _shut_down(node, executor, spinner)
     return status
