@@ -11,24 +11,20 @@ itself, so any test runs alone (``-k``) or in any order.
 from __future__ import annotations
 
 import math
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, Dict, Iterator
 
 import pytest
-import rclpy
 from action_msgs.msg import GoalStatus
 from diagnostic_msgs.msg import DiagnosticStatus
-from rclpy.executors import MultiThreadedExecutor
-from rclpy.parameter import Parameter
 
 from gemma_spec_ros.engine.engine import Engine
 from gemma_spec_ros.engine.types import GenerationRequest, SamplingParams
-from gemma_spec_ros.node.node import MIN_EXECUTOR_THREADS, GemmaSpecNode
+from gemma_spec_ros.node.node import GemmaSpecNode
 from gemma_spec_ros.node.parameters import defaults, engine_config_from
-from test_node_harness import Client, key_values, wait_until
+from test_node_harness import Client, spun_node, key_values, wait_until
 from tiny_gguf import tokenize, write_tiny_pair
 
 NODE = "gemma_spec_goal_fields"
@@ -54,19 +50,8 @@ def values(pair) -> Dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def node(values: Dict[str, Any]) -> Iterator[GemmaSpecNode]:
-    rclpy.init()
-    overrides = [Parameter(name, value=value) for name, value in values.items()
-                 if value != defaults()[name]]
-    gemma = GemmaSpecNode(NODE, parameter_overrides=overrides)
-    executor = MultiThreadedExecutor(num_threads=MIN_EXECUTOR_THREADS + 2)
-    executor.add_node(gemma)
-    spinner = threading.Thread(target=executor.spin, daemon=True)
-    spinner.start()
-    yield gemma
-    gemma.release("test teardown")
-    executor.shutdown(timeout_sec=5.0)
-    gemma.destroy_node()
-    rclpy.try_shutdown()
+    with spun_node(NODE, {name: value for name, value in values.items() if value != defaults()[name]}) as gemma:
+        yield gemma
 
 
 @pytest.fixture(scope="module")

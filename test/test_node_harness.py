@@ -6,10 +6,11 @@ client node spins on an executor thread of its own. No test functions live here.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
@@ -203,3 +204,33 @@ def key_values(status: DiagnosticStatus) -> Dict[str, str]:
 def collect(runs: List[GoalRun]) -> List[Tuple[bool, Optional[str]]]:
     """(accepted, finish_reason) of each run, waiting for the accepted ones' results."""
     return [(run.accepted, run.wait_result().finish_reason if run.accepted else None) for run in runs]
+
+
+class Spinning:
+    """A GemmaSpecNode with parameter overrides, spun by a multi-threaded executor on a thread of
+    its own (rclpy must be initialised); ``close()`` releases the engine and destroys the node."""
+
+    def __init__(self, name: str, values: Mapping[str, Any]) -> None:
+        from gemma_spec_ros.node.node import MIN_EXECUTOR_THREADS, GemmaSpecNode
+
+        self.node = GemmaSpecNode(name, parameter_overrides=[Parameter(k, value=v) for k, v in values.items()])
+        self.executor = MultiThreadedExecutor(num_threads=MIN_EXECUTOR_THREADS + 2)
+        self.executor.add_node(self.node)
+        threading.Thread(target=self.executor.spin, daemon=True).start()
+
+    def close(self) -> None:
+        self.node.release("test teardown")
+        self.executor.shutdown(timeout_sec=5.0)
+        self.node.destroy_node()
+
+
+@contextlib.contextmanager
+def spun_node(name: str, values: Mapping[str, Any]) -> Iterator[Any]:
+    """rclpy initialised, a :class:`Spinning` node named ``name`` with ``values``; all undone after."""
+    rclpy.init()
+    spinning = Spinning(name, values)
+    try:
+        yield spinning.node
+    finally:
+        spinning.close()
+        rclpy.try_shutdown()

@@ -9,7 +9,6 @@ and up again; the finalize test has a node of its own (finalized is final).
 from __future__ import annotations
 
 import math
-import threading
 from pathlib import Path
 from typing import Any, Dict, Iterator
 
@@ -17,13 +16,11 @@ import pytest
 import rclpy
 from action_msgs.msg import GoalStatus
 from diagnostic_msgs.msg import DiagnosticStatus
-from rclpy.executors import MultiThreadedExecutor
-from rclpy.parameter import Parameter
 
 from gemma_spec_ros.engine.ngram_cache import NgramCache
 from gemma_spec_ros.engine.types import KVCacheError
-from gemma_spec_ros.node.node import MIN_EXECUTOR_THREADS, GemmaSpecNode
-from test_node_harness import Client, collect, key_values, wait_until
+from gemma_spec_ros.node.node import GemmaSpecNode
+from test_node_harness import Client, Spinning, collect, key_values, wait_until
 from tiny_gguf import tokenize
 
 NODE = "gemma_spec_inprocess"
@@ -45,21 +42,6 @@ def overrides(model: Path, dynamic_path: Path) -> Dict[str, Any]:
         "limits.max_tokens": LONG, "limits.max_prompt_tokens": 256, "queue.max_depth": QUEUE_DEPTH,
         "diagnostics.period": 0.2,
     }
-
-
-class Spinning:
-    """A GemmaSpecNode spun by a multi-threaded executor of its own thread."""
-
-    def __init__(self, name: str, values: Dict[str, Any]) -> None:
-        self.node = GemmaSpecNode(name, parameter_overrides=[Parameter(k, value=v) for k, v in values.items()])
-        self.executor = MultiThreadedExecutor(num_threads=MIN_EXECUTOR_THREADS + 2)
-        self.executor.add_node(self.node)
-        threading.Thread(target=self.executor.spin, daemon=True).start()
-
-    def close(self) -> None:
-        self.node.release("test teardown")
-        self.executor.shutdown(timeout_sec=5.0)
-        self.node.destroy_node()
 
 
 @pytest.fixture(scope="module")

@@ -5,19 +5,15 @@ One active node serves the module; every test starts from an idle queue and leav
 """
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Dict, Iterator, List
 
 import pytest
-import rclpy
 from action_msgs.msg import GoalStatus
-from rclpy.executors import MultiThreadedExecutor
 from rclpy.lifecycle import TransitionCallbackReturn
-from rclpy.parameter import Parameter
 
-from gemma_spec_ros.node.node import MIN_EXECUTOR_THREADS, GemmaSpecNode
-from test_node_harness import Client, GoalRun, key_values, wait_until
+from gemma_spec_ros.node.node import GemmaSpecNode
+from test_node_harness import Client, spun_node, GoalRun, key_values, wait_until
 
 NODE = "gemma_spec_latency"
 SPEC_STATUS = f"{NODE}: speculative decoding"
@@ -26,25 +22,16 @@ PROMPT = "The inspection robot's hourly log.\nHour 1: corridor clear.\nHour 2:"
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory, embedded_model_path: Path) -> Iterator[GemmaSpecNode]:
-    rclpy.init()
     overrides = {
         "target.model_path": str(embedded_model_path), "target.n_ctx": 1024,
         "lookup.dynamic_path": str(tmp_path_factory.mktemp("latency") / "dynamic.bin"),
         "spec.mode": "off", "limits.max_tokens": 900, "queue.max_depth": 4,
         "diagnostics.period": 0.2,
     }
-    gemma = GemmaSpecNode(NODE, parameter_overrides=[Parameter(k, value=v) for k, v in overrides.items()])
-    executor = MultiThreadedExecutor(num_threads=MIN_EXECUTOR_THREADS + 2)
-    executor.add_node(gemma)
-    spinner = threading.Thread(target=executor.spin, daemon=True)
-    spinner.start()
-    assert gemma.trigger_configure() == TransitionCallbackReturn.SUCCESS
-    assert gemma.trigger_activate() == TransitionCallbackReturn.SUCCESS
-    yield gemma
-    gemma.release("test teardown")
-    executor.shutdown(timeout_sec=5.0)
-    gemma.destroy_node()
-    rclpy.try_shutdown()
+    with spun_node(NODE, overrides) as gemma:
+        assert gemma.trigger_configure() == TransitionCallbackReturn.SUCCESS
+        assert gemma.trigger_activate() == TransitionCallbackReturn.SUCCESS
+        yield gemma
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +78,10 @@ def test_waiting_goals_start_by_priority_and_feedback_their_queue_position(idle:
     first = running(idle.send(prompt=PROMPT, max_tokens=800))
     runs: Dict[str, GoalRun] = {}
     for name, priority in (("B", 0), ("C", 5), ("D", 0)):
-        runs[name] = idle.send(prompt=PROMPT, max_tokens=4, priority=priority)
+        # 24 tokens each: a goal runs long enough that the position feedback sent when it starts
+        # reaches the next goal's client before that goal's result does (rclpy's action client
+        # drops feedback arriving after the result)
+        runs[name] = idle.send(prompt=PROMPT, max_tokens=24, priority=priority)
         runs[name]._result_future.add_done_callback(lambda _, name=name: order.append(name))
     wait_until(lambda: positions(runs["D"]) == [3], 30, "D's queue position")
     idle.cancel(first)

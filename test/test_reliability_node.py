@@ -7,16 +7,13 @@ from __future__ import annotations
 import itertools
 import threading
 from pathlib import Path
-from typing import Any, Dict, Iterator, Tuple
+from typing import Any, Dict, Iterator
 
 import pytest
 import rclpy
 from action_msgs.msg import GoalStatus
-from rclpy.executors import MultiThreadedExecutor
-from rclpy.parameter import Parameter
 
-from gemma_spec_ros.node.node import MIN_EXECUTOR_THREADS, GemmaSpecNode
-from test_node_harness import Client, key_values, wait_until
+from test_node_harness import Client, Spinning, key_values, wait_until
 from tiny_gguf import write_tiny_gguf
 
 _names = itertools.count()
@@ -34,25 +31,18 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_gguf(tmp_path_factory.mktemp("tiny_node") / "tiny.gguf", vocab_size=64, seed=3)
 
 
-class Served:
+class Served(Spinning):
     """A node on its own executor plus a client of it; ``close()`` tears both down."""
 
     def __init__(self, overrides: Dict[str, Any]) -> None:
         self.name = f"gemma_spec_rel_{next(_names)}"
-        self.node = GemmaSpecNode(self.name, parameter_overrides=[
-            Parameter(k, value=v) for k, v in overrides.items()])
-        self.executor = MultiThreadedExecutor(num_threads=MIN_EXECUTOR_THREADS + 2)
-        self.executor.add_node(self.node)
-        self.spinner = threading.Thread(target=self.executor.spin, daemon=True)
-        self.spinner.start()
+        super().__init__(self.name, overrides)
         self.client = Client(f"/{self.name}", name=f"{self.name}_client")
         self.status_name = f"{self.name}: speculative decoding"
 
     def close(self) -> None:
         self.client.close()
-        self.node.release("test teardown")
-        self.executor.shutdown(timeout_sec=5.0)
-        self.node.destroy_node()
+        super().close()
 
 
 @pytest.fixture

@@ -8,20 +8,16 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 from pathlib import Path
 from typing import Iterator
 
 import pytest
-import rclpy
 from action_msgs.msg import GoalStatus
 from diagnostic_msgs.msg import DiagnosticStatus
-from rclpy.executors import MultiThreadedExecutor
-from rclpy.parameter import Parameter
 
-from gemma_spec_ros.node.node import MIN_EXECUTOR_THREADS, GemmaSpecNode
+from gemma_spec_ros.node.node import GemmaSpecNode
 from remote_servers import API_KEY, API_KEY_ENV, Server, running_llama_cpp_server
-from test_node_harness import Client, key_values, wait_until
+from test_node_harness import Client, spun_node, key_values, wait_until
 
 NODE = "gemma_spec_remote"
 SPEC_STATUS = f"{NODE}: speculative decoding"
@@ -38,22 +34,13 @@ def server(embedded_model_path: Path, tmp_path_factory: pytest.TempPathFactory) 
 def node(server: Server) -> Iterator[GemmaSpecNode]:
     """The node, unconfigured, pointed at the server (the key in the variable it names)."""
     os.environ[API_KEY_ENV] = API_KEY
-    rclpy.init()
     overrides = {
         "backend": "remote", "remote.url": server.url, "remote.api_key_env": API_KEY_ENV,
         "remote.connect_timeout": 1.0, "remote.probe_period": 0.2,
         "generation.max_tokens": 8, "limits.max_tokens": 600, "diagnostics.period": 0.2,
     }
-    gemma = GemmaSpecNode(NODE, parameter_overrides=[Parameter(k, value=v) for k, v in overrides.items()])
-    executor = MultiThreadedExecutor(num_threads=MIN_EXECUTOR_THREADS + 2)
-    executor.add_node(gemma)
-    spinner = threading.Thread(target=executor.spin, daemon=True)
-    spinner.start()
-    yield gemma
-    gemma.release("test teardown")
-    executor.shutdown(timeout_sec=5.0)
-    gemma.destroy_node()
-    rclpy.try_shutdown()
+    with spun_node(NODE, overrides) as gemma:
+        yield gemma
     os.environ.pop(API_KEY_ENV, None)
 
 

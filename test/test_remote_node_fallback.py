@@ -2,20 +2,15 @@
 served by the local model, and /diagnostics says so (WARN, ``served by: local``)."""
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Iterator
 
 import pytest
-import rclpy
 from action_msgs.msg import GoalStatus
 from diagnostic_msgs.msg import DiagnosticStatus
-from rclpy.executors import MultiThreadedExecutor
-from rclpy.parameter import Parameter
 
-from gemma_spec_ros.node.node import MIN_EXECUTOR_THREADS, GemmaSpecNode
 from remote_servers import free_port
-from test_node_harness import Client, key_values
+from test_node_harness import Client, spun_node, key_values
 
 NODE = "gemma_spec_remote_fallback"
 SPEC_STATUS = f"{NODE}: speculative decoding"
@@ -23,22 +18,14 @@ SPEC_STATUS = f"{NODE}: speculative decoding"
 
 @pytest.fixture(scope="module")
 def client(embedded_model_path: Path) -> Iterator[Client]:
-    rclpy.init()
     overrides = {"backend": "remote", "remote.url": f"http://127.0.0.1:{free_port()}",
                  "remote.fallback": "local", "remote.connect_timeout": 0.5,
                  "remote.probe_period": 0.2, "target.model_path": str(embedded_model_path),
                  "target.n_ctx": 256, "target.n_threads": 1, "diagnostics.period": 0.2}
-    gemma = GemmaSpecNode(NODE, parameter_overrides=[Parameter(k, value=v) for k, v in overrides.items()])
-    executor = MultiThreadedExecutor(num_threads=MIN_EXECUTOR_THREADS + 2)
-    executor.add_node(gemma)
-    threading.Thread(target=executor.spin, daemon=True).start()
-    ros = Client(f"/{NODE}", name="gemma_spec_remote_fallback_client")
-    yield ros
-    ros.close()
-    gemma.release("test teardown")
-    executor.shutdown(timeout_sec=5.0)
-    gemma.destroy_node()
-    rclpy.try_shutdown()
+    with spun_node(NODE, overrides):
+        ros = Client(f"/{NODE}", name="gemma_spec_remote_fallback_client")
+        yield ros
+        ros.close()
 
 
 @pytest.mark.timeout(180)

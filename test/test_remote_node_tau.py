@@ -5,19 +5,14 @@ the same keys as local mode. Skipped where scripts/build_native_tools.sh has not
 from __future__ import annotations
 
 import math
-import threading
 from pathlib import Path
 from typing import Iterator
 
 import pytest
-import rclpy
 from action_msgs.msg import GoalStatus
-from rclpy.executors import MultiThreadedExecutor
-from rclpy.parameter import Parameter
 
-from gemma_spec_ros.node.node import MIN_EXECUTOR_THREADS, GemmaSpecNode
 from remote_servers import LLAMA_SERVER, Server, llama_server
-from test_node_harness import Client, key_values
+from test_node_harness import Client, spun_node, key_values
 
 pytestmark = pytest.mark.skipif(
     not LLAMA_SERVER.is_file(),
@@ -39,20 +34,12 @@ def server(embedded_model_path: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> Iterator[Client]:
-    rclpy.init()
     overrides = {"backend": "remote", "remote.url": server.url, "remote.probe_period": 0.2,
                  "diagnostics.period": 0.2}
-    gemma = GemmaSpecNode(NODE, parameter_overrides=[Parameter(k, value=v) for k, v in overrides.items()])
-    executor = MultiThreadedExecutor(num_threads=MIN_EXECUTOR_THREADS + 2)
-    executor.add_node(gemma)
-    threading.Thread(target=executor.spin, daemon=True).start()
-    ros = Client(f"/{NODE}", name="gemma_spec_remote_tau_client")
-    yield ros
-    ros.close()
-    gemma.release("test teardown")
-    executor.shutdown(timeout_sec=5.0)
-    gemma.destroy_node()
-    rclpy.try_shutdown()
+    with spun_node(NODE, overrides):
+        ros = Client(f"/{NODE}", name="gemma_spec_remote_tau_client")
+        yield ros
+        ros.close()
 
 
 @pytest.mark.timeout(180)
