@@ -88,6 +88,9 @@ def test_waiting_goals_start_by_priority_and_feedback_their_queue_position(idle:
     first.wait_result()
     for run in runs.values():
         assert run.wait_result().finish_reason == "length"
+    # rclpy runs a future's done callbacks as executor tasks: the last one may still be pending
+    # when wait_result() returns
+    wait_until(lambda: len(order) == 3, 10, "every result's done callback")
     assert order == ["C", "B", "D"]
     assert positions(runs["C"]) == [1]
     assert positions(runs["B"]) == [1, 2, 1]  # C arrived ahead of it, then C started
