@@ -19,10 +19,14 @@ Checks (each PASS/FAIL in the report): every accepted goal got one result (0 los
 goal and parameter was refused (with a reason logged / returned); a goal whose cancel was accepted
 ended CANCELED (or SUCCEEDED if it finished first); streamed text equals the result text; the same
 greedy output at the end as at the start; exit status 0; the dynamic cache file valid afterwards.
+Opt-in checks for long runs: ``--max-rss-slope`` (RSS slope after warm-up) and ``--cancel-bound``
+(p99 cancel-to-result within one prompt chunk + 2 target passes, both taken from the results' own
+timings: p99 of prompt time per ``n_batch`` chunk and of verify time per pass).
 
-Measures: latency, queue wait and cancel-to-result p50/p95/p99; the server's RSS, threads and open
-files every ``--sample-period`` seconds with their slope (per 1,000 goals and per hour, after
-``--warmup`` goals); the dynamic cache's n-grams (from /diagnostics). Writes ``soak.json``,
+Measures: latency, queue wait and cancel-to-result p50/p95/p99; the server's RSS (total, anonymous,
+file-backed), threads and open files every ``--sample-period`` seconds with their slope (per 1,000
+goals and per hour, after ``--warmup`` goals, leaving out samples taken during a cleanup cycle);
+the dynamic cache's n-grams (from /diagnostics). Writes ``soak.json``,
 ``soak.md`` and ``rss.svg`` to ``--out``; a progress bar on stderr. Exit status 0 if every check
 passed, 1 otherwise.
 """
@@ -78,6 +82,8 @@ class GoalRecord:
     accepted_at: float = 0.0
     started_at: float = 0.0
     lost: bool = False
+    step_ms: float = math.nan  # the result's verify time per target pass (server side)
+    chunk_ms: float = math.nan  # the result's prompt time per evaluated n_batch chunk (server side)
 
 
 @dataclass
@@ -88,6 +94,9 @@ class Sample:
     threads: int
     open_files: int
     ngrams: int
+    rss_anon_mib: float = math.nan  # heap and other private memory: where a leak shows
+    rss_file_mib: float = math.nan  # mapped files (the GGUF's pages as they are touched)
+    serving: bool = True  # False during a cleanup/configure cycle (models freed): not in the slopes
 
 
 @dataclass
@@ -126,7 +135,26 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="soak", help="folder for soak.json, soak.md, rss.svg, serve.log")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--max-rss-slope", type=float, default=None, metavar="MIB",
+                        help="check: RSS slope after warm-up below MIB per 1,000 goals (default: reported only)")
+    parser.add_argument("--cancel-bound", action="store_true",
+                        help="check: p99 cancel-to-result within one prompt chunk + 2 steps (p99 of each, "
+                             "from the results' own timings)")
     return parser.parse_args(argv)
+
+
+def server_n_batch(params_files: Sequence[str], overrides: Dict[str, str]) -> int:
+    """The server's ``target.n_batch``: an override, else the last params file naming it, else 512."""
+    if "target.n_batch" in overrides:
+        return int(overrides["target.n_batch"])
+    import yaml
+    n_batch = 512
+    for path in params_files:
+        with open(path) as fh:
+            for section in (yaml.safe_load(fh) or {}).values():
+                value = ((section or {}).get("ros__parameters") or {}).get("target", {}).get("n_batch")
+                n_batch = int(value) if value else n_batch
+    return n_batch
 
 
 def percentiles(values: Sequence[float]) -> Dict[str, float]:
@@ -159,20 +187,23 @@ def slope(xs: Sequence[float], ys: Sequence[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
 
 
-def proc_sample(pid: int) -> Tuple[float, int, int]:
-    """(RSS MiB, threads, open files) of process ``pid`` from /proc."""
-    rss, threads = 0.0, 0
+def proc_sample(pid: int) -> Dict[str, float]:
+    """RSS (total, anonymous, file-backed; MiB), threads and open files of process ``pid`` from
+    /proc; an empty dict when the process is gone."""
+    keys = {"VmRSS:": "rss_mib", "RssAnon:": "rss_anon_mib", "RssFile:": "rss_file_mib",
+            "Threads:": "threads"}
+    values: Dict[str, float] = {}
     try:
         with open(f"/proc/{pid}/status") as fh:
             for line in fh:
-                if line.startswith("VmRSS:"):
-                    rss = int(line.split()[1]) / 1024
-                elif line.startswith("Threads:"):
-                    threads = int(line.split()[1])
-        files = len(os.listdir(f"/proc/{pid}/fd"))
+                name = line.split(None, 1)[0] if line.strip() else ""
+                if name in keys:
+                    number = int(line.split()[1])
+                    values[keys[name]] = number if name == "Threads:" else number / 1024
+        values["open_files"] = len(os.listdir(f"/proc/{pid}/fd"))
     except OSError:
-        return math.nan, 0, 0
-    return rss, threads, files
+        return {}
+    return values
 
 
 def _guarded(callback: Callable[[Any], None]) -> Callable[[Any], None]:
@@ -258,6 +289,7 @@ class Soak:
         self.in_flight = 0  # goals the client threads are running (under self.lock)
         self.server: Optional[subprocess.Popen] = None
         self.overrides = dict(item.split(":=", 1) for item in args.set)
+        self.n_batch = server_n_batch(args.params_file, self.overrides)
 
     # server ---------------------------------------------------------------------------------------
     def start_server(self) -> None:
@@ -464,6 +496,12 @@ class Soak:
             record.status = response.status
             result = response.result
             record.finish_reason, record.error, record.text = result.finish_reason, result.error, result.text
+            stats = result.stats
+            if stats.num_steps:
+                record.step_ms = stats.verify_ms / stats.num_steps
+            evaluated = stats.num_prompt_tokens - stats.num_prompt_tokens_reused
+            if evaluated > 0 and stats.prompt_ms > 0:
+                record.chunk_ms = stats.prompt_ms / math.ceil(evaluated / self.n_batch)
             if record.started_at and record.accepted_at:
                 record.queue_wait = max(0.0, record.started_at - record.accepted_at)
             finished.set()
@@ -610,10 +648,12 @@ class Soak:
     def _sample_loop(self) -> None:
         """Every sample period until the server exits: its RSS, threads, open files, n-grams."""
         while self.server.poll() is None:
-            rss, threads, files = proc_sample(self.server.pid)
-            if not math.isnan(rss):
-                self.samples.append(Sample(time.monotonic() - self.t0, self._done(), rss, threads, files,
-                                           self.ngrams))
+            sample = proc_sample(self.server.pid)
+            if sample:
+                self.samples.append(Sample(
+                    time.monotonic() - self.t0, self._done(), sample["rss_mib"], int(sample["threads"]),
+                    int(sample["open_files"]), self.ngrams, sample.get("rss_anon_mib", math.nan),
+                    sample.get("rss_file_mib", math.nan), self.serving.is_set()))
             deadline = time.monotonic() + self.args.sample_period
             while self.server.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.1)
@@ -668,6 +708,19 @@ class Soak:
         checks["exit status 0"] = {"pass": exit_status == 0, "detail": f"exit status {exit_status}"}
         checks["dynamic cache valid"] = self._check_cache()
         report.metrics = self._metrics(records, seconds, rejected, log)
+        m = report.metrics
+        if self.args.max_rss_slope is not None:
+            checks["RSS slope"] = {
+                "pass": m["rss_slope_mib_per_1000_goals"] < self.args.max_rss_slope,
+                "detail": f"{m['rss_slope_mib_per_1000_goals']:.2f} MiB per 1,000 goals after "
+                          f"{self.args.warmup} goals (limit {self.args.max_rss_slope}); anonymous "
+                          f"{m['rss_anon_slope_mib_per_1000_goals']:.2f}"}
+        if self.args.cancel_bound:
+            p99 = m["cancel_to_result_s"]["p99"] * 1000
+            checks["cancel within a chunk + 2 steps"] = {
+                "pass": p99 <= m["cancel_bound_ms"],
+                "detail": f"p99 cancel-to-result {p99:.1f} ms; bound {m['cancel_bound_ms']:.1f} ms = "
+                          f"chunk p99 {m['chunk_ms']['p99']:.1f} + 2 x step p99 {m['step_ms']['p99']:.1f}"}
         # Not a check of the server: rclpy's ActionClient can lose a goal response when the executor
         # handles it before send_goal_async registered the request (ros2/rclpy#1123, fixed upstream
         # in #1308 and its backports); the driver then logs "Ignoring unexpected goal response".
@@ -693,9 +746,11 @@ class Soak:
         latency = percentiles([r.result_at - r.sent_at for r in done])
         cancel = percentiles([r.result_at - r.cancel_at for r in done if r.cancel_at])
         queue = percentiles([r.queue_wait for r in done])
-        warm = [s for s in self.samples if s.goals_done >= self.args.warmup]
+        warm = [s for s in self.samples if s.goals_done >= self.args.warmup and s.serving]
         per_goal = slope([s.goals_done for s in warm], [s.rss_mib for s in warm])
         per_second = slope([s.t for s in warm], [s.rss_mib for s in warm])
+        anon = slope([s.goals_done for s in warm], [s.rss_anon_mib for s in warm])
+        step, chunk = percentiles([r.step_ms for r in done]), percentiles([r.chunk_ms for r in done])
         statuses: Dict[str, int] = {}
         for r in done:
             statuses[r.finish_reason or "?"] = statuses.get(r.finish_reason or "?", 0) + 1
@@ -708,6 +763,11 @@ class Soak:
             "rss_mib_last": self.samples[-1].rss_mib if self.samples else math.nan,
             "rss_slope_mib_per_1000_goals": per_goal * 1000,
             "rss_slope_mib_per_hour": per_second * 3600,
+            "rss_anon_slope_mib_per_1000_goals": anon * 1000,
+            "rss_anon_mib_first": self.samples[0].rss_anon_mib if self.samples else math.nan,
+            "rss_anon_mib_last": self.samples[-1].rss_anon_mib if self.samples else math.nan,
+            "rss_file_mib_last": self.samples[-1].rss_file_mib if self.samples else math.nan,
+            "step_ms": step, "chunk_ms": chunk, "cancel_bound_ms": chunk["p99"] + 2 * step["p99"],
             "threads_slope_per_1000_goals": slope([s.goals_done for s in warm], [s.threads for s in warm]) * 1000,
             "open_files_slope_per_1000_goals": slope([s.goals_done for s in warm], [s.open_files for s in warm]) * 1000,
             "dynamic_cache_ngrams_last": self.samples[-1].ngrams if self.samples else 0,
@@ -727,13 +787,18 @@ def render_markdown(report: Report) -> str:
         lines.append(f"| {name} | {'PASS' if check['pass'] else 'FAIL'} | {check['detail']} |")
     lines += ["", "| measure | p50 | p95 | p99 | n |", "|---|---|---|---|---|"]
     for key, label in (("latency_s", "latency (s)"), ("queue_wait_s", "queue wait (s)"),
-                       ("cancel_to_result_s", "cancel to result (s)")):
+                       ("cancel_to_result_s", "cancel to result (s)"), ("step_ms", "target pass (ms)"),
+                       ("chunk_ms", "prompt chunk (ms)")):
         p = m[key]
         lines.append(f"| {label} | {p['p50']:.3f} | {p['p95']:.3f} | {p['p99']:.3f} | {p['n']} |")
     lines += ["", "| resource | value |", "|---|---|",
               f"| RSS first / last (MiB) | {m['rss_mib_first']:.0f} / {m['rss_mib_last']:.0f} |",
               f"| RSS slope after warm-up (MiB per 1,000 goals) | {m['rss_slope_mib_per_1000_goals']:.2f} |",
               f"| RSS slope after warm-up (MiB per hour) | {m['rss_slope_mib_per_hour']:.2f} |",
+              f"| anonymous RSS first / last (MiB) | {m['rss_anon_mib_first']:.0f} / {m['rss_anon_mib_last']:.0f} |",
+              f"| anonymous RSS slope after warm-up (MiB per 1,000 goals) | "
+              f"{m['rss_anon_slope_mib_per_1000_goals']:.2f} |",
+              f"| file-backed RSS last (MiB; the model's mapped pages) | {m['rss_file_mib_last']:.0f} |",
               f"| threads slope (per 1,000 goals) | {m['threads_slope_per_1000_goals']:.2f} |",
               f"| open files slope (per 1,000 goals) | {m['open_files_slope_per_1000_goals']:.2f} |",
               f"| dynamic cache n-grams (last) | {m['dynamic_cache_ngrams_last']} |",
