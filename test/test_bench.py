@@ -95,6 +95,36 @@ def test_prompt_suites(repo_root: Path) -> None:
     assert [s.name for s in bench_config.select_suites(suites, "math,code")] == ["math", "code"]
     with pytest.raises(ValueError, match="unknown suite"):
         bench_config.select_suites(suites, "nope")
+    assert bench_config.select_suites(suites, "none") == []
+
+
+def test_random_prompts_are_drawn_from_the_corpus_by_seed(tmp_path: Path, repo_root: Path) -> None:
+    """--random-prompts: N windows of the corpus's text files, the same for the same seed and files,
+    others for another seed; the project's own suites are left out; too small a corpus is an error."""
+    from gemma_spec_ros.tools.bench import corpus
+    corpus_dir = tmp_path / "corpus"
+    (corpus_dir / "pkg").mkdir(parents=True)
+    for i in range(6):
+        body = "".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}  # line {j}\n" for j in range(80))
+        (corpus_dir / "pkg" / f"m{i}.py").write_text(body)
+    (corpus_dir / "blob.bin").write_bytes(bytes(range(256)) * 10)  # not a text suffix: never read
+    (corpus_dir / "prompts").symlink_to(repo_root / "prompts")  # a link: left out as well
+    suite = corpus.random_suite(5, [corpus_dir], seed=3)
+    again = corpus.random_suite(5, [corpus_dir], seed=3)
+    other = corpus.random_suite(5, [corpus_dir], seed=4)
+    assert suite.name == "random" and len(suite.prompts) == 5
+    assert [p.text for p in suite.prompts] == [p.text for p in again.prompts]
+    assert [p.id for p in suite.prompts] != [p.id for p in other.prompts]
+    for prompt in suite.prompts:
+        path, line = prompt.id.rsplit(":", 1)
+        assert path.startswith("corpus/pkg/m") and path.endswith(".py")
+        source = (tmp_path / path).read_text().splitlines(keepends=True)
+        assert prompt.text == "".join(source[int(line) - 1:int(line) - 1 + prompt.text.count("\n")])
+        assert 400 <= len(prompt.text) <= 1200
+    with pytest.raises(ValueError, match="no text files"):
+        corpus.random_suite(2, [corpus_dir], seed=3, exclude=[corpus_dir / "pkg"])
+    with pytest.raises(ValueError, match="gave"):
+        corpus.random_suite(10_000, [corpus_dir], seed=3)
 
 
 def test_params_file_and_runner_plan(tmp_path: Path) -> None:

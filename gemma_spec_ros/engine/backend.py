@@ -44,6 +44,45 @@ def _init_backend() -> None:
             _BACKEND_READY = True
 
 
+#: glibc's mallopt parameter for the most malloc arenas (malloc.h: M_ARENA_MAX = -8).
+_M_ARENA_MAX = -8
+
+
+def limit_malloc_arenas(count: int = 2) -> bool:
+    """Cap glibc's malloc arenas at ``count`` (call it before starting threads); False where there
+    is no glibc or ``MALLOC_ARENA_MAX`` is set (the user's choice wins).
+
+    A node loads and frees its models from whichever executor thread runs the transition, and glibc
+    gives each thread its own arena (up to 8 per core): a model's allocations then land in a new
+    arena at each cleanup/configure cycle and the freed ones stay fragmented. Measured on the
+    embedded model: anonymous RSS +2.6 MiB per cycle without the cap (after ``malloc_trim``), flat
+    with 2 arenas (40 cycles). The generation runs in one thread, so the cap costs no speed.
+    """
+    if os.environ.get("MALLOC_ARENA_MAX"):
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_ARENA_MAX, count))
+
+
+def return_freed_memory() -> bool:
+    """Give the heap pages freed so far back to the OS (glibc ``malloc_trim``); False where there is
+    no glibc. Freeing a model and its context (KV cache, compute buffers: hundreds of MiB) leaves
+    the pages in glibc's arenas, so without this each cleanup/configure cycle of a long-running
+    node added tens of MiB of resident memory, ~180 MiB after 5 cycles (measured)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
+
+
 _BUILTIN_TEMPLATES = {"gemma": b"gemma"}  # model family (architecture less its version) -> llama.cpp name
 _LOG_CALLBACK = None  # keep a reference: llama.cpp holds the C pointer
 _GGML_LOG_LEVEL_ERROR = 4  # ggml_log_level: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5

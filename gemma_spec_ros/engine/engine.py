@@ -36,7 +36,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .backend import DecodeInterrupted, LlamaBackend
+from .backend import DecodeInterrupted, LlamaBackend, return_freed_memory
 from .draft_model import DraftModelDrafter
 from .lookup import LookupDrafter
 from .policy import PLAIN_STEP, CostModel, Decision, DraftLengthPolicy
@@ -462,5 +462,6 @@ class Engine:
                 errors.append(exc)
         if getattr(self, "target", None) is not None:
             self.target.close()
+        return_freed_memory()
         if errors:
             raise errors[0]

@@ -35,6 +35,7 @@ from rclpy.lifecycle import TransitionCallbackReturn
 from rclpy.signals import SignalHandlerOptions
 from rclpy.utilities import remove_ros_args
 
+from ..engine.backend import limit_malloc_arenas
 from ..node import NODE_NAME
 from ..node.node import MIN_EXECUTOR_THREADS, GemmaSpecNode
 
@@ -76,6 +77,7 @@ def ros_args(argv: Sequence[str], params_files: Sequence[str]) -> List[str]:
 def run(argv: Sequence[str], autostart_default: bool) -> int:
     """Run the node until Ctrl-C / SIGTERM; returns the process exit status."""
     args = parse_args(argv, autostart_default)
+    limit_malloc_arenas()  # before rclpy and the executor start their threads (see the function)
     # rclpy's own handlers would shut the context down at once, before the shutdown transition
     # could end the running goal and save the dynamic cache; ours only ask the main loop to stop.
     rclpy.init(args=ros_args(argv, args.params_file),

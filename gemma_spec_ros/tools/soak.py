@@ -120,6 +120,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="a server parameter override (repeatable)")
     parser.add_argument("--node-name", default="gemma_spec_soak")
     parser.add_argument("--goals", type=int, default=300)
+    parser.add_argument("--duration", type=float, default=0.0, metavar="SECONDS",
+                        help="keep sending goals until this long has passed, even past --goals")
     parser.add_argument("--clients", type=int, default=3)
     parser.add_argument("--invalid-share", type=float, default=0.15)
     parser.add_argument("--cancel-share", type=float, default=0.25)
@@ -443,7 +445,7 @@ class Soak:
     # goals ----------------------------------------------------------------------------------------
     def _take_index(self) -> Optional[int]:
         with self.lock:
-            if self.next_index >= self.args.goals:
+            if self.next_index >= self.args.goals and time.monotonic() - self.t0 >= self.args.duration:
                 return None
             self.next_index += 1
             return self.next_index - 1
@@ -472,6 +474,11 @@ class Soak:
             finally:
                 with self.lock:
                     self.in_flight -= 1
+            if record.accepted is False and not record.invalid:
+                # a valid goal refused (queue full, node inactive): a client retries later, as a
+                # planner would; without a pause the goal count would be spent in rejections
+                # whenever the node is inactive (a rejection takes ~2 ms)
+                time.sleep(rng.uniform(0.1, 0.5))
             self._progress()
 
     def _run_goal(self, record: GoalRecord, fields: Dict[str, Any], rng: random.Random) -> None:

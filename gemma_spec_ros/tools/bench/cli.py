@@ -19,6 +19,7 @@ Examples::
     gemma-spec-bench --target ~/.cache/gemma_spec_ros/models/gemma-3-270m-f16.gguf \\
         --draft ~/.cache/gemma_spec_ros/models/gemma-3-270m-q4_k_m.gguf --modes all
     gemma-spec-bench --temperature 0.7 --seed 7                        # a seeded sampled run
+    gemma-spec-bench --suites none --random-prompts 12 --seed 99       # prompts drawn at run time
     gemma-spec-bench --native-bin ~/.cache/gemma_spec_ros/native/bin   # + llama-lookup et al.
     gemma-spec-bench --via-action gemma_spec                           # + through a running node
     gemma-spec-bench --via-remote http://127.0.0.1:8080                # + from an inference server
@@ -44,6 +45,7 @@ from ...engine.types import expand_path
 from .config import (REFERENCE_RUNNER, Prompt, RunnerSpec, Suite, apply_overrides,
                            default_params, find_data_dir, load_params, load_suites, model_config, parse_baselines, parse_ks,
                            PROMPT_REUSE_CHOICES, parse_modes, plan_runners, select_suites, thread_count)
+from .corpus import default_corpus, random_suite
 from .metrics import decode_rate, repeated_ngram_share, text_hash, tokens_hash
 from .native import NativeRunner
 from .report import add_speedups, dump_results, markdown, markdown_per_prompt, plot_all, summarize
@@ -117,7 +119,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "default: the installed config/embedded.yaml, else the embedded model")
     p.add_argument("--target", default="", help="target model path (overrides target.model_path)")
     p.add_argument("--draft", default="", help="draft model path (overrides draft.model_path; 'none' drops it)")
-    p.add_argument("--suites", default="all", help="comma-separated suite names, or all")
+    p.add_argument("--suites", default="all", help="comma-separated suite names, all, or none (with "
+                   "--random-prompts: only the random suite)")
+    p.add_argument("--random-prompts", type=int, default=0, metavar="N",
+                   help="add a suite 'random' of N prompt beginnings drawn at run time from --corpus "
+                        "with --seed (bench.corpus): prompts nobody tuned for")
+    p.add_argument("--corpus", action="append", default=[], metavar="DIR",
+                   help="folder of text files for --random-prompts (repeatable; default: this "
+                        "interpreter's standard library and installed packages)")
     p.add_argument("--prompts-dir", default="", help="folder of suite files (default: the package's prompts/)")
     p.add_argument("--modes", default="all", help="comma-separated of off,draft,lookup,draft+lookup,auto, "
                    "or all (off always runs: it is the reference)")
@@ -236,7 +245,29 @@ def make_record(spec: RunnerSpec, suite: str, prompt_id: str, repeat: int, reque
         "peak_rss_mb": result.peak_rss_mb,
         "text": result.text if keep_text else None,
     })
+    record.update(step_profile(stats, wall - ttft if result.decode_s is None else result.decode_s))
     return record
+
+
+def step_profile(stats: Mapping[str, Any], decode_s: float) -> Dict[str, Optional[float]]:
+    """Milliseconds per target pass after the first token: the whole step (decode wall time / passes)
+    and its parts: drafting, the target's decode (verify), sampling/acceptance, and the rest (Python
+    bookkeeping: cache updates, text, stats; for the native tools everything but the target's decode).
+
+    >>> step_profile({"num_steps": 10, "draft_ms": 5, "verify_ms": 200, "sample_ms": 10}, 0.25)["other_step_ms"]
+    3.5
+    """
+    steps = stats.get("num_steps")
+    if not steps or not decode_s or decode_s <= 0:
+        return {"steps": steps or None, "step_ms": None, "draft_step_ms": None, "verify_step_ms": None,
+                "sample_step_ms": None, "other_step_ms": None}
+    per = {name: (stats[key] / steps if stats.get(key) is not None else None)
+           for name, key in (("draft_step_ms", "draft_ms"), ("verify_step_ms", "verify_ms"),
+                             ("sample_step_ms", "sample_ms"))}
+    step_ms = decode_s * 1e3 / steps
+    known = [v for v in per.values() if v is not None]
+    return {"steps": steps, "step_ms": step_ms, **per,
+            "other_step_ms": step_ms - sum(known) if known else None}
 
 
 class Bench:
@@ -255,6 +286,14 @@ class Bench:
         if prompts_dir is None:
             raise ValueError("prompt suites not found: pass --prompts-dir")
         suites = select_suites(load_suites(prompts_dir), args.suites)
+        if args.random_prompts:
+            roots = [Path(expand_path(c)) for c in args.corpus] or default_corpus()
+            missing = [str(r) for r in roots if not r.is_dir()]
+            if missing:
+                raise ValueError(f"--corpus: not a folder: {', '.join(missing)}")
+            suites.append(random_suite(args.random_prompts, roots, args.seed, exclude=[prompts_dir]))
+        if not suites:
+            raise ValueError("no prompts: --suites none needs --random-prompts N")
         if args.smoke:
             suites = [Suite(s.name, s.description, s.order, s.prompts[:1]) for s in suites[:2]]
             args.max_tokens, args.repeats = 16, 1
@@ -371,6 +410,10 @@ class Bench:
             "baselines": self.args.baselines, "native_bin": self.args.native_bin or None,
             "via_action": self.args.via_action or None, "via_remote": self.args.via_remote or None,
             "smoke": self.args.smoke,
+            "random_prompts": self.args.random_prompts,
+            "corpus": [str(r) for r in ([Path(expand_path(c)) for c in self.args.corpus] or default_corpus())]
+            if self.args.random_prompts else None,
+            "prompt_ids": {s.name: [p.id for p in s.prompts] for s in self.suites},
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "command": "gemma-spec-bench " + " ".join(sys.argv[1:]) if sys.argv else "",
         }

@@ -95,8 +95,10 @@ def load_suites(directory: Path) -> List[Suite]:
 
 
 def select_suites(suites: Sequence[Suite], names: str) -> List[Suite]:
-    """``all`` or a comma-separated list of suite names (unknown names raise ValueError)."""
+    """``all``, ``none`` or a comma-separated list of suite names (unknown names raise ValueError)."""
     wanted = [n.strip() for n in names.split(",") if n.strip()]
+    if wanted == ["none"]:
+        return []
     if not wanted or wanted == ["all"]:
         return list(suites)
     by_name = {s.name: s for s in suites}

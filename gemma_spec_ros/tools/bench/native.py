@@ -58,6 +58,7 @@ def parse_native_output(log: str) -> Dict[str, float]:
         out[key] = float(match.group(1)) if match else math.nan
     runs = _PATTERNS["eval_runs"].findall(log)
     out["eval_runs"] = float(runs[-1][1]) if runs else math.nan
+    out["eval_ms"] = float(runs[-1][0]) if runs else math.nan
     return out
 
 
@@ -132,11 +133,13 @@ class NativeRunner:
         n_tokens = int(parsed["n_tokens"])
         wall = parsed["prompt_s"] + parsed["decode_s"]
         drafted, accepted = parsed["n_drafted"], parsed["n_accept"]
-        stats: Optional[Dict[str, Any]] = None
+        # the step profile: the target's decode passes (llama_perf's eval time) and the whole loop
+        stats: Dict[str, Any] = {"num_steps": parsed["eval_runs"], "verify_ms": parsed["eval_ms"],
+                                 "decode_ms": parsed["decode_s"] * 1e3}
         if self.spec.draft_max:
-            stats = {"num_draft_tokens": drafted, "num_accepted_tokens": accepted,
-                     "acceptance_rate": accepted / drafted if drafted else math.nan,
-                     "tokens_per_pass": n_tokens / parsed["eval_runs"] if parsed["eval_runs"] else math.nan}
+            stats.update({"num_draft_tokens": drafted, "num_accepted_tokens": accepted,
+                          "acceptance_rate": accepted / drafted if drafted else math.nan,
+                          "tokens_per_pass": n_tokens / parsed["eval_runs"] if parsed["eval_runs"] else math.nan})
         return RunResult(text=generated_text(stdout, str(request["prompt"])), n_tokens=n_tokens,
                          wall_s=wall, ttft_s=parsed["prompt_s"], n_first=0,
                          finish_reason="length" if n_tokens >= int(request["max_tokens"]) else "stop",

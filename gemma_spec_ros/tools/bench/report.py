@@ -78,11 +78,73 @@ def summarize(records: Sequence[Record], runners: Sequence[Mapping[str, Any]],
             "parity_with_off": parity_share(hashes.get(name, {}), hashes.get(REFERENCE_RUNNER, {})),
             "predicted_speedup": spread(r.get("predicted_speedup") for r in mine).as_dict(),
             "peak_rss_mb": runner.get("peak_rss_mb"), "base_rss_mb": runner.get("base_rss_mb"),
+            "step_profile": {field: spread(r.get(field) for r in mine).as_dict() for field in STEP_FIELDS},
         }
         ref = entry["reference"]
         if ref and (ref != REFERENCE_RUNNER or runner["kind"] == "action"):
             entry["vs_reference"] = _spreads(ratio_by_suite(same_run_ratios(rates, name, ref), suites))
         out["runners"][name] = entry
+    out["vs_native"] = {f"{ours} / {native}": _spreads(ratio_by_suite(same_run_ratios(rates, ours, native), suites))
+                        for ours, native in native_pairs(runners)}
+    out["vs_best_fixed_k"] = {name: _spreads(ratio_by_suite(ratios, suites))
+                              for name, ratios in versus_best_fixed_k(rates, runners).items()}
+    return out
+
+
+#: Per-run step profile fields (ms per target pass after the first token; see cli.step_profile).
+STEP_FIELDS = ("steps", "step_ms", "draft_step_ms", "verify_step_ms", "sample_step_ms", "other_step_ms")
+
+
+def native_pairs(runners: Sequence[Mapping[str, Any]]) -> List[Tuple[str, str]]:
+    """(our runner, llama.cpp's runner) pairs to compare in absolute tokens/s: every engine runner of
+    a lookup mode against every ``native-lookup/K*``, and ``off`` against ``native-plain``."""
+    names = {str(r["name"]): r for r in runners}
+    native = [n for n, r in names.items() if r["kind"] == "native" and r["mode"] == "lookup" and r.get("draft_max")]
+    pairs = [(n, m) for n, r in names.items() if r["kind"] == "engine" and r["mode"] in ("lookup", "auto")
+             and not n.endswith(NO_REUSE_SUFFIX) for m in native]
+    if REFERENCE_RUNNER in names and "native-plain" in names:
+        pairs.append((REFERENCE_RUNNER, "native-plain"))
+    return pairs
+
+
+def versus_best_fixed_k(rates: Mapping[str, Mapping[RunKey, float]],
+                        runners: Sequence[Mapping[str, Any]]) -> Dict[str, Dict[RunKey, float]]:
+    """Per adaptive engine runner: its tokens/s over the best fixed-K runner of the same mode on the
+    same (prompt, repeat) — the oracle a K sweep gives (needs >= 2 fixed K in the run). The best K of
+    a prompt is the one with the highest median over the repeats (not each repeat's maximum, which
+    would pick noise and favour the oracle).
+
+    >>> runners = [{"name": "lookup", "kind": "engine", "mode": "lookup", "draft_max": None},
+    ...            {"name": "lookup/K2", "kind": "engine", "mode": "lookup", "draft_max": 2},
+    ...            {"name": "lookup/K4", "kind": "engine", "mode": "lookup", "draft_max": 4}]
+    >>> rates = {"lookup": {("s", "a", 0): 45.0, ("s", "a", 1): 44.0},
+    ...          "lookup/K2": {("s", "a", 0): 40.0, ("s", "a", 1): 46.0},
+    ...          "lookup/K4": {("s", "a", 0): 50.0, ("s", "a", 1): 44.0}}
+    >>> versus_best_fixed_k(rates, runners)
+    {'lookup': {('s', 'a', 0): 0.9, ('s', 'a', 1): 1.0}}
+    """
+    out: Dict[str, Dict[RunKey, float]] = {}
+    for runner in runners:
+        if runner["kind"] != "engine" or runner.get("draft_max") is not None or runner["mode"] == "off":
+            continue
+        name = str(runner["name"])
+        fixed = [str(r["name"]) for r in runners if r["kind"] == "engine" and r["mode"] == runner["mode"]
+                 and r.get("draft_max") is not None and r.get("reuse_prompt", True) == runner.get("reuse_prompt", True)]
+        if len(fixed) < 2:
+            continue
+        best: Dict[Tuple[str, str], str] = {}
+        for prompt in {(s, p) for (s, p, _) in rates.get(name, {})}:
+            medians = {f: statistics.median(v for (s, p, _), v in rates.get(f, {}).items() if (s, p) == prompt)
+                       for f in fixed if any((s, p) == prompt for (s, p, _) in rates.get(f, {}))}
+            if len(medians) == len(fixed):
+                best[prompt] = max(medians, key=lambda f: medians[f])
+        ratios: Dict[RunKey, float] = {}
+        for key, value in rates.get(name, {}).items():
+            oracle = best.get((key[0], key[1]))
+            base = rates.get(oracle, {}).get(key) if oracle else None
+            if finite(base) and base > 0:
+                ratios[key] = value / base
+        out[name] = ratios
     return out
 
 
@@ -159,10 +221,50 @@ def markdown(results: Mapping[str, Any]) -> str:
                   "(median ms, same prompts):", ""]
         lines += [_row(["runner", "TTFF ms (action)", "TTFT ms (engine)"]), _row(["---"] * 3)]
         lines += [_row([f"`{n}`", _num(a, 0), _num(b, 0)]) for n, (a, b) in ttff.items()]
+    lines += _versus_lines(summary, suites)
+    lines += _step_profile_lines(runners)
     lines += _prompt_reuse_lines(results)
     if results.get("notes"):
         lines += ["", "## Notes", ""] + [f"- {n}" for n in results["notes"]]
     return "\n".join(lines) + "\n"
+
+
+def _versus_lines(summary: Mapping[str, Any], suites: Sequence[str]) -> List[str]:
+    lines: List[str] = []
+    for key, title, text in (
+            ("vs_native", "Against llama.cpp's own tools (absolute tokens/s)",
+             "Same-run ratio of our runner's decode tokens/s to llama.cpp's on the same prompt and repeat "
+             "(> 1: ours faster)."),
+            ("vs_best_fixed_k", "Adaptive K against the best fixed K",
+             "Same-run ratio of the adaptive runner's tokens/s to the fastest fixed-K runner of its mode "
+             "on each prompt and repeat (the oracle of the K sweep; 1.00 = the policy found the best K).")):
+        table = summary.get(key) or {}
+        if not table:
+            continue
+        header = ["runners"] + list(suites) + ["all"]
+        lines += ["", f"## {title}", "", text, "", _row(header), _row(["---"] * len(header))]
+        lines += [_row([f"`{name}`"] + [_fmt(by.get(s)) for s in list(suites) + ["all"]])
+                  for name, by in table.items()]
+    return lines
+
+
+def _step_profile_lines(runners: Mapping[str, Any]) -> List[str]:
+    rows = [(name, e["step_profile"]) for name, e in runners.items()
+            if (e.get("step_profile") or {}).get("step_ms", {}).get("n")]
+    if not rows:
+        return []
+    lines = ["", "## Step profile", "",
+             "Milliseconds per target pass after the first token, median over runs: the whole step "
+             "(decode wall time / passes), drafting, the target's decode (verify; llama.cpp tools: "
+             "llama_perf's eval time), sampling and acceptance, and the rest (cache updates, text, "
+             "stats; for llama.cpp's tools all but the decode). passes: target passes per run.", ""]
+    header = ["runner", "passes", "step", "draft", "verify", "sample", "other"]
+    lines += [_row(header), _row(["---"] * len(header))]
+    for name, prof in rows:
+        cells = [_num(prof[f]["median"] if prof[f].get("n") else None, 0 if f == "steps" else 2)
+                 for f in STEP_FIELDS]
+        lines.append(_row([f"`{name}`"] + cells))
+    return lines
 
 
 def prompt_reuse_pairs(results: Mapping[str, Any]) -> List[Dict[str, Any]]:
