@@ -427,6 +427,8 @@ def test_calibration_warms_up_and_leaves_both_caches_empty(embedded_model_path):
                                  spec=SpecConfig(mode="draft", draft_max=3, adaptive=False)))
     try:
         assert engine.target.n_past == 0 and engine.draft.backend.n_past == 0
+        # at load, every pass size up to K + 1 was measured (costs are not linear in the rows)
+        assert sorted(engine.costs._verify) == [1, 2, 3, 4]
         measured = engine.calibrate(sizes=(1, 4), warmup=1, repeats=1)
         assert sorted(measured) == [1, 4] and all(s > 0 for s in measured.values())
         assert engine.costs.verify_cost(1) > 0 and engine.target.n_past == 0

@@ -168,6 +168,38 @@ def test_cost_model_interpolates_and_extrapolates():
     assert costs.draft_cost("draft", 2) == pytest.approx(0.004)
 
 
+def test_cost_model_a_load_change_moves_every_size_alike():
+    """Regression (issue 12): with one moving average per size, passes of the size in use that got
+    dearer (a busier CPU, a longer context) left the other sizes at their older, cheaper figures, and
+    the policy moved to short drafts although nothing but the level had changed."""
+    costs = CostModel()
+    shape = {1: 0.026, 2: 0.031, 3: 0.035, 4: 0.036, 5: 0.039}
+    for n, seconds in shape.items():
+        costs.observe_verify(n, seconds)
+    policy = DraftLengthPolicy("lookup", costs)
+    for _ in range(40):
+        policy.observe(4, 4)
+    assert policy.decide(4, adaptive=True).draft_len == 4
+    for _ in range(60):  # the machine gets twice as slow; only 5-row passes run
+        costs.observe_verify(5, 2 * shape[5])
+    assert costs.verify_cost(5) == pytest.approx(2 * shape[5], rel=0.02)
+    for n in (1, 2, 3, 4):  # every size followed, the ratios stayed
+        assert costs.verify_cost(n) / costs.verify_cost(5) == pytest.approx(shape[n] / shape[5], rel=0.03)
+    assert policy.decide(4, adaptive=True).draft_len == 4
+    assert costs.plain_token_time == pytest.approx(2 * shape[1], rel=0.05)
+
+
+def test_cost_model_shape_learns_what_the_level_does_not_explain():
+    costs = CostModel()
+    for n, seconds in ((1, 0.030), (4, 0.040)):
+        costs.observe_verify(n, seconds)
+    for _ in range(1000):  # 4-row passes really cost 0.060 while 1-row passes stay at 0.030
+        costs.observe_verify(4, 0.060)
+        costs.observe_verify(1, 0.030)
+    assert costs.verify_cost(1) == pytest.approx(0.030, rel=0.05)
+    assert costs.verify_cost(4) == pytest.approx(0.060, rel=0.05)
+
+
 def test_acceptance_model_expected_tokens_worked_example():
     model = AcceptanceModel(prior_weight=1e-9, decay=1.0)
     # 10 two-token drafts: 2 rejected at position 0, 4 at position 1, 4 fully accepted

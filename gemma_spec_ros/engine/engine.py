@@ -59,6 +59,10 @@ DRAFTERS_BY_MODE: Dict[str, Tuple[str, ...]] = {
 }
 
 
+#: calibrate() measures every pass size up to this one (then only K + 1; others interpolated).
+CALIBRATE_ALL_UP_TO = 9
+
+
 @dataclass
 class Drafting:
     """One drafter with its draft-length policy (acceptance is measured per drafter)."""
@@ -404,9 +408,15 @@ class Engine:
         that is too high makes every draft look profitable, and in a speculative mode plain steps are
         rare, so the estimate would not be corrected by later measurements. The draft model, if any,
         is warmed up the same way (its cost is measured while drafting).
+
+        By default every size from 1 to K + 1 (up to 9, then K + 1): pass costs are far from linear
+        in the rows. On a 2-core CPU with the embedded Q4_K_M model, 3 rows cost as much as 4 (the
+        repacked Q4_K kernels take 4 columns at a time) and 5 rows jump again; interpolating 3 from
+        2 and 4 made a 2-token draft look cheaper than it is.
         """
         target = self.target
-        sizes = sorted(set(sizes or (1, 2, 4, self._spec.draft_max + 1)))  # interpolated between
+        k_rows = self._spec.draft_max + 1
+        sizes = sorted(set(sizes or (*range(1, min(k_rows, CALIBRATE_ALL_UP_TO) + 1), k_rows)))
         context_len = max(1, min(context_len, self.n_ctx - max(sizes) - 1))
         def token(i: int) -> int:  # ordinary tokens of any vocabulary, past the first control ids
             return 3 + (997 + i) % max(1, target.n_vocab - 3)
