@@ -68,7 +68,7 @@ def off_outputs(f16_engine):
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("mode", ["lookup", "draft", "draft+lookup", "auto"])
-def test_greedy_speculation_equals_plain_decoding_token_for_token(f16_engine, off_outputs, mode):
+def test_greedy_speculation_equals_plain_decoding_token_for_token(exact_build, f16_engine, off_outputs, mode):
     drafted = 0
     for name, prompt in list(PROMPTS.items()) + [("long", LONG_PROMPT)]:
         tokens, _, steps = run(f16_engine, prompt, mode)
@@ -79,8 +79,11 @@ def test_greedy_speculation_equals_plain_decoding_token_for_token(f16_engine, of
 
 
 def test_f16_logits_do_not_depend_on_the_batch(f16_engine):
-    """What exact parity rests on: the setup's build (no llamafile sgemm) gives the same logits
-    for a position whether it is decoded alone or inside a verify batch."""
+    """What exact parity rests on: the setup's default build (no llamafile sgemm) gives the same
+    logits for a position whether it is decoded alone or inside a verify batch; the ``fast`` build
+    (llamafile sgemm) only within 0.05 (measured up to 0.019), which this checks under that build."""
+    from gemma_spec_ros.engine.backend import batch_invariant_build
+    exact = batch_invariant_build()
     target = f16_engine.target
     tokens = f16_engine.prompt_tokens(GenerationRequest(PROMPTS["technical"]))
     n = len(tokens)
@@ -91,11 +94,14 @@ def test_f16_logits_do_not_depend_on_the_batch(f16_engine):
     single += [target.decode([t], [0])[0].copy() for t in tokens[n - 3:]]
     target.clear()
     for i, (a, b) in enumerate(zip(batch, single)):
-        assert np.array_equal(a, b), f"row {i}: max difference {float(np.abs(a - b).max())}"
+        if exact:
+            assert np.array_equal(a, b), f"row {i}: max difference {float(np.abs(a - b).max())}"
+        else:
+            assert float(np.abs(a - b).max()) < 0.05, f"row {i}"
 
 
 @pytest.mark.timeout(600)
-def test_seeded_sampling_exact_mode_equals_off(f16_engine):
+def test_seeded_sampling_exact_mode_equals_off(exact_build, f16_engine):
     sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=1234)
     for prompt in (PROMPTS["story"], PROMPTS["planning"]):
         reference, _, _ = run(f16_engine, prompt, "off", sampling=sampling, max_tokens=96)

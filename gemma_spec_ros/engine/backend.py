@@ -68,6 +68,16 @@ def limit_malloc_arenas(count: int = 2) -> bool:
     return bool(mallopt(_M_ARENA_MAX, count))
 
 
+def batch_invariant_build() -> bool:
+    """Whether this llama.cpp build gives a position the same logits whatever the batch around it,
+    for F16/F32 weights on the CPU: built without llamafile's sgemm (``GEMMA_SPEC_LLAMA_BUILD=exact``,
+    the default of scripts/setup.sh). With it (``fast``) multi-row products sum in another order
+    (up to ~0.02 of a logit, measured on F16): speculative output then equals plain output except
+    at near-ties, which is not a promise."""
+    _init_backend()
+    return b"LLAMAFILE = 1" not in _llama().llama_print_system_info()
+
+
 def return_freed_memory() -> bool:
     """Give the heap pages freed so far back to the OS (glibc ``malloc_trim``); False where there is
     no glibc. Freeing a model and its context (KV cache, compute buffers: hundreds of MiB) leaves

@@ -30,6 +30,7 @@ _PATTERNS: Dict[str, "re.Pattern[str]"] = {
     "n_drafted": re.compile(r"n_drafted\s*=\s*(\d+)"),
     "n_accept": re.compile(r"n_accept\s*=\s*(\d+)"),
     "eval_runs": re.compile(rf"\beval time =\s+{_NUMBER} ms /\s+(\d+) runs"),
+    "prompt_eval": re.compile(rf"prompt eval time =\s+{_NUMBER} ms /\s+(\d+) tokens"),
 }
 
 
@@ -59,6 +60,8 @@ def parse_native_output(log: str) -> Dict[str, float]:
     runs = _PATTERNS["eval_runs"].findall(log)
     out["eval_runs"] = float(runs[-1][1]) if runs else math.nan
     out["eval_ms"] = float(runs[-1][0]) if runs else math.nan
+    prompt_eval = _PATTERNS["prompt_eval"].findall(log)
+    out["prompt_eval_ms"] = float(prompt_eval[-1][0]) if prompt_eval else math.nan
     return out
 
 
@@ -109,7 +112,7 @@ class NativeRunner:
     def command(self, request: Request) -> List[str]:
         """The tool's command line for one request. ``-n`` is one less than max_tokens because the
         tools stop only after generating more than ``-n`` tokens."""
-        return self._base + ["-p", str(request["prompt"]), "-n", str(max(1, int(request["max_tokens"]) - 1)),
+        return self._base + ["--no-escape", "-p", str(request["prompt"]), "-n", str(max(1, int(request["max_tokens"]) - 1)),
                              "--temp", str(float(request["temperature"])), "-s", str(int(request["seed"]))]
 
     def run(self, request: Request) -> RunResult:
@@ -133,13 +136,20 @@ class NativeRunner:
         n_tokens = int(parsed["n_tokens"])
         wall = parsed["prompt_s"] + parsed["decode_s"]
         drafted, accepted = parsed["n_drafted"], parsed["n_accept"]
-        # the step profile: the target's decode passes (llama_perf's eval time) and the whole loop
-        stats: Dict[str, Any] = {"num_steps": parsed["eval_runs"], "verify_ms": parsed["eval_ms"],
-                                 "decode_ms": parsed["decode_s"] * 1e3}
+        # The step profile. llama_perf counts a multi-token decode as "prompt eval" and a one-token
+        # decode as "eval", so the verify passes' decode time is both, less the prompt's (the
+        # "encoded ... in" line). The prompt's pass gives the first token, each later pass its
+        # accepted tokens + 1: passes = tokens - 1 - accepted.
+        accepted_tokens = accepted if self.spec.draft_max and not math.isnan(accepted) else 0.0
+        stats: Dict[str, Any] = {
+            "num_steps": max(1.0, n_tokens - 1 - accepted_tokens),
+            "verify_ms": parsed["eval_ms"] + (parsed["prompt_eval_ms"] - parsed["prompt_s"] * 1e3
+                                              if not math.isnan(parsed["prompt_eval_ms"]) else 0.0),
+            "decode_ms": parsed["decode_s"] * 1e3}
         if self.spec.draft_max:
             stats.update({"num_draft_tokens": drafted, "num_accepted_tokens": accepted,
                           "acceptance_rate": accepted / drafted if drafted else math.nan,
-                          "tokens_per_pass": n_tokens / parsed["eval_runs"] if parsed["eval_runs"] else math.nan})
+                          "tokens_per_pass": (n_tokens - 1) / stats["num_steps"]})
         return RunResult(text=generated_text(stdout, str(request["prompt"])), n_tokens=n_tokens,
                          wall_s=wall, ttft_s=parsed["prompt_s"], n_first=0,
                          finish_reason="length" if n_tokens >= int(request["max_tokens"]) else "stop",
