@@ -121,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", default="", help="draft model path (overrides draft.model_path; 'none' drops it)")
     p.add_argument("--suites", default="all", help="comma-separated suite names, all, or none (with "
                    "--random-prompts: only the random suite)")
+    p.add_argument("--prompts-per-suite", type=int, default=0, metavar="N",
+                   help="only the first N prompts of each suite (0 = all)")
     p.add_argument("--random-prompts", type=int, default=0, metavar="N",
                    help="add a suite 'random' of N prompt beginnings drawn at run time from --corpus "
                         "with --seed (bench.corpus): prompts nobody tuned for")
@@ -286,6 +288,8 @@ class Bench:
         if prompts_dir is None:
             raise ValueError("prompt suites not found: pass --prompts-dir")
         suites = select_suites(load_suites(prompts_dir), args.suites)
+        if args.prompts_per_suite > 0:
+            suites = [Suite(s.name, s.description, s.order, s.prompts[:args.prompts_per_suite]) for s in suites]
         if args.random_prompts:
             roots = [Path(expand_path(c)) for c in args.corpus] or default_corpus()
             missing = [str(r) for r in roots if not r.is_dir()]
