@@ -114,6 +114,12 @@ def run(argv: Sequence[str], autostart_default: bool) -> int:
             status = 1
     finally:
         _shut_down(node, executor, spinner)
+        # Shut down cleanly: a late Ctrl-C (ros2 launch forwards SIGINT after the terminal already
+        # sent one to the whole process group) must not kill the interpreter while it finalizes
+        # (CPython restores the default handler there, but leaves an ignored signal ignored): CI
+        # saw the node exit "-2" right after it had saved its cache.
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
     return status
 
 
