@@ -15,7 +15,10 @@ setup:
 run: setup
 	$(VENV)/bin/gemma-spec-serve --params-file $(PARAMS)
 
-test: setup
+# also unpacks llama.cpp's exact build beside the venv's: test/test_exact_build.py runs the tests of
+# bit-identical output under it (the default build, fast, does not promise them)
+test:
+	GEMMA_SPEC_EXACT_SIDE=1 bash scripts/setup.sh
 	$(VENV)/bin/python -m pytest -ra test
 
 bench: setup

@@ -3,6 +3,8 @@
 #   1. a venv (.venv) with ROS 2 Jazzy from the PyPI wheels (no system ROS needed)
 #   2. the interface package msg/ (gemma_spec_msgs) built with ament_cmake + rosidl into the venv
 #   3. llama-cpp-python built once with CPU-safe flags, the wheel cached by version + flags
+#      (with GEMMA_SPEC_EXACT_SIDE=1, as `make test` runs it: also the `exact` build, unpacked
+#      beside the venv's own for the tests of bit-identical output, see test/test_exact_build.py)
 #   4. the embedded default model (Gemma 3 270M Q4_K_M from PyPI) assembled into the cache dir
 #   5. this package installed (editable) into the venv
 # A second run only checks stamps and takes seconds.
@@ -11,7 +13,8 @@
 #   VENV              venv path                         (default: <repo>/.venv)
 #   PYTHON            interpreter for the venv          (default: python3)
 #   GEMMA_SPEC_CACHE  wheel/model cache                 (default: ~/.cache/gemma_spec_ros)
-#   GEMMA_SPEC_LLAMA_BUILD  exact (default) | fast: llamafile's sgemm off | on (see below)
+#   GEMMA_SPEC_LLAMA_BUILD  fast (default) | exact: llamafile's sgemm on | off (see below)
+#   GEMMA_SPEC_EXACT_SIDE   1: also unpack the exact build into $VENV/opt/llama-cpp-exact
 #   LLAMA_CMAKE_ARGS  llama.cpp build flags (e.g. "-DGGML_CUDA=on" on a Jetson Orin); replaces
 #                     the CPU flags below, GEMMA_SPEC_LLAMA_BUILD included
 set -euo pipefail
@@ -24,17 +27,24 @@ LLAMA_VERSION="0.3.36"
 # GGML_NATIVE=OFF: -march=native enables the AMX backend, which segfaults on these CPUs (ENV.md).
 # GEMMA_SPEC_LLAMA_BUILD: llamafile's sgemm computes the F16/F32/Q8_0/Q4_0 matrix products of a
 # multi-token batch (never a one-token decode) in another order: logits of a verify batch then
-# differ from a one-token decode by up to ~0.02 (F16, measured). exact (default): sgemm off, every batch
-# size gives bit-identical F16/F32 logits, so speculative output equals plain output token for
-# token, greedy or seeded (tested). fast: sgemm on (llama.cpp's own default), cheaper verify
-# passes for the embedded model's Q8_0 output layer; parity then holds except at near-ties.
+# differ from a one-token decode by up to ~0.03 (F16, measured). fast (default, llama.cpp's own
+# default): sgemm on, 4-row verify passes of the embedded model ~15% cheaper (its Q8_0 output
+# layer), which is what lets `lookup` match llama.cpp's llama-lookup; speculative output then equals
+# plain output except at near-ties. exact: sgemm off, every batch size gives bit-identical F16/F32
+# logits (with flash attention off), so speculative output equals plain output token for token,
+# greedy or seeded (tested, under this build, by test/test_exact_build.py).
 # docs/benchmarks.md has the measurements.
-case "${GEMMA_SPEC_LLAMA_BUILD:-exact}" in
-  exact) LLAMAFILE=OFF ;;
-  fast) LLAMAFILE=ON ;;
-  *) echo "[setup] GEMMA_SPEC_LLAMA_BUILD=${GEMMA_SPEC_LLAMA_BUILD}: expected exact or fast" >&2; exit 2 ;;
-esac
-DEFAULT_LLAMA_FLAGS="-DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_LLAMAFILE=$LLAMAFILE"
+llama_flags() {  # llama_flags exact|fast
+  local llamafile
+  case "$1" in
+    exact) llamafile=OFF ;;
+    fast) llamafile=ON ;;
+    *) echo "[setup] GEMMA_SPEC_LLAMA_BUILD=$1: expected fast or exact" >&2; exit 2 ;;
+  esac
+  echo "-DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_LLAMAFILE=$llamafile"
+}
+LLAMA_BUILD="${GEMMA_SPEC_LLAMA_BUILD:-fast}"
+DEFAULT_LLAMA_FLAGS="$(llama_flags "$LLAMA_BUILD")"
 LLAMA_FLAGS="${LLAMA_CMAKE_ARGS:-$DEFAULT_LLAMA_FLAGS}"
 ROS_PKGS=(
   ros-jazzy-rclpy ros-jazzy-rmw-fastrtps-cpp ros-jazzy-action-msgs ros-jazzy-lifecycle-msgs
@@ -98,19 +108,37 @@ if ! stamp_ok "$VENV/.gemma_spec_msgs" "$msg_key"; then
 fi
 
 # 3. llama-cpp-python, built once per version + flags
+llama_wheel() {  # llama_wheel FLAGS: the cached wheel's folder, built first if missing
+  local flags="$1" dir
+  dir="$CACHE/wheels/llama-cpp-python-$LLAMA_VERSION-$(hash_of "$flags")"
+  if ! ls "$dir"/llama_cpp_python-*.whl > /dev/null 2>&1; then
+    log "building llama-cpp-python $LLAMA_VERSION ($flags); takes ~5 min on 2 cores" >&2
+    rm -rf "$dir.tmp"
+    CMAKE_ARGS="$flags" "${PIP[@]}" wheel --no-deps --no-cache-dir -w "$dir.tmp" \
+      "llama-cpp-python==$LLAMA_VERSION" >&2
+    mv "$dir.tmp" "$dir"
+  fi
+  echo "$dir"
+}
 llama_key="$LLAMA_VERSION-$(hash_of "$LLAMA_FLAGS")"
 if ! stamp_ok "$VENV/.gemma_spec_llama" "$llama_key"; then
-  wheel_dir="$CACHE/wheels/llama-cpp-python-$llama_key"
-  if ! ls "$wheel_dir"/llama_cpp_python-*.whl > /dev/null 2>&1; then
-    log "building llama-cpp-python $LLAMA_VERSION ($LLAMA_FLAGS); takes ~5 min on 2 cores"
-    rm -rf "$wheel_dir.tmp"
-    CMAKE_ARGS="$LLAMA_FLAGS" "${PIP[@]}" wheel --no-deps --no-cache-dir -w "$wheel_dir.tmp" \
-      "llama-cpp-python==$LLAMA_VERSION"
-    mv "$wheel_dir.tmp" "$wheel_dir"
-  fi
+  wheel_dir="$(llama_wheel "$LLAMA_FLAGS")"
   "${PIP[@]}" install --force-reinstall --no-deps "$wheel_dir"/llama_cpp_python-*.whl
   "${PIP[@]}" install diskcache jinja2 typing-extensions  # llama-cpp-python's runtime deps
   echo "$llama_key" > "$VENV/.gemma_spec_llama"
+fi
+# 3b. the exact build beside it (tests only): a package folder that PYTHONPATH puts first
+EXACT_DIR="$VENV/opt/llama-cpp-exact"
+if [ "${GEMMA_SPEC_EXACT_SIDE:-0}" = 1 ] && [ -z "${LLAMA_CMAKE_ARGS:-}" ] && [ "$LLAMA_BUILD" != exact ]; then
+  exact_flags="$(llama_flags exact)"
+  exact_key="$LLAMA_VERSION-$(hash_of "$exact_flags")"
+  if ! stamp_ok "$EXACT_DIR/.stamp" "$exact_key"; then
+    wheel_dir="$(llama_wheel "$exact_flags")"
+    log "unpacking the exact llama.cpp build into $EXACT_DIR"
+    rm -rf "$EXACT_DIR"
+    "${PIP[@]}" install --no-deps --target "$EXACT_DIR" "$wheel_dir"/llama_cpp_python-*.whl
+    echo "$exact_key" > "$EXACT_DIR/.stamp"
+  fi
 fi
 
 # 4. the embedded default model

@@ -81,6 +81,11 @@ def test_native_log_parsing() -> None:
     assert (parsed["n_drafted"], parsed["n_accept"], parsed["eval_runs"]) == (141, 83, 56)
     with pytest.raises(ValueError):
         bench_native.parse_native_output("no timings here")
+    # llama-lookup's decode time holds n_tokens - 1 passes (the first token is the prompt pass's):
+    # its rate counts the tokens after the first, as ours does
+    assert bench.native_decode_rate(130, 1, parsed["decode_s"]) == pytest.approx(129 / 2.15)
+    assert bench.native_decode_rate(130, 0, parsed["decode_s"]) == pytest.approx(130 / 2.15)
+    assert math.isnan(bench.native_decode_rate(130, 1, 0.0))
     stdout = "\n\n<bos>Hello world, and more\n\n\n\n"  # prompt echo, output, the tools' two "\n\n"
     assert bench_native.generated_text(stdout, "Hello world") == ", and more"
 

@@ -66,6 +66,7 @@ def off_outputs(f16_engine):
             list(PROMPTS.items()) + [("long", LONG_PROMPT)]}
 
 
+@pytest.mark.exact
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("mode", ["lookup", "draft", "draft+lookup", "auto"])
 def test_greedy_speculation_equals_plain_decoding_token_for_token(exact_build, f16_engine, off_outputs, mode):
@@ -100,6 +101,7 @@ def test_f16_logits_do_not_depend_on_the_batch(f16_engine):
             assert float(np.abs(a - b).max()) < 0.05, f"row {i}"
 
 
+@pytest.mark.exact
 @pytest.mark.timeout(600)
 def test_seeded_sampling_exact_mode_equals_off(exact_build, f16_engine):
     sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=1234)

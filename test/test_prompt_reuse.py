@@ -51,6 +51,7 @@ def sequence() -> List[Tuple[str, SamplingParams]]:
     return requests
 
 
+@pytest.mark.exact
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", ["lookup"])  # drafts, verify batches and rollbacks on top of reuse
 def test_reuse_on_and_off_give_identical_tokens_with_f16(exact_build: None, f16_engine: Engine, mode: str) -> None:

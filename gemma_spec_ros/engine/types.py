@@ -63,7 +63,7 @@ class ModelConfig:
     n_ctx: int = 2048  # context length in tokens (prompt + generation)
     n_batch: int = 512  # largest batch llama_decode gets (prompt chunks)
     n_threads: int = 0  # CPU threads; 0 = all cores
-    flash_attn: bool = False  # flash attention (GPU builds)
+    flash_attn: bool = False  # flash attention: faster, but not batch-invariant (no bit-exact parity)
     seed: int = 0  # context seed (our sampling is seeded per request; kept for llama.cpp)
 
     def __post_init__(self) -> None:

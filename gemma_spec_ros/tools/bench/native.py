@@ -150,8 +150,14 @@ class NativeRunner:
             stats.update({"num_draft_tokens": drafted, "num_accepted_tokens": accepted,
                           "acceptance_rate": accepted / drafted if drafted else math.nan,
                           "tokens_per_pass": (n_tokens - 1) / stats["num_steps"]})
+        # What the printed decode time covers: llama-lookup starts its clock before it samples the
+        # first token from the logits of the prompt's pass (timed in "encoded"), and stops after
+        # sampling the last without decoding it: n_tokens - 1 target passes, the same as our rate
+        # counts after the first token. llama-speculative-simple decodes the prompt's last token
+        # inside its loop: every token's pass is in its time.
+        n_first = 1 if self.spec.mode == "lookup" else 0
         return RunResult(text=generated_text(stdout, str(request["prompt"])), n_tokens=n_tokens,
-                         wall_s=wall, ttft_s=parsed["prompt_s"], n_first=0,
+                         wall_s=wall, ttft_s=parsed["prompt_s"], n_first=n_first,
                          finish_reason="length" if n_tokens >= int(request["max_tokens"]) else "stop",
                          decode_s=parsed["decode_s"], stats=stats, draft_max_last=self.spec.draft_max,
                          peak_rss_mb=self.peak_rss_mb)

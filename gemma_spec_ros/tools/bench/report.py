@@ -179,7 +179,7 @@ def markdown(results: Mapping[str, Any]) -> str:
              + f"; {cfg['max_tokens']} tokens, temperature {cfg['temperature']}"
              + (f" (seed {cfg['seed']})" if cfg["temperature"] else " (greedy)")
              + f", {cfg['repeats']} repeat(s), {results['machine']['cpu_count']} CPU threads available,"
-             f" {cfg['threads']} used. {_load_line(results)}", ""]
+             f" {cfg['threads']} used{_build_line(cfg)}. {_load_line(results)}", ""]
     lines += ["## Speedup vs `off`", "",
               "Decode tokens/s of each runner divided by `off`'s on the same prompt in the same repeat; "
               "median over prompts x repeats, (min-max) of those ratios.", ""]
@@ -329,6 +329,16 @@ def markdown_per_prompt(results: Mapping[str, Any]) -> str:
     for k in keys:
         lines.append(_row([k[0], k[1], reps[k].format("", 2)] + [per[n].get(k, spread([])).format() for n in names]))
     return "\n".join(lines) + "\n"
+
+
+def _build_line(cfg: Dict[str, Any]) -> str:
+    """``; llama.cpp build fast, flash attention on`` where the results say (older ones do not)."""
+    parts = []
+    if cfg.get("llama_build"):
+        parts.append(f"llama.cpp build `{cfg['llama_build']}`")
+    if cfg.get("flash_attn") is not None:
+        parts.append("flash attention " + ("on" if cfg["flash_attn"] else "off"))
+    return ("; " + ", ".join(parts)) if parts else ""
 
 
 def _load_line(results: Mapping[str, Any]) -> str:
