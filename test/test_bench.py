@@ -86,6 +86,7 @@ def test_native_log_parsing() -> None:
     assert bench.native_decode_rate(130, 1, parsed["decode_s"]) == pytest.approx(129 / 2.15)
     assert bench.native_decode_rate(130, 0, parsed["decode_s"]) == pytest.approx(130 / 2.15)
     assert math.isnan(bench.native_decode_rate(130, 1, 0.0))
+    assert math.isnan(bench.native_decode_rate(1, 1, 0.002))  # ended at once: no rate, not 0 or 500
     stdout = "\n\n<bos>Hello world, and more\n\n\n\n"  # prompt echo, output, the tools' two "\n\n"
     assert bench_native.generated_text(stdout, "Hello world") == ", and more"
 

@@ -226,8 +226,12 @@ def native_decode_rate(n_tokens: int, n_first: int, decode_s: float) -> float:
 
     >>> native_decode_rate(97, 1, 2.0)
     48.0
+
+    No rate (NaN, left out of every median) where nothing was decoded after the first token, as
+    for our runners (a prompt answered by an end-of-generation token at once).
     """
-    return (n_tokens - n_first) / decode_s if decode_s and decode_s > 0 else float("nan")
+    n = n_tokens - n_first
+    return n / decode_s if n > 0 and decode_s and decode_s > 0 else float("nan")
 
 
 def make_record(spec: RunnerSpec, suite: str, prompt_id: str, repeat: int, request: Request,
