@@ -5,8 +5,8 @@
 //
 //   SRC=~/.cache/gemma_spec_ros/native/src/llama_cpp_python-0.3.36/vendor/llama.cpp
 //   LIB=$(ls -d .venv/lib/python3*/site-packages/llama_cpp/lib)
-//   gcc -O2 -I$SRC/include -I$SRC/ggml/include scripts/decode_timing.c -o /tmp/decode_timing \
-//       -L$LIB -lllama -lggml -lggml-base -Wl,-rpath,$LIB
+//   gcc -O2 -I$SRC/include -I$SRC/ggml/include scripts/decode_timing.c -o /tmp/decode_timing
+//       -L$LIB -lllama -lggml -lggml-base -Wl,-rpath,$LIB       (one command line)
 //   /tmp/decode_timing MODEL.gguf PASSES ROWS FLASH_ATTN PROMPT_REPEATS   # e.g. ... 60 4 1 10
 //
 // Each pass decodes ROWS rows (all with logits) after a prompt, then removes all but the first

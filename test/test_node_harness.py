@@ -106,8 +106,11 @@ class Client:
                                       lambda m: self._append(self.spec_stats_rolling, m), 50)
 
     def close(self) -> None:
-        self.action.destroy()
+        # stop spinning first: an action client destroyed under a spinning executor makes its
+        # thread fail to add the client to the wait set (RCLError in the spin thread)
         self.executor.shutdown(timeout_sec=2.0)
+        self._spinner.join(timeout=5.0)
+        self.action.destroy()
         self.node.destroy_node()
 
     # -- services ----------------------------------------------------------------------------------
