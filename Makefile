@@ -19,7 +19,7 @@ run: setup
 # bit-identical output under it (the default build, fast, does not promise them)
 test:
 	GEMMA_SPEC_EXACT_SIDE=1 bash scripts/setup.sh
-	$(VENV)/bin/python -m pytest -ra test
+	GEMMA_SPEC_EXACT_SIDE=1 $(VENV)/bin/python -m pytest -ra test
 
 bench: setup
 	$(VENV)/bin/gemma-spec-bench --config $(PARAMS) --suites all --modes all --repeats 3 --out bench_out
