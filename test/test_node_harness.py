@@ -114,27 +114,26 @@ class Client:
         self.node.destroy_node()
 
     # -- services ----------------------------------------------------------------------------------
-    def _call(self, client: Any, request: Any, timeout: float = 120.0) -> Any:
+    def _call(self, client: Any, request: Any, timeout: float = 120.0,
+              resend_after: Optional[float] = None) -> Any:
+        """The service's response. ``resend_after`` (idempotent services only): send the request
+        again every that many seconds until answered; right after discovery DDS can drop the first
+        response (the server's reply writer not yet matched to this client; seen in CI with a node
+        that had just started)."""
         assert client.wait_for_service(timeout_sec=30.0), f"service {client.srv_name} not available"
-        return wait_future(client.call_async(request), timeout, f"{client.srv_name} response")
-
-    def state(self, timeout: float = 120.0, resend_after: float = 5.0) -> str:
-        """The node's lifecycle state. GetState is idempotent, so an unanswered request is sent
-        again every ``resend_after`` s: right after discovery DDS can drop the first response
-        (the server's reply writer not yet matched to this client; seen in CI with a node that had
-        just started)."""
-        assert self._get_state.wait_for_service(timeout_sec=30.0), \
-            f"service {self._get_state.srv_name} not available"
         deadline = time.monotonic() + timeout
         while True:
-            future = self._get_state.call_async(GetState.Request())
+            future = client.call_async(request)
+            wait = timeout if resend_after is None else min(resend_after, max(0.1, deadline - time.monotonic()))
             try:
-                return wait_future(future, min(resend_after, max(0.1, deadline - time.monotonic())),
-                                   f"{self._get_state.srv_name} response").current_state.label
+                return wait_future(future, wait, f"{client.srv_name} response")
             except AssertionError:
-                self._get_state.remove_pending_request(future)
-                if time.monotonic() > deadline:
+                client.remove_pending_request(future)
+                if resend_after is None or time.monotonic() > deadline:
                     raise
+
+    def state(self) -> str:
+        return self._call(self._get_state, GetState.Request(), resend_after=5.0).current_state.label
 
     def transition(self, name: str) -> bool:
         """Trigger a transition by name; shutdown picks the variant of the current state."""
