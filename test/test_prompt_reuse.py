@@ -7,11 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterator, List, Tuple
 
+import numpy as np
 import pytest
 
+from gemma_spec_ros.engine.backend import LlamaBackend
 from gemma_spec_ros.engine.engine import Engine
-from gemma_spec_ros.engine.types import (EngineConfig, GenerationRequest, ModelConfig, SamplingParams,
-                                         SpecConfig)
+from gemma_spec_ros.engine.types import (EngineConfig, GenerationRequest, KVCacheError, ModelConfig,
+                                         SamplingParams, SpecConfig)
 
 SYSTEM = ("You control a mobile manipulator in a kitchen. Skills: move_to(place), pick(object), "
           "place(object, place), open(door), close(door), say(text). Rules: never move while "
@@ -89,3 +91,58 @@ def test_time_budget_ends_the_request_with_timeout(f16_engine: Engine) -> None:
     assert 0 < steps[-1].stats.num_generated_tokens < 400
     with pytest.raises(ValueError, match="time_budget"):
         GenerationRequest("x", time_budget=-1.0)
+
+
+def filler(n: int, vocab: int, offset: int = 0) -> List[int]:
+    """``n`` ordinary tokens (past the control ids), no repeats for a while."""
+    return [3 + (997 + 7 * (offset + i)) % (vocab - 3) for i in range(n)]
+
+
+@pytest.mark.timeout(300)
+def test_window_sized_sliding_cache_rolls_back_its_last_pass_and_refuses_a_lost_window(
+        embedded_model_path: Path) -> None:
+    """The target's sliding-window layers keep a window + one batch (Gemma 3: 512 + 256 cells here),
+    and overwrite positions out of the window once the cache wraps. Rolling back the last pass's
+    tokens (rejected drafts) is safe; a deeper rollback whose window is gone is refused with the
+    cache cleared, and prompt reuse then starts over (before the check, reuse kept a prefix whose
+    window the sliding layers no longer had)."""
+    backend = LlamaBackend(ModelConfig(str(embedded_model_path), n_ctx=2048, n_batch=256, n_threads=2),
+                           full_swa_cache=False)
+    try:
+        assert backend.n_swa == 512
+        tokens = filler(1000, backend.n_vocab)  # > 768 cells: the sliding cache wraps
+        backend.decode(tokens[:-4], [])
+        rows = backend.decode(tokens[-4:], range(4))  # a verify pass of 3 drafted tokens
+        assert len(rows) == 4
+        backend.rollback(len(tokens) - 3)  # reject all 3
+        assert backend.n_past == len(tokens) - 3
+        again = backend.decode(tokens[-3:], [0])  # the rejected position decodes again
+        np.testing.assert_allclose(again[0], rows[1], rtol=1e-3, atol=1e-2)
+        with pytest.raises(KVCacheError, match="sliding-window"):
+            backend.rollback(100)  # positions 0..99 are still in the full-attention layers only
+        assert backend.n_past == 0
+        # prompt reuse: a long shared prefix is kept, a short one (its window overwritten) is not
+        backend.decode(tokens, [])
+        assert backend.reuse_prefix(tokens[:-10] + [5], keep_last=1) == len(tokens) - 10
+        backend.decode(tokens[-10:], [])
+        assert backend.reuse_prefix(tokens[:50] + filler(20, backend.n_vocab, 5000), keep_last=1) == 0
+        assert backend.n_past == 0
+        # a short sequence never wraps: any rollback is fine
+        backend.decode(tokens[:300], [])
+        backend.rollback(10)
+        assert backend.n_past == 10
+    finally:
+        backend.close()
+
+
+def test_the_engine_uses_the_window_sized_cache_only_when_a_verify_pass_is_one_batch(
+        embedded_model_path: Path) -> None:
+    """A verify pass split in several llama.cpp batches could roll back past what one batch may
+    overwrite: with n_batch below the largest verify pass (65 rows) the target keeps every position."""
+    for n_batch, windowed in ((512, True), (32, False)):
+        engine = Engine(EngineConfig(ModelConfig(str(embedded_model_path), n_ctx=2048, n_batch=n_batch,
+                                                 n_threads=2)), calibrate=False)
+        try:
+            assert (engine.target.n_swa == 512) is windowed
+        finally:
+            engine.close()

@@ -160,9 +160,21 @@ class LlamaBackend:
     """A loaded GGUF model with one context and one sequence.
 
     ``n_past`` is the number of positions in the KV cache; ``kv_tokens`` the tokens they hold.
+
+    Sliding-window attention (Gemma 3: 5 of 6 layers see the last 512 positions). With
+    ``full_swa_cache`` those layers keep every position, so the sequence can be rolled back
+    anywhere. Without it (llama.cpp's own default) they keep a window plus one batch (1,024 cells
+    for Gemma 3 with n_batch 512) and overwrite positions that fell out of the window when the
+    cache wraps: every pass attends over at most that many cells (a long prompt's passes cost
+    less) and the cache takes less memory, but a position that fell out is gone. Rolling back
+    the tokens of the last :meth:`decode` is always safe (llama.cpp overwrites only positions the
+    first of them no longer sees); a deeper rollback is checked: :meth:`reuse_prefix` then starts
+    over, :meth:`rollback` raises KVCacheError. A drafter that rolls back several one-token
+    passes at once (the draft model) keeps the full cache.
     """
 
-    def __init__(self, config: ModelConfig, *, max_batch_rows: int = 65) -> None:
+    def __init__(self, config: ModelConfig, *, max_batch_rows: int = 65,
+                 full_swa_cache: bool = True) -> None:
         _init_backend()
         llama_cpp = _llama()
         self._llama_cpp = llama_cpp
@@ -196,9 +208,7 @@ class LlamaBackend:
             cparams.n_threads_batch = threads
             cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if config.flash_attn
                                        else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-            # Full-size sliding-window cache: rolling back rejected draft tokens must not leave
-            # the window without the older tokens it evicted (Gemma 3/4 use 512/1024-token windows).
-            cparams.swa_full = True
+            cparams.swa_full = full_swa_cache  # see the class docstring
             self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
             if not self._ctx:
                 raise ModelLoadError(
@@ -216,6 +226,8 @@ class LlamaBackend:
             self.eos = int(llama_cpp.llama_vocab_eos(self._vocab))
             self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
             self.vocab_type = int(llama_cpp.llama_vocab_type(self._vocab))
+            # positions a sliding-window layer sees (0: none); what a rollback must leave in place
+            self.n_swa = 0 if full_swa_cache else int(llama_cpp.llama_model_n_swa(self._model))
         except Exception:
             self.close()
             raise
@@ -411,6 +423,20 @@ class LlamaBackend:
             raise KVCacheError(f"llama.cpp refused to remove KV positions >= {n_keep} of {self.n_past} "
                                f"({self.path}); the sequence cannot be rolled back")
         del self.kv_tokens[n_keep:]
+        if not self._window_intact():
+            self.clear()
+            raise KVCacheError(f"cannot roll back to position {n_keep}: the sliding-window layers "
+                               f"no longer hold the {self.n_swa} positions before it ({self.path}); "
+                               f"the cache was cleared")
+
+    def _window_intact(self) -> bool:
+        """Whether the next position's sliding window is all in the KV cache (True without a
+        window limit). llama.cpp keeps each sequence's positions contiguous, from its minimum on."""
+        n = self.n_past
+        if not self.n_swa or n == 0:
+            return True
+        first = int(self._llama_cpp.llama_memory_seq_pos_min(self._mem, 0))
+        return 0 <= first <= max(0, n - self.n_swa + 1)
 
     def reuse_prefix(self, tokens: Sequence[int], *, keep_last: int = 0) -> int:
         """Keep the longest common prefix of the KV cache and ``tokens`` (minus ``keep_last`` tokens
@@ -421,7 +447,12 @@ class LlamaBackend:
         kv = self.kv_tokens
         while n < limit and kv[n] == tokens[n]:
             n += 1
-        self.rollback(n)
+        try:
+            self.rollback(n)
+        except KVCacheError:
+            if self.n_past:  # llama.cpp refused the removal: not a window problem
+                raise
+            return 0  # the window before the prefix was overwritten: the cache was cleared
         return n
 
     def clear(self) -> None:

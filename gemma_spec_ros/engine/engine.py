@@ -61,6 +61,8 @@ DRAFTERS_BY_MODE: Dict[str, Tuple[str, ...]] = {
 
 #: calibrate() measures every pass size up to this one (then only K + 1; others interpolated).
 CALIBRATE_ALL_UP_TO = 9
+#: The largest verify pass: pending token + a draft of SpecConfig.draft_max <= 64 tokens.
+MAX_VERIFY_ROWS = 65
 
 
 @dataclass
@@ -128,7 +130,11 @@ class Engine:
         self._rolling = SpecStats()
         self.costs = CostModel()
         self.drafters: Dict[str, Drafting] = {}
-        self.target = LlamaBackend(config.target)
+        # A window-sized sliding-window cache (LlamaBackend): the target rolls back only the
+        # rejected tokens of its last pass, and prompt reuse checks the window. Safe only while
+        # every verify pass is one llama.cpp batch: with a smaller n_batch, the full cache.
+        one_batch = min(config.target.n_batch, config.target.n_ctx) >= MAX_VERIFY_ROWS
+        self.target = LlamaBackend(config.target, full_swa_cache=not one_batch)
         try:  # the draft model first: if it cannot draft for the target, no cache is loaded (or saved)
             if config.draft is not None:
                 self._add_drafter(DraftModelDrafter(config.draft, self.target))
