@@ -83,10 +83,12 @@ def test_native_log_parsing() -> None:
         bench_native.parse_native_output("no timings here")
     # llama-lookup's decode time holds n_tokens - 1 passes (the first token is the prompt pass's):
     # its rate counts the tokens after the first, as ours does
-    assert bench.native_decode_rate(130, 1, parsed["decode_s"]) == pytest.approx(129 / 2.15)
-    assert bench.native_decode_rate(130, 0, parsed["decode_s"]) == pytest.approx(130 / 2.15)
-    assert math.isnan(bench.native_decode_rate(130, 1, 0.0))
-    assert math.isnan(bench.native_decode_rate(1, 1, 0.002))  # ended at once: no rate, not 0 or 500
+    assert bench.native_decode_rate(130, 1, parsed["decode_s"], 130) == pytest.approx(129 / 2.15)
+    assert bench.native_decode_rate(130, 0, parsed["decode_s"], 130) == pytest.approx(130 / 2.15)
+    assert math.isnan(bench.native_decode_rate(130, 1, 0.0, 130))
+    assert math.isnan(bench.native_decode_rate(1, 1, 0.002, 130))  # ended at once: no rate, not 0 or 500
+    # the tool's last pass went past the request's 128 tokens: only the 128 asked for count
+    assert bench.native_decode_rate(130, 1, parsed["decode_s"], 128) == pytest.approx(127 / 2.15)
     stdout = "\n\n<bos>Hello world, and more\n\n\n\n"  # prompt echo, output, the tools' two "\n\n"
     assert bench_native.generated_text(stdout, "Hello world") == ", and more"
 

@@ -218,19 +218,24 @@ def make_request(text: str, max_tokens: int, temperature: float, seed: int) -> R
     return {"prompt": text, "max_tokens": max_tokens, "temperature": temperature, "seed": seed}
 
 
-def native_decode_rate(n_tokens: int, n_first: int, decode_s: float) -> float:
+def native_decode_rate(n_tokens: int, n_first: int, decode_s: float, max_tokens: int) -> float:
     """Tokens/s of a native tool from its printed decode time, less the ``n_first`` tokens whose
     pass is outside that time (llama-lookup's first token comes from its prompt pass), so the rate
     counts the same passes as ours after the first output. Before this, counting every token gave
     llama-lookup ~1% too much at 96-128 tokens.
 
-    >>> native_decode_rate(97, 1, 2.0)
-    48.0
+    Tokens past ``max_tokens`` do not count: the tools check their limit only after a pass, so
+    their last verify pass can emit up to K tokens more than asked (97-99 of 96), while the engine
+    stops at ``max_tokens`` (its last drafts are shorter). Counting them gave ``llama-lookup`` ~2%
+    more than what a request for ``max_tokens`` tokens gets; the last pass's time counts for both.
+
+    >>> native_decode_rate(97, 1, 2.0, 128), native_decode_rate(99, 1, 2.0, 97)
+    (48.0, 48.0)
 
     No rate (NaN, left out of every median) where nothing was decoded after the first token, as
     for our runners (a prompt answered by an end-of-generation token at once).
     """
-    n = n_tokens - n_first
+    n = min(n_tokens, max_tokens) - n_first
     return n / decode_s if n > 0 and decode_s and decode_s > 0 else float("nan")
 
 
@@ -248,7 +253,7 @@ def make_record(spec: RunnerSpec, suite: str, prompt_id: str, repeat: int, reque
     n_tokens = int(result.n_tokens)
     wall, ttft = float(result.wall_s), float(result.ttft_s)
     if result.decode_s is not None:  # native tools print their own decode time
-        rate = native_decode_rate(n_tokens, int(result.n_first), result.decode_s)
+        rate = native_decode_rate(n_tokens, int(result.n_first), result.decode_s, int(request["max_tokens"]))
     else:
         rate = decode_rate(n_tokens, int(result.n_first), wall, ttft)
     tokens = result.tokens
