@@ -82,6 +82,9 @@ class GoalRecord:
     accepted_at: float = 0.0
     started_at: float = 0.0
     lost: bool = False
+    # the result came only for a re-sent result request: the first one's response was dropped by
+    # the client (ros2/rclpy#1123, result side; the driver logs "Ignoring unexpected result response")
+    result_resent: bool = False
     step_ms: float = math.nan  # the result's verify time per target pass (server side)
     chunk_ms: float = math.nan  # the result's prompt time per evaluated n_batch chunk (server side)
 
@@ -134,6 +137,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--sample-period", type=float, default=10.0)
     parser.add_argument("--warmup", type=int, default=50, help="goals before the slopes are fitted")
     parser.add_argument("--goal-timeout", type=float, default=300.0)
+    parser.add_argument("--result-resend", type=float, default=20.0,
+                        help="seconds without a result before the result is requested again "
+                             "(below the node's queue.result_timeout, 60 s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="soak", help="folder for soak.json, soak.md, rss.svg, serve.log")
     parser.add_argument("--no-progress", action="store_true")
@@ -497,8 +503,11 @@ class Soak:
             if record.cancel_point == "stream" and len(feedback) == stream_after:
                 self._cancel(record, holder)
 
-        def on_result(future: Any) -> None:
+        def on_result(future: Any, resent: bool = False) -> None:
             response = future.result()
+            if finished.is_set():  # a re-sent request answered too: the same result
+                return
+            record.result_resent = resent
             record.result_at = time.monotonic()
             record.status = response.status
             result = response.result
@@ -537,7 +546,7 @@ class Soak:
         elif record.cancel_point == "delay":
             time.sleep(rng.uniform(0.0, 1.5))
             self._cancel(record, holder)
-        if not finished.wait(self.args.goal_timeout):
+        if not self._wait_result(finished, holder, on_result):
             record.lost = True
             return
         # feedback is a topic, the result a service: feedback may land after the result
@@ -551,6 +560,21 @@ class Soak:
             time.sleep(0.02)
         with self.lock:
             self.streams.pop(key, None)
+
+    def _wait_result(self, finished: threading.Event, holder: Dict[str, Any],
+                     on_result: Callable[..., None]) -> bool:
+        """Wait up to --goal-timeout for the result; every --result-resend seconds without it, ask
+        again (the server keeps a finished goal's result for queue.result_timeout, 60 s, and
+        answers every pending request). rclpy's ActionClient drops a result response that arrives
+        before get_result_async registered its request (ros2/rclpy#1123): a robot's client would
+        ask again too. A goal is lost only if no request is ever answered."""
+        deadline = time.monotonic() + self.args.goal_timeout
+        while not finished.wait(max(0.0, min(self.args.result_resend, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                return False
+            holder["handle"].get_result_async().add_done_callback(
+                _guarded(lambda future: on_result(future, resent=True)))
+        return True
 
     def _cancel(self, record: GoalRecord, holder: Dict[str, Any]) -> None:
         handle = holder.get("handle")
@@ -732,6 +756,8 @@ class Soak:
         # handles it before send_goal_async registered the request (ros2/rclpy#1123, fixed upstream
         # in #1308 and its backports); the driver then logs "Ignoring unexpected goal response".
         report.metrics["goal_requests_unanswered"] = unanswered
+        # the same race on the result request: answered only when asked again (see _wait_result)
+        report.metrics["result_requests_unanswered"] = [r.index for r in records if r.result_resent]
         report.samples = [asdict(s) for s in self.samples]
         report.metrics["goal_records"] = [
             {k: v for k, v in asdict(r).items() if k not in ("streamed", "text")} for r in records]
@@ -812,6 +838,8 @@ def render_markdown(report: Report) -> str:
               f"| ERROR/FATAL log lines | {m['error_log_lines']} |",
               f"| goal requests without a response (client side, ros2/rclpy#1123) | "
               f"{len(m['goal_requests_unanswered'])} |",
+              f"| result requests answered only when re-sent (client side, ros2/rclpy#1123) | "
+              f"{len(m.get('result_requests_unanswered', []))} |",
               f"| finish reasons | {m['finish_reasons']} |"]
     return "\n".join(lines) + "\n"
 
