@@ -113,6 +113,11 @@ def _install_quiet_logger(llama_cpp) -> None:
     llama_cpp.llama_log_set(_quiet, ctypes.c_void_p(0))
 
 
+class WindowLostError(KVCacheError):
+    """A rollback went back past what a window-sized sliding cache still holds; the cache was
+    cleared (see LlamaBackend)."""
+
+
 class DecodeInterrupted(Exception):
     """``LlamaBackend.decode`` stopped between two chunks because its ``stop`` callback said so."""
 
@@ -425,7 +430,7 @@ class LlamaBackend:
         del self.kv_tokens[n_keep:]
         if not self._window_intact():
             self.clear()
-            raise KVCacheError(f"cannot roll back to position {n_keep}: the sliding-window layers "
+            raise WindowLostError(f"cannot roll back to position {n_keep}: the sliding-window layers "
                                f"no longer hold the {self.n_swa} positions before it ({self.path}); "
                                f"the cache was cleared")
 
@@ -449,10 +454,8 @@ class LlamaBackend:
             n += 1
         try:
             self.rollback(n)
-        except KVCacheError:
-            if self.n_past:  # llama.cpp refused the removal: not a window problem
-                raise
-            return 0  # the window before the prefix was overwritten: the cache was cleared
+        except WindowLostError:  # the window before the prefix was overwritten: start over
+            return 0
         return n
 
     def clear(self) -> None:
