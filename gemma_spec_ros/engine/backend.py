@@ -78,6 +78,16 @@ def batch_invariant_build() -> bool:
     return b"LLAMAFILE = 1" not in _llama().llama_print_system_info()
 
 
+def exact_output_expected(ftype: int) -> bool:
+    """Whether output of a model with llama.cpp file type ``ftype`` is promised bit-identical
+    whatever the batch shapes and rollbacks: under the exact build (every batch size gives the same
+    F16/F32 logits), or with unquantized weights (prompt reuse is promised bit-identical there)."""
+    llama_cpp = _llama()
+    unquantized = ftype in (llama_cpp.LLAMA_FTYPE_ALL_F32, llama_cpp.LLAMA_FTYPE_MOSTLY_F16,
+                            llama_cpp.LLAMA_FTYPE_MOSTLY_BF16)
+    return unquantized or batch_invariant_build()
+
+
 def return_freed_memory() -> bool:
     """Give the heap pages freed so far back to the OS (glibc ``malloc_trim``); False where there is
     no glibc. Freeing a model and its context (KV cache, compute buffers: hundreds of MiB) leaves
@@ -176,10 +186,19 @@ class LlamaBackend:
     first of them no longer sees); a deeper rollback is checked: :meth:`reuse_prefix` then starts
     over, :meth:`rollback` raises KVCacheError. A drafter that rolls back several one-token
     passes at once (the draft model) keeps the full cache.
+
+    The window cache is a ring: a rollback moves llama.cpp's write head back to the lowest freed
+    cell, so after rejected tokens (or a trimmed prompt) that crossed the ring's end, the next token
+    lands in another cell than plain decoding would put it in. Attention sums the cells in cell
+    order, so the same positions give other floats (up to ~0.05 of a logit with F16 weights,
+    measured). ``full_swa_cache=None`` therefore decides by what is promised: the full cache (cell =
+    position, whatever was rolled back) where output must be bit-identical, i.e. under the exact
+    build or with F16/F32/BF16 weights (:func:`exact_output_expected`); the window cache otherwise
+    (quantized weights on the fast build, where logits already depend on batch shapes).
     """
 
     def __init__(self, config: ModelConfig, *, max_batch_rows: int = 65,
-                 full_swa_cache: bool = True) -> None:
+                 full_swa_cache: Optional[bool] = True) -> None:
         _init_backend()
         llama_cpp = _llama()
         self._llama_cpp = llama_cpp
@@ -201,6 +220,9 @@ class LlamaBackend:
                 f"llama.cpp could not load {self.path} (corrupt file, unsupported architecture, "
                 f"or not enough memory for n_gpu_layers={config.n_gpu_layers})")
         try:
+            if full_swa_cache is None:
+                full_swa_cache = exact_output_expected(int(llama_cpp.llama_model_ftype(self._model)))
+            self.full_swa_cache = full_swa_cache
             self._vocab = llama_cpp.llama_model_get_vocab(self._model)
             self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
             cparams = llama_cpp.llama_context_default_params()
@@ -355,6 +377,8 @@ class LlamaBackend:
             "n_ctx": self.n_ctx,
             "n_vocab": self.n_vocab,
             "vocab_type": self.vocab_type,
+            # "window" (llama.cpp's default, less memory) or "full" (bit-identical output promised)
+            "sliding_window_cache": "full" if self.full_swa_cache else "window",
         }
 
     # -- decoding -------------------------------------------------------------------------------
