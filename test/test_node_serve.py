@@ -21,7 +21,7 @@ from action_msgs.msg import GoalStatus
 from gemma_spec_msgs.action import Generate
 
 from gemma_spec_ros.engine.engine import Engine
-from gemma_spec_ros.engine.ngram_cache import NgramCache
+from gemma_spec_ros.engine import learned_cache
 from gemma_spec_ros.node.goals import request_from_goal
 from gemma_spec_ros.node.parameters import defaults, engine_config_from
 from gemma_spec_ros.tools import generate
@@ -55,8 +55,9 @@ def yaml_parameters(path: Path) -> Dict[str, Any]:
 def overrides(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
     """Command-line overrides of config/embedded.yaml: small context, fixed K (not adaptive, so the
     drafts do not depend on timing), a dynamic n-gram cache file in a temporary folder."""
+    folder = tmp_path_factory.mktemp("serve")
     return {"target.n_ctx": 512, "spec.adaptive": False, "spec.draft_max": 3,
-            "lookup.dynamic_path": str(tmp_path_factory.mktemp("serve") / "dynamic.bin")}
+            "lookup.dynamic_path": str(folder / "dynamic.bin"), "lookup.cache_dir": str(folder)}
 
 
 @contextmanager
@@ -183,7 +184,7 @@ def test_sigterm_shuts_down_cleanly_and_saves_the_dynamic_cache(
     exit 0, and the dynamic cache file holds that request's n-grams."""
     name = "gemma_spec_serve_sigterm"
     dynamic = tmp_path / "dynamic.bin"
-    with serving(repo_root, venv_python, {**overrides, "lookup.dynamic_path": str(dynamic)},
+    with serving(repo_root, venv_python, {**overrides, "lookup.dynamic_path": str(dynamic), "lookup.cache_dir": str(tmp_path)},
                  tmp_path / "serve.log", node=name) as process:
         own = Client(f"/{name}", name="gemma_spec_serve_sigterm_client")
         try:
@@ -195,7 +196,7 @@ def test_sigterm_shuts_down_cleanly_and_saves_the_dynamic_cache(
         assert process.wait(timeout=45) == 0, process.log.read_text()  # type: ignore[attr-defined]
         saved = f"dynamic n-gram cache saved to {dynamic}"
         assert saved in process.log.read_text()  # type: ignore[attr-defined]
-    cache = NgramCache.load(dynamic)
+    _, cache = learned_cache.read(dynamic)
     assert len(cache) > 0 and cache.total_count >= result.prompt_tokens + result.completion_tokens - 4
 
 
