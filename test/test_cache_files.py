@@ -173,3 +173,18 @@ def test_loading_a_large_file_that_is_no_cache_costs_about_its_size(tmp_path: Pa
     # the file's bytes, a record index and masks: ~3x the file (before: 7x, +287 MiB, and the
     # refusal quoted the file's values)
     assert int(peak_mib) < 3.5 * 40, proc.stdout
+
+
+def test_lookup_create_seeds_a_learned_cache_the_engine_loads(tmp_path: Path, embedded_model_path: Path) -> None:
+    """`gemma-spec-lookup-create --learned` writes the node's own format, tagged with the model's
+    vocabulary, so a corpus can seed lookup.dynamic_path (a plain file there is refused)."""
+    from gemma_spec_ros.tools import lookup_create
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("move_to(kitchen); pick(cup); place(cup, sink); say(done)\n" * 20)
+    seed = tmp_path / "seed.bin"
+    assert lookup_create.main([str(corpus), "-o", str(seed), "-m", str(embedded_model_path),
+                               "--learned", "--ngram-min", "1", "--ngram-max", "4", "-q"]) == 0
+    config = EngineConfig(ModelConfig(str(embedded_model_path), n_ctx=256),
+                          lookup=LookupConfig(dynamic_path=str(seed), cache_dir=str(tmp_path)))
+    with Engine(config, calibrate=False) as engine:
+        assert engine.dynamic_ngrams() > 20

@@ -20,6 +20,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from . import learned_cache
 from .types import KVCacheError, ModelConfig, ModelLoadError, VocabMismatchError
 
 _BACKEND_LOCK = threading.Lock()
@@ -142,6 +143,25 @@ class VocabIdentity:
     eos: int
     add_bos: bool
     token_texts_digest: str  # digest of all token texts, to compare without holding both lists
+
+
+def token_texts_digest(vocab: object) -> str:
+    """A digest of every token text of a llama.cpp vocabulary (``llama_model_get_vocab``)."""
+    import hashlib
+
+    llama_cpp = _llama()
+    digest = hashlib.sha1()
+    for token in range(int(llama_cpp.llama_vocab_n_tokens(vocab))):
+        digest.update(llama_cpp.llama_vocab_get_text(vocab, token) or b"")
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def vocab_tag_of(vocab: object) -> str:
+    """The tag learned n-gram cache files of a llama.cpp vocabulary carry (learned_cache.vocab_tag)."""
+    llama_cpp = _llama()
+    return learned_cache.vocab_tag(int(llama_cpp.llama_vocab_type(vocab)),
+                                   int(llama_cpp.llama_vocab_n_tokens(vocab)), token_texts_digest(vocab))
 
 
 def check_vocab_compatible(target: "LlamaBackend", draft: "LlamaBackend") -> None:
@@ -320,15 +340,14 @@ class LlamaBackend:
     @property
     def vocab_identity(self) -> VocabIdentity:
         if self._vocab_identity is None:
-            import hashlib
-
-            digest = hashlib.sha1()
-            for token in range(self.n_vocab):
-                digest.update(self.token_text(token))
-                digest.update(b"\0")
             self._vocab_identity = VocabIdentity(self.vocab_type, self.n_vocab, self.bos, self.eos,
-                                                 self.add_bos, digest.hexdigest())
+                                                 self.add_bos, token_texts_digest(self._vocab))
         return self._vocab_identity
+
+    def vocab_tag(self) -> str:
+        """The tag learned n-gram cache files of this vocabulary carry (learned_cache.vocab_tag)."""
+        identity = self.vocab_identity
+        return learned_cache.vocab_tag(identity.vocab_type, identity.n_vocab, identity.token_texts_digest)
 
     def chat_prompt(self, prompt: str, system_prompt: str = "") -> str:
         """``prompt`` wrapped in the model's own chat template (GGUF ``tokenizer.chat_template``)."""

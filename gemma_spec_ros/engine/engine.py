@@ -36,7 +36,6 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import learned_cache
 from .backend import DecodeInterrupted, LlamaBackend, return_freed_memory
 from .draft_model import DraftModelDrafter
 from .lookup import LookupDrafter
@@ -147,17 +146,13 @@ class Engine:
             if config.draft is not None:
                 self._add_drafter(DraftModelDrafter(config.draft, self.target))
             lookup = config.lookup
-            tag = self._vocab_tag() if lookup.dynamic_path or lookup.static_path else ""
+            tag = self.target.vocab_tag() if lookup.dynamic_path or lookup.static_path else ""
             self._add_drafter(LookupDrafter(lookup, vocab_tag=tag))
         except BaseException:
             self.close()
             raise
         if calibrate:
             self.calibrate()
-
-    def _vocab_tag(self) -> str:
-        identity = self.target.vocab_identity
-        return learned_cache.vocab_tag(identity.vocab_type, identity.n_vocab, identity.token_texts_digest)
 
     def _add_drafter(self, drafter: Drafter) -> None:
         policy = DraftLengthPolicy(drafter.name, self.costs, probe_new_requests=drafter.cheap_to_probe)
