@@ -229,6 +229,23 @@ def test_job_queue_counts_waiting_goals_not_the_running_one() -> None:
     assert queue.next_to_start() is None
 
 
+def test_a_goal_queued_after_a_transition_stopped_goals_is_dropped_until_resumed() -> None:
+    """L5 (first review): the goal callback's check of `accepting` and the push were not atomic,
+    so a goal accepted as deactivate began was queued after drop_all and then served while the node
+    was inactive. The queue itself now drops what is pushed after drop_all, until resume()."""
+    queue = goals.JobQueue()
+    queue.drop_all("the node was deactivated")
+    late = goals.Job(GoalHandle(7), None)
+    queue.push(late)
+    assert late.drop_reason == "the node was deactivated" and late.cancel.is_set()
+    assert queue.next_to_start() is late  # ends at once, unstarted
+    queue.finished(late)
+    queue.resume()
+    served = goals.Job(GoalHandle(8), None)
+    queue.push(served)
+    assert not served.drop_reason and queue.next_to_start() is served and queue.is_running(served)
+
+
 @pytest.mark.parametrize("module", [goals, diagnostics, serve])  # parameters.py has no examples
 def test_docstring_examples(module: Any) -> None:
     result = doctest.testmod(module)

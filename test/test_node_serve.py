@@ -25,8 +25,8 @@ from gemma_spec_ros.engine import learned_cache
 from gemma_spec_ros.node.goals import request_from_goal
 from gemma_spec_ros.node.parameters import defaults, engine_config_from
 from gemma_spec_ros.tools import generate
-from gemma_spec_ros.tools.generate import EXIT_OK, EXIT_REJECTED
-from test_node_harness import Client, wait_until
+from gemma_spec_ros.tools.generate import EXIT_OK, EXIT_REJECTED, EXIT_UNAVAILABLE
+from test_node_harness import Client, key_values, wait_until
 
 NODE = "gemma_spec_serve_test"
 PROMPT = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n"
@@ -154,6 +154,21 @@ def test_generate_cli_prints_the_same_text(client: Client, reference: Reference,
     rejected = subprocess.run(cli + ["--spec-mode", "draft"], cwd=repo_root, capture_output=True,
                               text=True, timeout=100)
     assert rejected.returncode == EXIT_REJECTED, rejected.stderr
+
+
+@pytest.mark.timeout(120)
+def test_generate_cli_cancels_its_goal_when_it_gives_up_waiting(client: Client, venv_python: Path,
+                                                                repo_root: Path) -> None:
+    """L11 (first review): on --timeout the client exited and left its goal running on the node,
+    holding the queue. Now it cancels the goal first."""
+    status = f"{NODE}: speculative decoding"
+    cancelled = int(key_values(client.wait_status(status))["requests cancelled"])
+    cli = [bin_path(venv_python, "gemma-spec-generate"), GOAL["prompt"], "--max-tokens", "450",
+           "--node", NODE, "--timeout", "3"]
+    out = subprocess.run(cli, cwd=repo_root, capture_output=True, text=True, timeout=60)
+    assert out.returncode == EXIT_UNAVAILABLE and "goal cancelled" in out.stderr, out.stderr
+    client.wait_status(status, lambda s: int(key_values(s)["requests cancelled"]) == cancelled + 1,
+                       timeout=15)
 
 
 def test_generate_cli_streams_feedback_before_the_result(capsys: pytest.CaptureFixture) -> None:

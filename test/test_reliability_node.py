@@ -348,3 +348,26 @@ def test_queue_positions_published_from_two_threads_never_end_stale(serve: Any) 
     node._publish_queue_positions(jobs)
     first.join()
     assert [p for name, p in published if name == "last"][-1] == 1, published
+
+
+def test_two_releases_at_once_undo_configure_once(serve: Any) -> None:
+    """L7 (first review): serve's shutdown path and a transition could run release() at the same
+    time, both destroying the action server and closing the engine. Now one undoes configure and
+    the other finds nothing left to undo."""
+    served = serve()
+    assert served.client.transition("configure") and served.client.transition("activate")
+    node, errors = served.node, []
+    engine = node._engine
+
+    def release() -> None:
+        try:
+            node.release("test: two releases")
+        except BaseException as error:  # noqa: BLE001  reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=release) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors and node._engine is None and engine.target._model is None

@@ -162,6 +162,9 @@ class JobQueue:
         self._running: Optional[Job] = None
         self._jobs: Dict[bytes, Job] = {}
         self._closed = False
+        # set by drop_all (a transition stopped goals), cleared by resume(): a goal that passed the
+        # goal callback just before the transition is pushed dropped, whatever the thread timing
+        self._dropping = ""
 
     # -- producers ---------------------------------------------------------------------------------
     def depth(self) -> int:
@@ -182,6 +185,9 @@ class JobQueue:
     def push(self, job: Job) -> None:
         """Queue an accepted goal behind every waiting goal of its priority or higher."""
         with self._cond:
+            if self._dropping and not job.drop_reason:
+                job.drop_reason = self._dropping
+                job.cancel.set()
             index = next((i for i, other in enumerate(self._waiting) if other.priority < job.priority),
                          len(self._waiting))
             self._waiting.insert(index, job)
@@ -228,8 +234,10 @@ class JobQueue:
             return True
 
     def drop_all(self, reason: str) -> None:
-        """Cancel the running goal and mark every waiting goal to finish unstarted with ``reason``."""
+        """Cancel the running goal and mark every waiting goal to finish unstarted with ``reason``;
+        goals pushed from now on until :meth:`resume` are dropped with it too."""
         with self._cond:
+            self._dropping = reason
             for job in self._waiting:
                 job.drop_reason = reason
                 job.cancel.set()
@@ -237,6 +245,11 @@ class JobQueue:
                 self._running.drop_reason = reason
                 self._running.cancel.set()
             self._cond.notify_all()
+
+    def resume(self) -> None:
+        """Goals pushed from now on are served again (the node was activated)."""
+        with self._cond:
+            self._dropping = ""
 
     def finished(self, job: Job) -> None:
         """A goal's execute callback is done with it."""

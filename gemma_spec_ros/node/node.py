@@ -113,6 +113,9 @@ class GemmaSpecNode(LifecycleNode):
         # queue-position feedback comes from the executor (a goal queued) and the dispatcher (a
         # goal started): one at a time, so a stale position is never published last
         self._positions_lock = threading.Lock()
+        # release() from a transition and from serve's shutdown path at once: one undoes configure,
+        # the other finds nothing left to undo
+        self._release_lock = threading.Lock()
         self._requests = diagnostics.RequestLog()
         self._orphans: Dict[bytes, str] = {}  # accepted goals that could not be queued -> why
         super().__init__(node_name, **kwargs)
@@ -237,6 +240,8 @@ class GemmaSpecNode(LifecycleNode):
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
         """Accept goals from now on."""
+        if self._jobs is not None:
+            self._jobs.resume()
         self._accepting = True
         self._state = "active"
         self.get_logger().info("active: accepting goals on ~/generate")
@@ -285,6 +290,10 @@ class GemmaSpecNode(LifecycleNode):
 
         What cleanup and shutdown do; callable directly when no transition can run.
         """
+        with self._release_lock:
+            self._release(reason)
+
+    def _release(self, reason: str) -> None:
         self._stop_goals(reason)
         if self._jobs is not None:
             self._jobs.close()
