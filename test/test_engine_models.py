@@ -306,7 +306,8 @@ def _lookup_engine(model_path, **values):
     from gemma_spec_ros.node.parameters import defaults, engine_config_from
 
     params = {**defaults(), "target.model_path": str(model_path), "target.n_ctx": 512,
-              "spec.mode": "lookup", "spec.draft_max": 4, "spec.adaptive": False, **values}
+              "spec.mode": "lookup", "spec.draft_max": 4, "spec.adaptive": False,
+              "lookup.cache_dir": "", **values}
     return Engine(engine_config_from(params), calibrate=False)
 
 

@@ -282,6 +282,7 @@ class LlamaBackend:
         self._piece_buf = ctypes.create_string_buffer(256)
         self._vocab_identity: Optional[VocabIdentity] = None
         self._eog_cache: dict = {}
+        self._control_pattern = None  # compiled on first use (see control_token_in)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def close(self) -> None:
@@ -348,6 +349,21 @@ class LlamaBackend:
         """The tag learned n-gram cache files of this vocabulary carry (learned_cache.vocab_tag)."""
         identity = self.vocab_identity
         return learned_cache.vocab_tag(identity.vocab_type, identity.n_vocab, identity.token_texts_digest)
+
+    def control_token_in(self, text: str) -> str:
+        """The first control-token text (``<start_of_turn>``, ``<eos>``, ...) found in ``text``, or
+        ''. A chat-templated prompt is tokenized with special tokens parsed (the template's own
+        markers must become control tokens), so such text in a client's content would forge turns."""
+        if self._control_pattern is None:
+            import re
+
+            llama_cpp = self._llama_cpp
+            texts = {self.token_text(token).decode("utf-8", "replace") for token in range(self.n_vocab)
+                     if llama_cpp.llama_vocab_is_control(self._vocab, token)}
+            texts = sorted((t for t in texts if t), key=len, reverse=True)
+            self._control_pattern = re.compile("|".join(map(re.escape, texts))) if texts else False
+        found = self._control_pattern.search(text) if self._control_pattern else None
+        return found.group(0) if found else ""
 
     def chat_prompt(self, prompt: str, system_prompt: str = "") -> str:
         """``prompt`` wrapped in the model's own chat template (GGUF ``tokenizer.chat_template``)."""

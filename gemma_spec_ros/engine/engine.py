@@ -218,6 +218,13 @@ class Engine:
                 raise EngineError("the engine is closed")
             text = request.prompt
             if request.use_chat_template:
+                for part, name in ((request.prompt, "prompt"), (request.system_prompt, "system_prompt")):
+                    forged = self.target.control_token_in(part)
+                    if forged:
+                        raise ValueError(
+                            f"{name} contains the control token text {forged!r}: with "
+                            "use_chat_template, turns and other control tokens come only from the "
+                            "model's chat template")
                 text = self.target.chat_prompt(request.prompt, request.system_prompt)
                 return self.target.tokenize(text, add_special=True, parse_special=True)
             if request.system_prompt:
