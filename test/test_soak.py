@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -16,12 +17,16 @@ from typing import Any, Dict, List, Tuple
 
 import pytest
 
-from gemma_spec_ros.tools.soak import Soak, percentiles, render_svg, slope
+from gemma_spec_ros.tools.soak import Soak, cycle_plan, percentiles, render_svg, slope
 from gemma_spec_ros.tools.soak_remote import DEFAULT_LLAMA_SERVER
 
 
 def test_helpers() -> None:
     assert percentiles([3.0, 1.0, 2.0])["p50"] == 2.0
+    cycles = ["deactivate", "cleanup", "remote"]
+    assert sorted(label for _, label in cycle_plan(random.Random(0), cycles, 40)) == sorted(cycles)
+    # too few goals for every cycle: the remote phase stays (the clients keep going until it ran)
+    assert cycle_plan(random.Random(0), cycles, 2) == [(1, "remote")]
     assert slope([0, 10], [100, 101]) == pytest.approx(0.1)
     assert "<polyline" in render_svg([{"t": 0.0, "rss_mib": 1.0}, {"t": 1.0, "rss_mib": 2.0}])
 

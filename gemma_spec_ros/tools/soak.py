@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import soak_remote
+
 # Kept free of rclpy at import time (the module is imported by tests that only parse arguments).
 
 #: Cancel points of a cancelled goal (see the module docstring).
@@ -104,7 +105,7 @@ class Sample:
     ngrams: int
     rss_anon_mib: float = math.nan  # heap and other private memory: where a leak shows
     rss_file_mib: float = math.nan  # mapped files (the GGUF's pages as they are touched)
-    serving: bool = True  # False during a cleanup/configure cycle (models freed): not in the slopes
+    serving: bool = True  # False during a cleanup cycle or the remote phase (no model): not in the slopes
 
 
 @dataclass
@@ -171,6 +172,20 @@ def server_n_batch(params_files: Sequence[str], overrides: Dict[str, str]) -> in
                 value = ((section or {}).get("ros__parameters") or {}).get("target", {}).get("n_batch")
                 n_batch = int(value) if value else n_batch
     return n_batch
+
+
+def cycle_plan(rng: random.Random, cycles: Sequence[str], goals: int) -> List[Tuple[int, str]]:
+    """(goal index, cycle) pairs in index order, at random indices below ``goals``. With fewer goals
+    than cycles some are left out, never the remote phase (the clients keep sending until it ran).
+
+    >>> cycle_plan(random.Random(0), ["deactivate", "cleanup", "remote"], 2)
+    [(1, 'remote')]
+    """
+    marks = sorted(rng.sample(range(1, max(2, goals)), min(len(cycles), max(1, goals - 1))))
+    labels = rng.sample(list(cycles), len(cycles))[:len(marks)]
+    if "remote" in cycles and "remote" not in labels:
+        labels[-1] = "remote"
+    return list(zip(marks, labels))
 
 
 def percentiles(values: Sequence[float]) -> Dict[str, float]:
@@ -626,8 +641,7 @@ class Soak:
                    ("target.n_ctx", lambda: 4096)]  # configure-time: refused while configured
         cycles = ["deactivate"] * self.args.cycles + ["cleanup"] * self.args.cleanup_cycles
         cycles += ["remote"] if self.remote is not None else []
-        marks = sorted(rng.sample(range(1, max(2, self.args.goals)), min(len(cycles), max(1, self.args.goals - 1))))
-        plan = list(zip(marks, rng.sample(cycles, len(cycles))))
+        plan = cycle_plan(rng, cycles, self.args.goals)
         while not self.stop_event.wait(rng.uniform(*self.args.flip_period)):
             if plan and self.next_index >= plan[0][0]:
                 self._cycle(plan.pop(0)[1])

@@ -81,32 +81,38 @@ class RemotePhase:
         self.error = ""  # why the phase did not run to its end
 
     def run(self) -> None:
-        """Start the server, serve remotely with a freeze, go back to local; never raises."""
+        """Start the server, serve remotely with a freeze, go back to local; never raises (a
+        failure is kept in ``error`` and fails the phase's check)."""
         try:
-            self._start_server(self.soak.model_path())
-            self.soak.reconfigure({"backend": "remote", "remote.url": self.url,
-                                   "remote.connect_timeout": CONNECT_TIMEOUT,
-                                   "remote.read_timeout": self.budget / 2, "remote.probe_period": 0.5})
-            self.active = True
-            started = time.monotonic()
-            self._sleep_until(started + (self.args.remote_phase - self.args.freeze) / 2)
-            os.kill(self.server.pid, signal.SIGSTOP)
-            frozen_at = time.monotonic()
-            try:
-                self._sleep_until(frozen_at + self.args.freeze)
-            finally:
-                os.kill(self.server.pid, signal.SIGCONT)
-                self.window = (frozen_at, time.monotonic())
-            self._sleep_until(started + self.args.remote_phase)
-        except Exception as exc:  # noqa: BLE001  reported as a failed check
+            self._serve_remotely()
+        except Exception as exc:  # noqa: BLE001
             self.error = repr(exc)
         finally:
             self.active = False
             try:
                 self.soak.reconfigure({"backend": "local"})
+            except Exception as exc:  # noqa: BLE001
+                self.error = self.error or f"back to backend local: {exc!r}"
             finally:
                 self.stop()
                 self.finished = True
+
+    def _serve_remotely(self) -> None:
+        self._start_server(self.soak.model_path())
+        self.soak.reconfigure({"backend": "remote", "remote.url": self.url,
+                               "remote.connect_timeout": CONNECT_TIMEOUT,
+                               "remote.read_timeout": self.budget / 2, "remote.probe_period": 0.5})
+        self.active = True
+        started = time.monotonic()
+        self._sleep_until(started + (self.args.remote_phase - self.args.freeze) / 2)
+        os.kill(self.server.pid, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        try:
+            self._sleep_until(frozen_at + self.args.freeze)
+        finally:
+            os.kill(self.server.pid, signal.SIGCONT)
+            self.window = (frozen_at, time.monotonic())
+        self._sleep_until(started + self.args.remote_phase)
 
     def stop(self) -> None:
         if self.server is not None and self.server.poll() is None:
