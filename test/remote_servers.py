@@ -1,7 +1,9 @@
 """Real inference servers on loopback for the remote-backend tests: llama-cpp-python's own
 OpenAI-compatible server (``python -m llama_cpp.server``, its ``server`` extra installed by
-scripts/setup.sh) and llama.cpp's ``llama-server`` (scripts/build_native_tools.sh). No test
-functions live here.
+scripts/setup.sh) and llama.cpp's ``llama-server`` (scripts/build_native_tools.sh); and
+:class:`ScriptedStreamServer`, a fake for the stream shapes no real server produces on demand
+(keep-alive comments with no data, no chunked encoding, a line with no end). No test functions
+live here.
 
 Every server binds 127.0.0.1 only, on a free port, with one thread: the test machine is shared.
 """
@@ -12,11 +14,13 @@ import http.client
 import os
 import signal
 import socket
+import socketserver
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional
 
 import pytest
 
@@ -138,3 +142,78 @@ def running_llama_cpp_server(model: Path, log_dir: Path) -> Iterator[Server]:
         yield server
     finally:
         server.stop()
+
+
+class ScriptedStreamServer:
+    """A fake OpenAI-compatible server on 127.0.0.1 whose ``POST /v1/completions`` answer is
+    ``script(send)``: the raw bytes of the response, status line and headers included, written with
+    ``send`` (False once the client is gone). Every other request gets an empty 404, so the engine
+    sees a plain OpenAI-compatible server. A fake, for what no real server does on demand: a
+    generation that hangs while keep-alive comments flow (sse-starlette pings every 15 s), a stream
+    without chunked encoding (HTTP/1.0 proxies, ``Connection: close`` servers), a line with no end."""
+
+    def __init__(self, script: Callable[[Callable[[bytes], bool]], None]) -> None:
+        outer = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                request = outer._read_request(self.request)
+                if request.startswith(b"POST") and b"/v1/completions" in request.split(b"\r\n", 1)[0]:
+                    script(lambda data: outer._send(self.request, data))
+                else:
+                    outer._send(self.request, b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+
+        socketserver.ThreadingTCPServer.allow_reuse_address = True
+        self._server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def __enter__(self) -> "ScriptedStreamServer":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    @staticmethod
+    def _read_request(sock: socket.socket) -> bytes:
+        """Headers and body (by Content-Length) of one request."""
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return data
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = 0
+        for line in head.split(b"\r\n"):
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":", 1)[1])
+        while len(body) < length:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            body += chunk
+        return head
+
+    @staticmethod
+    def _send(sock: socket.socket, data: bytes) -> bool:
+        try:
+            sock.sendall(data)
+            return True
+        except OSError:
+            return False
+
+
+#: Response heads of :class:`ScriptedStreamServer` scripts: chunked (as llama-server, vLLM), and
+#: ended by closing the connection (no length, no chunked encoding).
+SSE_CHUNKED_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                    b"Transfer-Encoding: chunked\r\n\r\n")
+SSE_CLOSE_DELIMITED_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"
+
+
+def chunk(payload: bytes) -> bytes:
+    """``payload`` as one HTTP chunk."""
+    return b"%x\r\n%s\r\n" % (len(payload), payload)

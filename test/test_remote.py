@@ -19,7 +19,8 @@ from gemma_spec_ros.engine import remote as remote_module
 from gemma_spec_ros.engine.engine import Engine, Step
 from gemma_spec_ros.engine.remote import (REMOTE_MODE, RemoteConfig, RemoteEngine, RemoteError,
                                           ServerUnreachableError, parse_prometheus)
-from gemma_spec_ros.engine.types import EngineConfig, GenerationRequest, ModelConfig, SpecConfig
+from gemma_spec_ros.engine.types import (EngineConfig, GenerationRequest, ModelConfig, PromptTooLongError,
+                                         SpecConfig)
 from remote_servers import (API_KEY, API_KEY_ENV, LLAMA_SERVER, Server, free_port, llama_cpp_server,
                             llama_server, running_llama_cpp_server)
 
@@ -102,7 +103,7 @@ def test_streams_text_per_chunk_with_stats(engine: RemoteEngine) -> None:
     assert len(chunks) >= 2 and all(s.text for s in chunks)
     stats = last.stats
     assert stats.num_generated_tokens == 12 and stats.spec_mode == REMOTE_MODE
-    assert stats.num_prompt_tokens == engine.count_prompt_tokens(request) > 10
+    assert stats.num_prompt_tokens > 10  # llama_cpp.server streams no usage: its tokenizer counted
     assert 0 < stats.time_to_first_token < 30 and stats.tokens_per_second > 0
     # llama_cpp.server runs no speculation and reports none: unknown, not zero
     assert math.isnan(stats.mean_acceptance_length) and math.isnan(stats.acceptance_rate)
@@ -264,16 +265,76 @@ def test_spec_changes_are_refused_the_server_decides(engine: RemoteEngine) -> No
     assert engine.check_spec(SPEC) == ""
 
 
-def test_prompt_tokens_from_the_server_else_an_estimate(engine: RemoteEngine) -> None:
-    request = GenerationRequest(prompt="The quick brown fox jumps over the lazy dog.")
-    by_server = engine.count_prompt_tokens(request)
+def test_goal_checks_estimate_prompt_tokens_the_start_counts_them(engine: RemoteEngine) -> None:
+    """The goal checks' count is a lower-bound estimate (a valid prompt near a limit is never
+    refused on it); the request itself is counted by the server's tokenizer (an estimate where
+    none answers)."""
+    request = GenerationRequest(prompt="The quick brown fox jumps over the lazy dog.", max_tokens=2)
+    by_server = run(engine, request)[-1].stats.num_prompt_tokens
     assert 10 <= by_server <= 14  # BOS + ~11 tokens
+    assert engine.count_prompt_tokens(request) <= by_server, "the estimate must not over-count"
+    assert engine.backend_status()["prompt tokens by"] == "llama-cpp-python server tokenizer"
     dead = RemoteEngine(RemoteConfig(url=f"http://127.0.0.1:{free_port()}", connect_timeout=0.3,
                                      probe_period=0), SPEC)
-    estimate = dead.count_prompt_tokens(request)
-    assert estimate >= by_server, "the estimate must not under-count ordinary text"
+    with pytest.raises(ServerUnreachableError):
+        run(dead, request)
     assert dead.backend_status()["prompt tokens by"] == "estimate"
     dead.close()
+
+
+@pytest.mark.timeout(120)
+def test_goal_checks_make_no_round_trip_the_start_checks_exactly(server: Server, api_key: str) -> None:
+    """count_prompt_tokens runs in the node's goal callback, whose callback group also serves
+    cancels: with the server hung it answers at once (before: a tokenizer call of up to
+    connect_timeout, every cancel waiting behind it). The start counts exactly: a prompt denser than
+    the estimate (digits, one token each) passes the goal check and is refused with
+    PromptTooLongError before anything streams."""
+    eng = RemoteEngine(RemoteConfig(url=server.url, api_key_env=api_key, connect_timeout=3.0,
+                                    probe_period=0, n_ctx=128), SPEC)
+    dense = GenerationRequest(prompt="7" * 150, max_tokens=4)
+    try:
+        with server.frozen():
+            t0 = time.perf_counter()
+            estimate = eng.count_prompt_tokens(dense)
+            assert time.perf_counter() - t0 < 1.0, "the goal check waited for the server"
+        eng.check_request(dense, estimate)  # 11 estimated + 4 fit in 128
+        with pytest.raises(PromptTooLongError, match=r"prompt of 1[5-6]\d tokens .* context of 128"):
+            run(eng, dense)
+    finally:
+        eng.close()
+    limited = RemoteEngine(RemoteConfig(url=server.url, api_key_env=api_key, connect_timeout=3.0,
+                                        probe_period=0, max_prompt_tokens=100), SPEC)
+    try:  # limits.max_prompt_tokens, checked on the exact count at start
+        with pytest.raises(PromptTooLongError, match=r"more than limits.max_prompt_tokens=100"):
+            run(limited, dense)
+    finally:
+        limited.close()
+
+
+@pytest.mark.timeout(120)
+def test_time_budget_ends_a_slow_stream_with_its_text(engine: RemoteEngine) -> None:
+    """A stream that would run for ~20 s ends with finish_reason timeout about when its budget
+    runs out (before: it ran to max_tokens), with the text streamed so far."""
+    t0 = time.perf_counter()
+    steps = run(engine, GenerationRequest(prompt=CODE_PROMPT, max_tokens=600, time_budget=1.5))
+    assert steps[-1].finish_reason == "timeout"
+    assert time.perf_counter() - t0 < 6.0
+    assert "".join(s.text for s in steps) and 0 < steps[-1].stats.num_generated_tokens < 600
+
+
+@pytest.mark.timeout(120)
+def test_time_budget_ends_a_request_to_a_hung_server(server: Server, api_key: str) -> None:
+    """A hung server (SIGSTOP) before the first byte: the budget ends the request with timeout,
+    long before read_timeout (before: the read timeout's error, 30 s later)."""
+    eng = RemoteEngine(RemoteConfig(url=server.url, api_key_env=api_key, connect_timeout=0.5,
+                                    read_timeout=30.0, probe_period=0), SPEC)
+    try:
+        with server.frozen():
+            t0 = time.perf_counter()
+            steps = run(eng, GenerationRequest(prompt="Hi", max_tokens=2, time_budget=1.0))
+            assert steps[-1].finish_reason == "timeout" and time.perf_counter() - t0 < 6.0
+    finally:
+        eng.close()
 
 
 # -- llama.cpp's llama-server: tau from its timings and /metrics ---------------------------------------
@@ -294,7 +355,7 @@ def test_tau_from_llama_server_with_ngram_speculation(embedded_model_path: Path,
         steps = run(eng, request)
         stats = steps[-1].stats
         assert steps[-1].finish_reason in ("length", "stop")
-        assert stats.num_prompt_tokens == eng.count_prompt_tokens(request)
+        assert stats.num_prompt_tokens == eng._server_token_count(remote_module._prompt_text(request), 5.0)
         assert stats.num_draft_tokens > 0 and 0 <= stats.acceptance_rate <= 1
         # tau counts the bonus token: between 1 and 1 + the mean draft length (drafts of <= 6 here)
         assert stats.num_drafts > 0 and stats.num_draft_tokens <= 6 * stats.num_drafts

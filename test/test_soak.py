@@ -1,24 +1,32 @@
 """gemma-spec-soak's smoke profile: the real server subprocess (embedded model, one thread) driven by
 the soak tool over loopback DDS. Invariants only (no timing assertions): 0 lost goals, invalid goals
 and parameters refused with a reason, cancels end CANCELED, streamed == result text, the same greedy
-output at the end, exit status 0 after SIGINT with goals running and queued, a valid cache file."""
+output at the end, exit status 0 after SIGINT with goals running and queued, a valid cache file.
+The remote phase's profile runs the same with a real llama-server frozen (SIGSTOP) for 5 s."""
 from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import threading
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any, Dict, List, Tuple
 
 import pytest
 
-from gemma_spec_ros.tools.soak import Soak, percentiles, render_svg, slope
+from gemma_spec_ros.tools.soak import Soak, cycle_plan, percentiles, render_svg, slope
+from gemma_spec_ros.tools.soak_remote import DEFAULT_LLAMA_SERVER
 
 
 def test_helpers() -> None:
     assert percentiles([3.0, 1.0, 2.0])["p50"] == 2.0
+    cycles = ["deactivate", "cleanup", "remote"]
+    assert sorted(label for _, label in cycle_plan(random.Random(0), cycles, 40)) == sorted(cycles)
+    # too few goals for every cycle: the remote phase stays (the clients keep going until it ran)
+    assert cycle_plan(random.Random(0), cycles, 2) == [(1, "remote")]
     assert slope([0, 10], [100, 101]) == pytest.approx(0.1)
     assert "<polyline" in render_svg([{"t": 0.0, "rss_mib": 1.0}, {"t": 1.0, "rss_mib": 2.0}])
 
@@ -56,22 +64,17 @@ def test_a_dropped_result_response_is_asked_for_again_and_not_counted_lost() -> 
         assert handle.requests >= 1
 
 
-@pytest.mark.timeout(420)
-def test_smoke_profile(repo_root: Path, embedded_model_path: Path, tmp_path: Path) -> None:
-    out = tmp_path / "soak"
-    cache = tmp_path / "dynamic.bin"
-    overrides = {"target.model_path": str(embedded_model_path), "target.n_threads": 1,
-                 "target.n_ctx": 1024, "limits.max_prompt_tokens": 256, "limits.max_tokens": 64,
-                 "generation.max_tokens": 12, "lookup.dynamic_path": str(cache),
-                 "lookup.cache_dir": str(tmp_path),
-                 "lookup.save_period": 2.0, "diagnostics.period": 0.5}
+def run_soak(repo_root: Path, model: Path, out: Path, options: List[str],
+             overrides: Dict[str, Any]) -> Tuple[subprocess.CompletedProcess, Dict[str, Any]]:
+    """gemma-spec-soak on the embedded profile with ``options`` and server ``overrides``; the
+    process and its soak.json. Every check must pass and the exit status be 0."""
+    overrides = {"target.model_path": str(model), "target.n_threads": 1, "target.n_ctx": 1024,
+                 "limits.max_prompt_tokens": 256, "limits.max_tokens": 64, "generation.max_tokens": 12,
+                 "diagnostics.period": 0.5, **overrides}
     cmd = [sys.executable, "-m", "gemma_spec_ros.tools.soak",
            "--params-file", str(repo_root / "config" / "embedded.yaml"),
-           "--node-name", f"gemma_spec_soak_{os.getpid()}",
-           "--goals", "40", "--clients", "2", "--cycles", "1", "--cleanup-cycles", "1",
-           "--flip-period", "0.5", "1.5", "--sample-period", "2", "--warmup", "5",
-           "--max-tokens", "12", "--goal-timeout", "120", "--final-goals", "3",
-           "--out", str(out), "--no-progress"]
+           "--node-name", f"gemma_spec_soak_{os.getpid()}", "--sample-period", "2",
+           "--max-tokens", "12", "--out", str(out), "--no-progress", *options]
     for name, value in overrides.items():
         cmd += ["--set", f"{name}:={value}"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo_root), os.environ.get("PYTHONPATH", "")]))
@@ -80,5 +83,38 @@ def test_smoke_profile(repo_root: Path, embedded_model_path: Path, tmp_path: Pat
     failed = {name: check for name, check in report["checks"].items() if not check["pass"]}
     assert not failed, (failed, proc.stderr[-3000:])
     assert proc.returncode == 0
+    return proc, report
+
+
+@pytest.mark.timeout(420)
+def test_smoke_profile(repo_root: Path, embedded_model_path: Path, tmp_path: Path) -> None:
+    out = tmp_path / "soak"
+    cache = tmp_path / "dynamic.bin"
+    _, report = run_soak(
+        repo_root, embedded_model_path, out,
+        ["--goals", "40", "--clients", "2", "--cycles", "1", "--cleanup-cycles", "1",
+         "--flip-period", "0.5", "1.5", "--warmup", "5", "--goal-timeout", "120", "--final-goals", "3"],
+        {"lookup.dynamic_path": str(cache), "lookup.cache_dir": str(tmp_path), "lookup.save_period": 2.0})
     assert report["metrics"]["accepted"] > 0 and report["metrics"]["rejected"] > 0
     assert (out / "soak.md").is_file() and (out / "rss.svg").is_file()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not DEFAULT_LLAMA_SERVER.is_file(),
+                    reason=f"llama-server not built at {DEFAULT_LLAMA_SERVER} (scripts/build_native_tools.sh)")
+def test_remote_phase_with_a_frozen_llama_server(repo_root: Path, embedded_model_path: Path,
+                                                  tmp_path: Path) -> None:
+    """The remote phase on a real llama-server, frozen for 5 s: the soak's own checks pass (every
+    goal alive during the freeze ended within its budget + margin, goals succeed after the
+    resume, 0 lost, the greedy output back on the local model equal to the start's)."""
+    _, report = run_soak(
+        repo_root, embedded_model_path, tmp_path / "soak",
+        ["--goals", "8", "--clients", "2", "--cycles", "0", "--cleanup-cycles", "0",
+         "--remote-phase", "16", "--freeze", "5", "--remote-budget", "4",
+         "--flip-period", "0.5", "1.0", "--warmup", "2", "--goal-timeout", "60", "--final-goals", "1"],
+        {"lookup.dynamic_path": str(tmp_path / "dynamic.bin"), "lookup.cache_dir": str(tmp_path)})
+    assert "remote phase: goals during the freeze ended" in report["checks"]
+    records = report["metrics"]["goal_records"]
+    during = [r for r in records if r["remote"] and r["accepted"]]
+    assert during and {r["finish_reason"] for r in during} & {"timeout", "error", "cancelled"}
+    assert report["metrics"]["remote_phase"]["url"].startswith("http://127.0.0.1:")

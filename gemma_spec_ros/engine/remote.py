@@ -11,7 +11,7 @@ Public API (what the node uses, as for :class:`~gemma_spec_ros.engine.engine.Eng
 
     engine = RemoteEngine(RemoteConfig(url="http://gpu-box:8080"), spec, fallback=None)
     engine.spec, engine.check_spec(spec), engine.update_spec(spec)   # refused: the server decides
-    engine.count_prompt_tokens(request)      # the server's tokenizer, else an estimate (see below)
+    engine.count_prompt_tokens(request)      # an estimate, no round trip (see below)
     engine.check_request(request)            # PromptTooLongError when the server's n_ctx is known
     engine.n_ctx                             # the server's context length, 0 if unknown
     for step in engine.generate(request, cancel):   # one Step per streamed chunk
@@ -21,10 +21,13 @@ Public API (what the node uses, as for :class:`~gemma_spec_ros.engine.engine.Eng
 Streaming: ``POST /v1/completions`` (raw prompt) or ``/v1/chat/completions`` (the goal asked for the
 chat template; the server applies its own) with ``stream: true``; server-sent events ``data: {...}``
 up to ``data: [DONE]``, decoded incrementally so a chunk boundary never splits a UTF-8 character.
-Cancel shuts the socket down from a watcher thread, so a blocked read returns at once and the server
-sees the client gone and stops generating. HTTP errors, timeouts and a dead server raise
-:class:`RemoteError` (an EngineError: the goal ends with finish_reason ``error`` and the reason);
-the next request connects afresh.
+A watcher thread shuts the connected socket down when the goal is cancelled, when its
+``time_budget`` runs out (the stream ends with finish_reason ``timeout`` and its text so far), or
+when no ``data:`` event came for ``read_timeout`` (keep-alive comments such as ``: ping`` do not
+count: a server whose generation hangs while it pings ends the goal with an error); a blocked read
+returns at once and the server sees the client gone and stops generating. HTTP errors, timeouts and a
+dead server raise :class:`RemoteError` (an EngineError: the goal ends with finish_reason ``error``
+and the reason); the next request connects afresh.
 
 Acceptance (tau), never invented:
 
@@ -38,12 +41,17 @@ Acceptance (tau), never invented:
   since configure: the server-wide tau over all its clients (the server's speculation serves them all).
 - A server that reports none of these leaves every acceptance figure unknown (NaN), as local ``off``.
 
-Prompt tokens: llama-server ``/tokenize``, llama_cpp.server ``/extras/tokenize/count``, vLLM
-``/tokenize``; otherwise (or when the call fails within ``connect_timeout``) an estimate of one
-token per :data:`ESTIMATE_BYTES_PER_TOKEN` UTF-8 bytes. llama_cpp.server serves one request at a
-time and, by default, a new request interrupts the running stream: its tokenizer is therefore only
-asked while this engine is not streaming (the estimate otherwise), and one such server should serve
-one robot (or run with ``--interrupt_requests false``).
+Prompt tokens: :meth:`count_prompt_tokens` (the node's goal checks) makes no round trip: it estimates
+one token per :data:`ESTIMATE_BYTES_PER_TOKEN` UTF-8 bytes, a lower bound. The node calls it in its goal callback,
+which shares a mutually exclusive callback group with cancel requests: a round trip there would make
+every cancel wait behind it (up to ``connect_timeout`` on a hung server). :meth:`generate` counts
+exactly before it streams, with llama-server ``/tokenize``, llama_cpp.server
+``/extras/tokenize/count`` or vLLM ``/tokenize`` (within ``connect_timeout``), and raises
+:class:`PromptTooLongError` when the prompt and ``max_tokens`` do not fit the server's context or
+the prompt exceeds ``RemoteConfig.max_prompt_tokens``.
+llama_cpp.server serves one request at a time and, by default, a new request interrupts the running
+stream: its tokenizer is therefore only asked while this engine is not streaming, and one such
+server should serve one robot (or run with ``--interrupt_requests false``).
 
 Fallback: with ``fallback`` (a local :class:`Engine`), a request whose connection fails (refused,
 unreachable, connect timeout), or that arrives while the prober's last look found the server down,
@@ -52,7 +60,6 @@ it started is not resumed locally: that goal ends with an error.
 """
 from __future__ import annotations
 
-import codecs
 import http.client
 import json
 import math
@@ -70,13 +77,18 @@ from .types import EngineError, GenerationRequest, PromptTooLongError, SpecConfi
 
 #: The spec_mode label of steps the server generated (the server's configuration decides the mode).
 REMOTE_MODE = "remote"
-#: Prompt-token estimate without a server tokenizer: ~4 bytes per token is typical of English text
-#: with Gemma/Llama tokenizers, so 3 over-counts ordinary text (a conservative prompt-length check).
-ESTIMATE_BYTES_PER_TOKEN = 3
+#: The goal check's prompt-token estimate, a lower bound: one token per 16 UTF-8 bytes (Gemma/Llama
+#: tokenizers give 1.2-4 bytes per token on text, code, JSON and digits; 8 on a repeated long word),
+#: so the goal check refuses only prompts that cannot fit, never a valid one near a limit; the exact
+#: count when the goal starts decides the rest (it ends the goal with an error).
+ESTIMATE_BYTES_PER_TOKEN = 16
 #: Template markup tokens added to a chat prompt's estimate (roles, turn markers).
 CHAT_TEMPLATE_TOKENS = 16
-#: Seconds between two checks of the cancel event by a stream's watcher thread.
+#: Seconds between two checks of the cancel event and the deadlines by a stream's watcher thread.
 CANCEL_POLL = 0.02
+#: Longest line of an event stream: a completion chunk is a few hundred bytes, so a longer line is
+#: a broken or hostile server, refused before it holds memory and a core.
+MAX_EVENT_LINE_BYTES = 1 << 20
 #: Attempts to see the server's counters include a finished request (they update after the stream).
 METRICS_SETTLE_TRIES = 5
 METRICS_SETTLE_SLEEP = 0.02
@@ -108,9 +120,13 @@ class RemoteConfig:
     model: str = ""  # "model" of each request; '' = the server's default model
     api_key_env: str = ""  # NAME of the environment variable holding the API key; '' = no key
     connect_timeout: float = 2.0  # seconds to connect; also the limit of tokenizer and probe calls
-    read_timeout: float = 60.0  # longest wait for the next bytes of a stream (the first token too)
+    read_timeout: float = 60.0  # longest wait for the next data event of a stream (the first too);
+    #                            keep-alive comments (": ping") do not count
     probe_period: float = 2.0  # seconds between reachability/RTT probes and /metrics reads; 0 = off
     n_ctx: int = 0  # context length for goal checks; 0 = what the server reports (else no check)
+    #: the node's limits.max_prompt_tokens as of configure, checked on the exact count at start
+    #: (the goal check has only the lower-bound estimate); 0 = no limit
+    max_prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
         parts = urllib.parse.urlsplit(self.url)
@@ -120,8 +136,8 @@ class RemoteConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"remote.{name}={value}: must be > 0 seconds")
-        if self.probe_period < 0 or self.n_ctx < 0:
-            raise ValueError("remote.probe_period and remote.n_ctx must be >= 0")
+        if self.probe_period < 0 or self.n_ctx < 0 or self.max_prompt_tokens < 0:
+            raise ValueError("remote.probe_period, remote.n_ctx and max_prompt_tokens must be >= 0")
         if self.api_key_env and self.api_key_env not in os.environ:
             raise ValueError(f"remote.api_key_env names {self.api_key_env!r}, which is not set in "
                              "the node's environment: export it, or set remote.api_key_env to ''")
@@ -185,20 +201,23 @@ class _SseReader:
 
     def __init__(self, read1: Any) -> None:
         self._read1 = read1
-        self._decoder = codecs.getincrementaldecoder("utf-8")()
-        self._buffer = ""
+        self._tail = b""  # the unfinished last line, as bytes (never longer than MAX_EVENT_LINE_BYTES)
 
     def __iter__(self) -> Iterator[str]:
         while True:
             data = self._read1(65536)
             if not data:
                 return
-            self._buffer += self._decoder.decode(data)
-            *lines, self._buffer = self._buffer.split("\n")
+            # Lines are split as bytes: a newline byte never occurs inside a UTF-8 sequence, so every
+            # line decodes to whole characters, and the tail costs one copy per read, not a rescan.
+            *lines, self._tail = (self._tail + data).split(b"\n")
+            if len(self._tail) > MAX_EVENT_LINE_BYTES:
+                raise RemoteError(f"the server sent a line of more than {MAX_EVENT_LINE_BYTES} bytes "
+                                  "without an end: not an event stream of completions")
             for line in lines:
-                line = line.rstrip("\r")
-                if line.startswith("data:"):
-                    yield line[len("data:"):].strip()
+                text = line.rstrip(b"\r").decode("utf-8", "replace")
+                if text.startswith("data:"):
+                    yield text[len("data:"):].strip()
 
 
 class RemoteEngine:
@@ -261,15 +280,11 @@ class RemoteEngine:
 
     # -- requests ------------------------------------------------------------------------------------
     def count_prompt_tokens(self, request: GenerationRequest) -> int:
-        """Prompt tokens by the server's tokenizer (chat: + template estimate), else an estimate."""
-        text = request.prompt
-        if request.system_prompt:
-            text = request.system_prompt + "\n\n" + text
-        extra = CHAT_TEMPLATE_TOKENS if request.use_chat_template else 0
-        count = self._server_token_count(text)
-        if count is None:
-            count = -(-len(text.encode("utf-8")) // ESTIMATE_BYTES_PER_TOKEN) + 1
-        return count + extra
+        """An estimate of the prompt's tokens, without a round trip to the server: it runs in the
+        node's goal callback, where cancels wait behind it. :meth:`generate` counts exactly."""
+        text = _prompt_text(request)
+        count = -(-len(text.encode("utf-8")) // ESTIMATE_BYTES_PER_TOKEN) + 1
+        return count + _template_tokens(request)
 
     def check_request(self, request: GenerationRequest, n_prompt: Optional[int] = None) -> None:
         n_ctx = self.n_ctx
@@ -288,8 +303,19 @@ class RemoteEngine:
                  cancel: Optional[threading.Event] = None) -> Iterator[Step]:
         """One Step per streamed chunk with text, then a last Step with the finish reason."""
         cancel = cancel if cancel is not None else threading.Event()
-        # llama_cpp.server streams no usage: count the prompt first (its tokenizer is free now)
-        n_prompt = self.count_prompt_tokens(request) if self.kind == KIND_LLAMA_CPP_PYTHON else 0
+        budget_ends = time.monotonic() + request.time_budget if request.time_budget else math.inf
+        # The exact count, here rather than in the goal check (see count_prompt_tokens); before the
+        # lock: llama_cpp.server's tokenizer is asked only while this engine does not stream.
+        timeout = min(self.config.connect_timeout, max(0.01, budget_ends - time.monotonic()))
+        counted = self._server_token_count(_prompt_text(request), timeout)
+        n_prompt = 0
+        if counted is not None:
+            n_prompt = counted + _template_tokens(request)
+            limit = self.config.max_prompt_tokens
+            if limit and n_prompt > limit:
+                raise PromptTooLongError(
+                    f"prompt has {n_prompt} tokens, more than limits.max_prompt_tokens={limit}")
+            self.check_request(request, n_prompt)
         with self._lock:
             down = self._known_down() if self._fallback is not None else ""
             if down:  # the prober found the server down just now: no connect timeout to wait out
@@ -297,11 +323,11 @@ class RemoteEngine:
                 yield from self._fallback.generate(request, cancel)
                 return
             try:
-                stream = self._open_stream(request, cancel)
-            except _Cancelled:
+                stream = self._open_stream(request, cancel, budget_ends)
+            except _EndedBeforeResponse as ended:
                 self._note_served("remote", "")
                 yield Step((), "", SpecStats(spec_mode=REMOTE_MODE, verification="server",
-                                             num_prompt_tokens=n_prompt), REMOTE_MODE, 0, "cancelled")
+                                             num_prompt_tokens=n_prompt), REMOTE_MODE, 0, ended.finish_reason)
                 return
             except ServerUnreachableError as exc:
                 self._set_probe(False, math.nan, str(exc))
@@ -458,11 +484,11 @@ class RemoteEngine:
         counters = parse_prometheus(body.decode("utf-8", "replace"))
         return counters if "spec_decode_num_drafts" in counters else None
 
-    def _server_token_count(self, text: str) -> Optional[int]:
+    def _server_token_count(self, text: str, timeout: float) -> Optional[int]:
+        """``text``'s tokens by the server's tokenizer; None if it has none or did not answer."""
         with self._state_lock:
             unreachable = self._probe.reachable is False
         kind = "" if unreachable else self.kind  # no wait on a server the last probe found down
-        timeout = self.config.connect_timeout
         reply: Optional[Any] = None
         if kind == KIND_LLAMA_SERVER:
             reply = self._post_json("/tokenize", {"content": text, "add_special": True}, timeout)
@@ -557,37 +583,35 @@ class RemoteEngine:
                 messages.insert(0, {"role": "system", "content": request.system_prompt})
             body["messages"] = messages
             return "/v1/chat/completions", body
-        prompt = request.prompt
-        if request.system_prompt:
-            prompt = request.system_prompt + "\n\n" + prompt
-        body["prompt"] = prompt
+        body["prompt"] = _prompt_text(request)
         return "/v1/completions", body
 
-    def _open_stream(self, request: GenerationRequest, cancel: threading.Event) -> "_Stream":
-        """Connect, send, read the status: a stream whose socket a watcher thread shuts down on
-        cancel (from here on, so a server silent before its first byte is covered too)."""
+    def _open_stream(self, request: GenerationRequest, cancel: threading.Event,
+                     budget_ends: float) -> "_Stream":
+        """Connect, send, read the status: a stream guarded by a watcher thread from here on (so a
+        server silent before its first byte is covered too)."""
         path, body = self._payload(request)
         before = self._read_metrics() if self._has_metrics else None
         started = time.perf_counter()
         conn = self._connect(self.config.read_timeout)
-        done = threading.Event()
-        threading.Thread(target=_watch, args=(cancel, done, conn), daemon=True,
-                         name="gemma_spec_remote_cancel").start()
+        guard = _StreamGuard(conn.sock, cancel, self.config.read_timeout, budget_ends)
         try:
             conn.request("POST", self._base + path, body=json.dumps(body).encode(),
                          headers={**self._headers(), "Accept": "text/event-stream"})
             response = conn.getresponse()
         except (OSError, http.client.HTTPException) as exc:
-            done.set()
+            guard.done.set()
             conn.close()
             if cancel.is_set():
-                raise _Cancelled() from None
-            if isinstance(exc, socket.timeout):
+                raise _EndedBeforeResponse("cancelled") from None
+            if guard.expired == _BUDGET:
+                raise _EndedBeforeResponse("timeout") from None
+            if guard.expired == _SILENCE or isinstance(exc, socket.timeout):
                 raise RemoteError(f"no response from {self.config.url} within remote.read_timeout="
                                   f"{self.config.read_timeout:g} s") from None
             raise RemoteError(f"POST {path} on {self.config.url}: {_describe(exc)}") from None
         if response.status != 200:
-            done.set()
+            guard.done.set()
             try:
                 detail = _error_message(response.read(1 << 16))
             except (OSError, http.client.HTTPException):
@@ -595,7 +619,7 @@ class RemoteEngine:
             conn.close()
             raise RemoteError(f"HTTP {response.status} {response.reason} from POST {path} on "
                               f"{self.config.url}" + (f": {detail}" if detail else ""))
-        return _Stream(conn, response, started, before, done)
+        return _Stream(conn, response, started, before, guard)
 
     def _stream(self, stream: "_Stream", n_prompt: int, cancel: threading.Event) -> Iterator[Step]:
         stats = SpecStats(spec_mode=REMOTE_MODE, verification="server", num_prompt_tokens=n_prompt)
@@ -605,9 +629,12 @@ class RemoteEngine:
         usage: Dict[str, Any] = {}
         timings: Dict[str, Any] = {}
         ended = "error"
+        guard = stream.guard
+        silent = False  # the socket's own timeout fired: no bytes at all for read_timeout
         try:
             try:
                 for data in _SseReader(stream.response.read1):
+                    guard.saw_data()
                     if data == "[DONE]":
                         break
                     chunk = _parse_chunk(data)
@@ -624,14 +651,21 @@ class RemoteEngine:
                         last_at = t
                         _fill(stats, chunks, first_at, last_at, usage, timings)
                         yield Step((), text, stats.snapshot(), REMOTE_MODE, 0, None)
-                    if cancel.is_set():
+                    if cancel.is_set() or (finish is None and guard.budget_spent()):
                         break
             except (OSError, http.client.HTTPException) as exc:
-                if not cancel.is_set():
+                silent = isinstance(exc, socket.timeout)
+                if not (cancel.is_set() or guard.expired or silent):
                     raise RemoteError(f"stream from {self.config.url} broke after {chunks} chunks: "
                                       f"{_describe(exc)}") from None
             if cancel.is_set():
                 ended = "cancelled"
+            elif finish is None and (silent or guard.expired == _SILENCE):
+                raise RemoteError(f"no data from {self.config.url} for remote.read_timeout="
+                                  f"{self.config.read_timeout:g} s after {chunks} chunks (keep-alive "
+                                  "comments do not count): the server is stuck or overloaded")
+            elif finish is None and (guard.expired == _BUDGET or guard.budget_spent()):
+                ended = "timeout"
             elif finish is None:
                 raise RemoteError(f"the stream from {self.config.url} ended without a finish reason "
                                   f"after {chunks} chunks (server stopped, or a request of another "
@@ -641,11 +675,12 @@ class RemoteEngine:
             else:
                 ended = _FINISH[finish]
             _fill(stats, chunks, first_at, last_at, usage, timings)
-            if ended != "cancelled":
+            if ended not in ("cancelled", "timeout"):  # a cut stream's counters are not attributable
                 self._attribute_metrics(stats, stream.metrics_before, timings)
             yield Step((), "", stats.snapshot(), REMOTE_MODE, 0, ended)
         finally:
-            stream.done.set()
+            guard.done.set()
+            stream.response.close()  # it owns the socket of a stream that ends with the connection
             stream.conn.close()
             with self._state_lock:
                 self._rolling.merge(stats)
@@ -699,25 +734,72 @@ class _Stream:
     response: http.client.HTTPResponse
     started: float  # perf_counter when the request was sent (TTFT counts from here)
     metrics_before: Optional[Dict[str, float]]
-    done: threading.Event  # set when the stream is over: its cancel watcher exits
+    guard: "_StreamGuard"
 
 
-class _Cancelled(Exception):
-    """Cancel was set before the server's response arrived."""
+class _EndedBeforeResponse(Exception):
+    """The goal was cancelled, or its time budget ran out, before the server's response arrived."""
+
+    def __init__(self, finish_reason: str) -> None:
+        super().__init__(finish_reason)
+        self.finish_reason = finish_reason
 
 
-def _watch(cancel: threading.Event, done: threading.Event, conn: http.client.HTTPConnection) -> None:
-    """Shut the stream's socket down as soon as ``cancel`` is set, so a blocked read returns and
-    the server sees the client gone (it then stops generating)."""
-    while not done.is_set():
-        if cancel.wait(CANCEL_POLL):
-            sock = conn.sock
-            if sock is not None and not done.is_set():
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-            return
+#: Why a stream's watcher shut its socket down (besides a cancel).
+_BUDGET, _SILENCE = "time budget", "no data within read_timeout"
+
+
+class _StreamGuard:
+    """A watcher thread that shuts a stream's socket down when ``cancel`` is set, when the
+    request's time budget ends (``budget_ends``, time.monotonic(); inf = none) or when no data
+    event came for ``read_timeout`` (:meth:`saw_data` restarts that clock; keep-alive comments keep
+    bytes flowing, so the socket's own timeout never fires). A blocked read then returns and the
+    server sees the client gone (it stops generating). ``expired`` says which deadline passed.
+
+    The socket is the one the connection made: http.client sets ``conn.sock`` to None once a
+    response that ends with the connection (no chunked encoding) owns it. Set ``done`` when the
+    stream is over: the thread exits."""
+
+    def __init__(self, sock: socket.socket, cancel: threading.Event, read_timeout: float,
+                 budget_ends: float) -> None:
+        self._sock, self._cancel, self._read_timeout = sock, cancel, read_timeout
+        self._budget_ends = budget_ends
+        self._silence_ends = time.monotonic() + read_timeout
+        self.expired = ""
+        self.done = threading.Event()
+        threading.Thread(target=self._watch, daemon=True, name="gemma_spec_remote_watch").start()
+
+    def saw_data(self) -> None:
+        self._silence_ends = time.monotonic() + self._read_timeout
+
+    def budget_spent(self) -> bool:
+        return time.monotonic() >= self._budget_ends
+
+    def _watch(self) -> None:
+        while not self.done.is_set():
+            if self._cancel.wait(CANCEL_POLL):
+                break
+            now = time.monotonic()
+            if now >= self._budget_ends or now >= self._silence_ends:
+                self.expired = _BUDGET if now >= self._budget_ends else _SILENCE
+                break
+        if not self.done.is_set():
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # already closed
+                pass
+
+
+def _prompt_text(request: GenerationRequest) -> str:
+    """The text the server tokenizes: the system prompt, a blank line, the prompt."""
+    if request.system_prompt:
+        return request.system_prompt + "\n\n" + request.prompt
+    return request.prompt
+
+
+def _template_tokens(request: GenerationRequest) -> int:
+    """Estimated chat-template markup tokens (the server applies its own template)."""
+    return CHAT_TEMPLATE_TOKENS if request.use_chat_template else 0
 
 
 def _parse_chunk(data: str) -> Dict[str, Any]:

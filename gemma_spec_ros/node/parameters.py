@@ -155,8 +155,8 @@ PARAMETERS: Tuple[ParamSpec, ...] = (
               "seconds to connect to the server; also the limit of its tokenizer and probe calls",
               (0.01, 600.0)),
     ParamSpec("remote.read_timeout", _REMOTE.read_timeout,
-              "seconds a stream may stay silent (the first token included) before the goal ends "
-              "with an error", (0.01, 86400.0)),
+              "seconds a stream may go without a data event (the first token included; keep-alive "
+              "comments do not count) before the goal ends with an error", (0.01, 86400.0)),
     ParamSpec("remote.probe_period", _REMOTE.probe_period,
               "seconds between reachability/RTT probes (GET /health) and /metrics reads; 0 = off",
               (0.0, 3600.0)),
@@ -329,7 +329,8 @@ def remote_config_from(values: Mapping[str, Any]) -> RemoteConfig:
                         api_key_env=values["remote.api_key_env"],
                         connect_timeout=values["remote.connect_timeout"],
                         read_timeout=values["remote.read_timeout"],
-                        probe_period=values["remote.probe_period"], n_ctx=values["remote.n_ctx"])
+                        probe_period=values["remote.probe_period"], n_ctx=values["remote.n_ctx"],
+                        max_prompt_tokens=values["limits.max_prompt_tokens"])
 
 
 def check_values(values: Mapping[str, Any], configured: bool) -> str:
@@ -374,11 +375,14 @@ def render_markdown() -> str:
         "no reload of the target) or the next goal.",
         "",
         "With `backend: remote` the server runs the speculation: `spec.*` changes and a goal's",
-        "`spec_mode` are refused with the reason. Prompt tokens (for `limits.max_prompt_tokens` and",
-        "`remote.n_ctx`) are counted by the server's tokenizer (llama-server `/tokenize`, vLLM",
-        "`/tokenize`, llama_cpp.server `/extras/tokenize/count`, the latter only while no generation",
-        "of this node runs) or else estimated as one token per 3 UTF-8 bytes (+16 for a chat",
-        "template); `/diagnostics` says which (`prompt tokens by`). See docs/deployment.md.",
+        "`spec_mode` are refused with the reason. A goal's prompt is checked against",
+        "`limits.max_prompt_tokens` and the server's context on a lower-bound estimate (one token per",
+        "16 UTF-8 bytes, +16 for a chat template), with no call to the server (the goal callback also",
+        "serves cancels): only prompts that cannot fit are refused there. When the goal starts, the",
+        "server's tokenizer counts it exactly (llama-server `/tokenize`, vLLM `/tokenize`,",
+        "llama_cpp.server `/extras/tokenize/count`), and a prompt over `limits.max_prompt_tokens` (as",
+        "of configure) or the context ends the goal with an error; `/diagnostics` says what counted",
+        "(`prompt tokens by`). See docs/deployment.md.",
         "",
         "| name | type | default | range | description |",
         "|---|---|---|---|---|",

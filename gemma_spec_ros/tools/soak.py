@@ -12,7 +12,9 @@ What it does (seeded, so a run can be repeated):
   messages, or after a random delay (near or after the last feedback);
 - a parameter thread sets runtime parameters every ``--flip-period`` seconds (valid values, which
   must be accepted, and invalid ones, which must be refused with a reason) and runs the lifecycle
-  cycles (``--cycles`` deactivate/activate, ``--cleanup-cycles`` cleanup/configure/activate);
+  cycles (``--cycles`` deactivate/activate, ``--cleanup-cycles`` cleanup/configure/activate, and
+  with ``--remote-phase`` a phase on ``backend: remote`` with a real llama-server frozen by SIGSTOP
+  for ``--freeze`` seconds: see :mod:`gemma_spec_ros.tools.soak_remote`);
 - at the end it sends a few goals and, with them running and queued, stops the server with SIGINT.
 
 Checks (each PASS/FAIL in the report): every accepted goal got one result (0 lost); every invalid
@@ -45,6 +47,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from . import soak_remote
 
 # Kept free of rclpy at import time (the module is imported by tests that only parse arguments).
 
@@ -85,6 +89,8 @@ class GoalRecord:
     # the result came only for a re-sent result request: the first one's response was dropped by
     # the client (ros2/rclpy#1123, result side; the driver logs "Ignoring unexpected result response")
     result_resent: bool = False
+    remote: bool = False  # sent during the remote phase
+    time_budget: float = 0.0  # the goal's time_budget (0 = none)
     step_ms: float = math.nan  # the result's verify time per target pass (server side)
     chunk_ms: float = math.nan  # the result's prompt time per evaluated n_batch chunk (server side)
 
@@ -99,7 +105,7 @@ class Sample:
     ngrams: int
     rss_anon_mib: float = math.nan  # heap and other private memory: where a leak shows
     rss_file_mib: float = math.nan  # mapped files (the GGUF's pages as they are touched)
-    serving: bool = True  # False during a cleanup/configure cycle (models freed): not in the slopes
+    serving: bool = True  # False during a cleanup cycle or the remote phase (no model): not in the slopes
 
 
 @dataclass
@@ -148,7 +154,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--cancel-bound", action="store_true",
                         help="check: p99 cancel-to-result within one prompt chunk + 2 steps (p99 of each, "
                              "from the results' own timings)")
-    return parser.parse_args(argv)
+    soak_remote.add_arguments(parser)
+    args = parser.parse_args(argv)
+    soak_remote.check_arguments(parser, args)
+    return args
 
 
 def server_n_batch(params_files: Sequence[str], overrides: Dict[str, str]) -> int:
@@ -163,6 +172,20 @@ def server_n_batch(params_files: Sequence[str], overrides: Dict[str, str]) -> in
                 value = ((section or {}).get("ros__parameters") or {}).get("target", {}).get("n_batch")
                 n_batch = int(value) if value else n_batch
     return n_batch
+
+
+def cycle_plan(rng: random.Random, cycles: Sequence[str], goals: int) -> List[Tuple[int, str]]:
+    """(goal index, cycle) pairs in index order, at random indices below ``goals``. With fewer goals
+    than cycles some are left out, never the remote phase (the clients keep sending until it ran).
+
+    >>> cycle_plan(random.Random(0), ["deactivate", "cleanup", "remote"], 2)
+    [(1, 'remote')]
+    """
+    marks = sorted(rng.sample(range(1, max(2, goals)), min(len(cycles), max(1, goals - 1))))
+    labels = rng.sample(list(cycles), len(cycles))[:len(marks)]
+    if "remote" in cycles and "remote" not in labels:
+        labels[-1] = "remote"
+    return list(zip(marks, labels))
 
 
 def percentiles(values: Sequence[float]) -> Dict[str, float]:
@@ -242,8 +265,9 @@ def invalid_goals(limits: Dict[str, int]) -> List[Tuple[str, Dict[str, Any]]]:
         ("too many stop strings", dict(prompt="hi", stop=[f"s{i}" for i in range(limits["max_stop_strings"] + 1)])),
         ("stop string too long", dict(prompt="hi", stop=["x" * (limits["max_stop_length"] + 1)])),
         ("prompt over max_prompt_bytes", dict(prompt="é" * (limits["max_prompt_bytes"] // 2 + 1))),
+        # over the limit even on the remote backend's lower-bound estimate (16 bytes per token)
         ("prompt over max_prompt_tokens",
-         dict(prompt=" ".join(f"w{i}" for i in range(min(limits["max_prompt_tokens"] + 8,
+         dict(prompt=" ".join(f"w{i}" for i in range(min(17 * limits["max_prompt_tokens"] // 4,
                                                           limits["max_prompt_bytes"] // 6))))),
         ("draft mode without a draft model", dict(prompt="hi", spec_mode="draft")),
     ]
@@ -298,6 +322,7 @@ class Soak:
         self.server: Optional[subprocess.Popen] = None
         self.overrides = dict(item.split(":=", 1) for item in args.set)
         self.n_batch = server_n_batch(args.params_file, self.overrides)
+        self.remote = soak_remote.RemotePhase(self, args) if args.remote_phase > 0 else None
 
     # server ---------------------------------------------------------------------------------------
     def start_server(self) -> None:
@@ -328,6 +353,8 @@ class Soak:
         try:
             return self._drive()
         finally:
+            if self.remote is not None:
+                self.remote.stop()
             if self.server is not None and self.server.poll() is None:
                 self.server.kill()
             executor.shutdown(timeout_sec=2.0)
@@ -405,6 +432,12 @@ class Soak:
         values = self._call(self.get_params, GetParameters.Request(names=names)).values
         return {name.split(".")[1]: value.integer_value for name, value in zip(names, values)}
 
+    def model_path(self) -> str:
+        """The node's target.model_path, for the remote phase's server."""
+        from rcl_interfaces.srv import GetParameters
+        [value] = self._call(self.get_params, GetParameters.Request(names=["target.model_path"])).values
+        return os.path.expanduser(value.string_value)
+
     def _set(self, name: str, value: Any) -> Tuple[bool, str]:
         from rcl_interfaces.srv import SetParameters
         from rclpy.parameter import Parameter
@@ -451,7 +484,9 @@ class Soak:
     # goals ----------------------------------------------------------------------------------------
     def _take_index(self) -> Optional[int]:
         with self.lock:
-            if self.next_index >= self.args.goals and time.monotonic() - self.t0 >= self.args.duration:
+            remote_to_come = self.remote is not None and not self.remote.finished  # it needs goals
+            if (self.next_index >= self.args.goals and time.monotonic() - self.t0 >= self.args.duration
+                    and not remote_to_come):
                 return None
             self.next_index += 1
             return self.next_index - 1
@@ -472,6 +507,10 @@ class Soak:
                 record = GoalRecord(index, kind, invalid=False)
                 if rng.random() < self.args.cancel_share:
                     record.cancel_point = rng.choice(CANCEL_POINTS)
+            if self.remote is not None and self.remote.active:
+                record.remote = True
+                if not record.invalid:  # the phase checks that each goal ends within its budget
+                    fields["time_budget"] = record.time_budget = self.remote.budget
             with self.lock:
                 self.records.append(record)
                 self.in_flight += 1
@@ -602,8 +641,8 @@ class Soak:
                    ("generation.max_tokens", lambda: 10 ** 7),
                    ("target.n_ctx", lambda: 4096)]  # configure-time: refused while configured
         cycles = ["deactivate"] * self.args.cycles + ["cleanup"] * self.args.cleanup_cycles
-        marks = sorted(rng.sample(range(1, max(2, self.args.goals)), min(len(cycles), max(1, self.args.goals - 1))))
-        plan = list(zip(marks, rng.sample(cycles, len(cycles))))
+        cycles += ["remote"] if self.remote is not None else []
+        plan = cycle_plan(rng, cycles, self.args.goals)
         while not self.stop_event.wait(rng.uniform(*self.args.flip_period)):
             if plan and self.next_index >= plan[0][0]:
                 self._cycle(plan.pop(0)[1])
@@ -625,22 +664,32 @@ class Soak:
             self._transition("deactivate")
             time.sleep(0.3)
             self._transition("activate")
+        elif label == "remote":
+            self.remote.run()
         else:
-            # cleanup destroys the action server: a goal request in flight then gets no response
-            # at all (a client must time out), so the clients finish their goals first
-            self.serving.clear()
-            deadline = time.monotonic() + self.args.goal_timeout
-            while self.in_flight and time.monotonic() < deadline:
-                time.sleep(0.05)
-            try:
-                self._transition("deactivate")
-                self._transition("cleanup")
-                self._transition("configure")
-                self._transition("activate")
-                self.action.wait_for_server(timeout_sec=30.0)
-                time.sleep(1.0)  # discovery of the new server's services
-            finally:
-                self.serving.set()
+            self.reconfigure({})
+
+    def reconfigure(self, parameters: Dict[str, Any]) -> None:
+        """Cleanup, set configure-time ``parameters``, configure, activate."""
+        # cleanup destroys the action server: a goal request in flight then gets no response
+        # at all (a client must time out), so the clients finish their goals first
+        self.serving.clear()
+        deadline = time.monotonic() + self.args.goal_timeout
+        while self.in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        try:
+            self._transition("deactivate")
+            self._transition("cleanup")
+            for name, value in parameters.items():
+                ok, reason = self._set(name, value)
+                self.param_results.append({"name": name, "value": value, "valid": True,
+                                           "ok": ok, "reason": reason})
+            self._transition("configure")
+            self._transition("activate")
+            self.action.wait_for_server(timeout_sec=30.0)
+            time.sleep(1.0)  # discovery of the new server's services
+        finally:
+            self.serving.set()
 
     def _golden(self) -> str:
         """The greedy output of a fixed goal, evaluated whole (prompt reuse off for it)."""
@@ -684,7 +733,8 @@ class Soak:
                 self.samples.append(Sample(
                     time.monotonic() - self.t0, self._done(), sample["rss_mib"], int(sample["threads"]),
                     int(sample["open_files"]), self.ngrams, sample.get("rss_anon_mib", math.nan),
-                    sample.get("rss_file_mib", math.nan), self.serving.is_set()))
+                    sample.get("rss_file_mib", math.nan),
+                    self.serving.is_set() and not (self.remote is not None and self.remote.active)))
             deadline = time.monotonic() + self.args.sample_period
             while self.server.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.1)
@@ -738,8 +788,12 @@ class Soak:
                                  "detail": f"{len(self.transitions)} transitions"}
         checks["exit status 0"] = {"pass": exit_status == 0, "detail": f"exit status {exit_status}"}
         checks["dynamic cache valid"] = self._check_cache()
+        if self.remote is not None:
+            checks.update(self.remote.checks(records))
         report.metrics = self._metrics(records, seconds, rejected, log)
         m = report.metrics
+        if self.remote is not None:
+            m["remote_phase"] = self.remote.metrics()
         if self.args.max_rss_slope is not None:
             checks["RSS slope"] = {
                 "pass": m["rss_slope_mib_per_1000_goals"] < self.args.max_rss_slope,
