@@ -64,7 +64,8 @@ def client(repo_root: Path, venv_python: Path, tmp_path_factory: pytest.TempPath
     period; a client subscribed to its topics."""
     tmp = tmp_path_factory.mktemp("rqt_node")
     overrides = {"target.n_ctx": 512, "spec.adaptive": False, "spec.draft_max": 3,
-                 "lookup.dynamic_path": str(tmp / "dynamic.bin"), "diagnostics.period": 0.5}
+                 "lookup.dynamic_path": str(tmp / "dynamic.bin"), "lookup.cache_dir": str(tmp),
+                 "diagnostics.period": 0.5}
     with serving(repo_root, venv_python, overrides, tmp / "serve.log", node=NODE):
         rclpy.init()
         ros = Client(f"/{NODE}", name="gemma_spec_rqt_test_client")
