@@ -254,9 +254,8 @@ class _Driver:
             items.append({"name": getattr(item, "name", ""), "shown": item.text(0), "message": item.text(1)})
             if self.select and getattr(item, "name", "") == self.select and self.inspector is None:
                 widget.tree_all_devices.itemDoubleClicked.emit(item, 0)  # opens the inspector
-                from rqt_robot_monitor.inspector_window import InspectorWindow
                 self.inspector = self._widget("rqt_robot_monitor.inspector_window.InspectorWindow")
-                if isinstance(self.inspector, InspectorWindow):
+                if self.inspector is not None:
                     self.inspector.resize(460, 420)
             it += 1
         inspected = self.inspector.disp.toPlainText() if self.inspector is not None else ""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Optional
 
 import pytest
 
@@ -44,6 +44,9 @@ VOLATILE_KEYS = {"RSS MiB"}
 #: rqt_runtime_monitor's groups (the label before " (count)") by level.
 GROUP_OF_LEVEL = {DiagnosticStatus.OK: "Ok", DiagnosticStatus.WARN: "Warnings",
                   DiagnosticStatus.ERROR: "Errors", DiagnosticStatus.STALE: "Stale"}
+#: rqt_robot_monitor's inspector names the level in words.
+WORD_OF_LEVEL = {DiagnosticStatus.OK: "OK", DiagnosticStatus.WARN: "WARNING",
+                 DiagnosticStatus.ERROR: "ERROR", DiagnosticStatus.STALE: "STALE"}
 #: Repetition that n-gram lookup drafts from, so the target accepts drafts (tau > 1); two kinds, so
 #: that the plotted per-request values differ.
 PROMPTS = ("red, green, blue, red, green, blue, red, green, blue, red, green, blue, red, green,",
@@ -103,9 +106,9 @@ def rqt(client: Client, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Di
     assert all(status == 0 for status in statuses.values()), statuses
 
 
-def latest_status(client: Client, name: str) -> DiagnosticStatus:
-    """The last status named ``name`` that the client received on /diagnostics."""
-    return next(s for s in reversed(list(client.diagnostics)) if s.name == name)
+def latest_status(client: Client, name: str) -> Optional[DiagnosticStatus]:
+    """The last status named ``name`` that the client received on /diagnostics (None before one)."""
+    return next((s for s in reversed(list(client.diagnostics)) if s.name == name), None)
 
 
 def monitor_shows(shown: Dict[str, Any], status: DiagnosticStatus) -> bool:
@@ -124,6 +127,8 @@ def wait_monitor_shows_latest(client: Client, monitor: RqtProbe, what: str,
     where given: a change the node has just made); that snapshot."""
     def shows(shown: Dict[str, Any]) -> Any:
         status = latest_status(client, SPEC_STATUS)
+        if status is None:
+            return None
         changed = not key or key_values(status).get(key) == value
         return changed and monitor_shows(shown, status) and shown
 
@@ -225,12 +230,16 @@ def test_robot_monitor_remapped_shows_both_statuses(
     monitor = rqt["robot_monitor"]
 
     def inspector_shows_latest(shown: Dict[str, Any]) -> bool:
-        published = key_values(latest_status(client, SPEC_STATUS))
+        """The inspector holds every key-value of the latest status (but the re-measured ones)."""
+        status = latest_status(client, SPEC_STATUS)
+        if status is None:
+            return False
         inspected = shown.get("inspector", {})
-        return inspected.get(TAU) == published[TAU] and inspected.get(MODE) == published[MODE]
+        published = {k: v for k, v in key_values(status).items() if k not in VOLATILE_KEYS}
+        return inspected.get("Level") == WORD_OF_LEVEL[status.level] and all(inspected.get(k) == v for k, v in published.items())
 
     shown = monitor.wait_shown(lambda s: inspector_shows_latest(s) and s, SHOWN_WITHIN,
-                               "the inspector of the spec status with the published tau")
+                               "the inspector of the spec status as /diagnostics carries it")
     names = {item["name"]: item for item in shown["items"]}
     assert SPEC_STATUS in names and MODELS_STATUS in names, names
     assert names[MODELS_STATUS]["message"] == "loaded", names
