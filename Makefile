@@ -8,7 +8,7 @@ export AMENT_PREFIX_PATH := $(VENV)
 export ROS_AUTOMATIC_DISCOVERY_RANGE ?= LOCALHOST
 export VENV
 
-.PHONY: setup run test bench bench-smoke
+.PHONY: setup run test bench bench-smoke screenshots
 setup:
 	bash scripts/setup.sh
 
@@ -23,3 +23,11 @@ test:
 
 bench: setup
 	$(VENV)/bin/gemma-spec-bench --config $(PARAMS) --suites all --modes all --repeats 3 --out bench_out
+
+# PNGs of rqt_runtime_monitor, rqt_robot_monitor and rqt_plot watching a live node, into docs/rqt/:
+# test/test_rqt.py takes them while it checks what those windows show. Needs rqt in the venv
+# (../shared/rqt-tools/install.sh .venv, after ../shared/ros2-tools/install.sh .venv; .ci/run does both).
+screenshots: setup
+	@$(VENV)/bin/python -c "import rqt_gui.main, rqt_plot.plot" 2>/dev/null || { echo "rqt is not \
+	installed in $(VENV): run ../shared/ros2-tools/install.sh .venv, then ../shared/rqt-tools/install.sh .venv" >&2; exit 1; }
+	GEMMA_SPEC_RQT_SCREENSHOTS=$(CURDIR)/docs/rqt $(VENV)/bin/python -m pytest -ra test/test_rqt.py
