@@ -178,6 +178,11 @@ class LlamaBackend:
     passes at once (the draft model) keeps the full cache.
     """
 
+    #: Called after each decoded chunk with (position of its first token, its rows asked for
+    #: logits), before the next chunk overwrites llama.cpp's outputs: an MTP drafter copies the
+    #: target's hidden rows there (engine/mtp.py). None = nothing to do, as for the other drafters.
+    after_chunk: Optional[Callable[[int, List[int]], None]] = None
+
     def __init__(self, config: ModelConfig, *, max_batch_rows: int = 65,
                  full_swa_cache: bool = True) -> None:
         _init_backend()
@@ -414,6 +419,8 @@ class LlamaBackend:
                 ptr = llama_cpp.llama_get_logits_ith(self._ctx, i)
                 row = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
                 out.append(row if last_chunk else row.copy())
+            if self.after_chunk is not None:
+                self.after_chunk(base, rows_here)
             start += len(part)
         return out
 
@@ -468,3 +475,9 @@ class LlamaBackend:
         t0 = time.perf_counter()
         rows = self.decode(tokens, logit_rows)
         return rows, time.perf_counter() - t0
+
+    @property
+    def handles(self) -> Tuple[object, object]:
+        """(llama_model, llama_context) pointers, for code that calls llama.cpp on this model itself
+        (an MTP assistant's context is created over the target's: engine/mtp.py)."""
+        return self._model, self._ctx
