@@ -37,7 +37,7 @@ from typing import Dict, Optional, Tuple
 import gguf
 import numpy as np
 
-from tiny_gguf import EOS_ID, PathLike, _add_vocab
+from tiny_gguf import EOS_ID, PathLike, _add_vocab, finish_file
 
 TARGET_ARCH = "gemma4"
 ASSISTANT_ARCH = "gemma4-assistant"  # llama.cpp's name (hyphen); HF's gemma4_assistant does not load
@@ -96,17 +96,7 @@ def _write(path: Path, arch: str, keys: Dict[str, int], tensors: Dict[str, np.nd
     _common_keys(writer, arch, n_embd, n_ff, n_ctx_train)
     for key, value in keys.items():
         writer.add_uint32(key, value)
-    for name, tensor in tensors.items():
-        writer.add_tensor(name, tensor)
-    try:
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
-    return path
+    return finish_file(writer, tensors, partial, path)
 
 
 def successor_cycle(seed: int = 0) -> np.ndarray:
@@ -137,28 +127,35 @@ def _target_tensors(agreeing: bool, rng: np.random.Generator, n_ff: int) -> Dict
         embd = _matrix(rng, VOCAB_SIZE, d)  # x 8 at the input: RMS ~1, as each layer's normed output
         output = _matrix(rng, VOCAB_SIZE, d)  # the final RMS norm gives |h| ~ sqrt(d): logit std ~1
         output[EOS_ID] = 0.0
-    kv = HEAD_DIM * N_HEAD_KV
     tensors = {"token_embd.weight": embd, "output.weight": output,
                "output_norm.weight": _ones(d), "rope_freqs.weight": _ones(HEAD_DIM // 2)}
+    return _add_layers(tensors, rng, d, n_ff, agreeing, with_kv=True)
+
+
+def _add_layers(tensors: Dict[str, np.ndarray], rng: np.random.Generator, n_embd: int, n_ff: int,
+                agreeing: bool, with_kv: bool) -> Dict[str, np.ndarray]:
+    """The blocks of either model: the target's with K and V, the assistant's Q-only (it reads the
+    target's cache). Agreeing: attention output and FFN down projections are zero (adds nothing)."""
+    q_dim, kv_dim = HEAD_DIM * N_HEAD, HEAD_DIM * N_HEAD_KV
     for layer in range(len(SWA_PATTERN)):
         block = f"blk.{layer}."
         tensors.update({
-            block + "attn_norm.weight": _ones(d),
-            block + "attn_q.weight": _matrix(rng, HEAD_DIM * N_HEAD, d),
-            block + "attn_k.weight": _matrix(rng, kv, d),
-            block + "attn_v.weight": _matrix(rng, kv, d),
-            block + "attn_output.weight": (_zeros(d, HEAD_DIM * N_HEAD) if agreeing
-                                           else _matrix(rng, d, HEAD_DIM * N_HEAD)),
+            block + "attn_norm.weight": _ones(n_embd),
+            block + "attn_q.weight": _matrix(rng, q_dim, n_embd),
+            block + "attn_output.weight": _zeros(n_embd, q_dim) if agreeing else _matrix(rng, n_embd, q_dim),
             block + "attn_q_norm.weight": _ones(HEAD_DIM),
-            block + "attn_k_norm.weight": _ones(HEAD_DIM),
-            block + "post_attention_norm.weight": _ones(d),
+            block + "post_attention_norm.weight": _ones(n_embd),
             block + "layer_output_scale.weight": _ones(1),
-            block + "ffn_norm.weight": _ones(d),
-            block + "ffn_gate.weight": _matrix(rng, n_ff, d),
-            block + "ffn_up.weight": _matrix(rng, n_ff, d),
-            block + "ffn_down.weight": _zeros(d, n_ff) if agreeing else _matrix(rng, d, n_ff),
-            block + "post_ffw_norm.weight": _ones(d),
+            block + "ffn_norm.weight": _ones(n_embd),
+            block + "ffn_gate.weight": _matrix(rng, n_ff, n_embd),
+            block + "ffn_up.weight": _matrix(rng, n_ff, n_embd),
+            block + "ffn_down.weight": _zeros(n_embd, n_ff) if agreeing else _matrix(rng, n_embd, n_ff),
+            block + "post_ffw_norm.weight": _ones(n_embd),
         })
+        if with_kv:
+            tensors.update({block + "attn_k.weight": _matrix(rng, kv_dim, n_embd),
+                            block + "attn_v.weight": _matrix(rng, kv_dim, n_embd),
+                            block + "attn_k_norm.weight": _ones(HEAD_DIM)})
     return tensors
 
 
@@ -177,23 +174,7 @@ def _assistant_tensors(agreeing: bool, rng: np.random.Generator, n_embd: int, n_
                "rope_freqs.weight": _ones(HEAD_DIM // 2),
                "nextn.pre_projection.weight": pre,
                "nextn.post_projection.weight": _matrix(rng, hidden_size, n_embd)}
-    for layer in range(len(SWA_PATTERN)):
-        block = f"blk.{layer}."
-        tensors.update({  # Q-only attention: K and V come from the target's cache
-            block + "attn_norm.weight": _ones(n_embd),
-            block + "attn_q.weight": _matrix(rng, HEAD_DIM * N_HEAD, n_embd),
-            block + "attn_output.weight": (_zeros(n_embd, HEAD_DIM * N_HEAD) if agreeing
-                                           else _matrix(rng, n_embd, HEAD_DIM * N_HEAD)),
-            block + "attn_q_norm.weight": _ones(HEAD_DIM),
-            block + "post_attention_norm.weight": _ones(n_embd),
-            block + "layer_output_scale.weight": _ones(1),
-            block + "ffn_norm.weight": _ones(n_embd),
-            block + "ffn_gate.weight": _matrix(rng, n_ff, n_embd),
-            block + "ffn_up.weight": _matrix(rng, n_ff, n_embd),
-            block + "ffn_down.weight": _zeros(n_embd, n_ff) if agreeing else _matrix(rng, n_embd, n_ff),
-            block + "post_ffw_norm.weight": _ones(n_embd),
-        })
-    return tensors
+    return _add_layers(tensors, rng, n_embd, n_ff, agreeing, with_kv=False)
 
 
 def write_gemma4_target(path: PathLike, agreeing: bool = False, seed: int = 0,

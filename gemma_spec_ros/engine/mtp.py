@@ -29,9 +29,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from .backend import LlamaBackend, _init_backend, _llama
-from .draft_model import DraftModelDrafter, _top_probability
+from .draft_model import DraftModelDrafter, next_draft_token
 from .gguf_header import GGUFHeaderError, architecture
-from .sampling import Sampler, inverse_cdf
+from .sampling import Sampler
 from .types import (DRAFT_MODES, MTP_MODES, Draft, Drafter, EngineError, ModelConfig,
                     ModelLoadError, SamplingParams, SpecConfig)
 
@@ -219,14 +219,11 @@ class GemmaAssistant:
         return logits, np.ctypeslib.as_array(pointer, shape=(self.n_embd,))
 
     def model_info(self) -> dict:
-        llama_cpp = self._llama_cpp
-        desc = ctypes.create_string_buffer(256)
-        llama_cpp.llama_model_desc(self._model, desc, len(desc))
-        return {"path": self.path, "size_bytes": os.path.getsize(self.path),
-                "n_params": int(llama_cpp.llama_model_n_params(self._model)),
-                "description": desc.value.decode(errors="replace"),
-                "architecture": ASSISTANT_ARCHITECTURE, "n_gpu_layers": self.config.n_gpu_layers,
-                "n_vocab": self.n_vocab, "n_embd_target": self.n_embd}
+        """What the node's ``models`` status shows of the assistant (no n_ctx: it has no cache)."""
+        n_params = int(self._llama_cpp.llama_model_n_params(self._model))
+        return dict(path=self.path, size_bytes=os.path.getsize(self.path), n_params=n_params,
+                    architecture=ASSISTANT_ARCHITECTURE, n_gpu_layers=self.config.n_gpu_layers,
+                    n_vocab=self.n_vocab, n_embd_target=self.n_embd)
 
     def close(self) -> None:
         """Free the context (before the target's: it reads the target's cache), then the model."""
@@ -234,16 +231,10 @@ class GemmaAssistant:
         if self._batch is not None:
             self._batch.embd = ctypes.POINTER(ctypes.c_float)()  # ours: llama_batch_free must skip it
             llama_cpp.llama_batch_free(self._batch)
-            self._batch = None
-        if self._ctx:
-            llama_cpp.llama_free(self._ctx)
-            self._ctx = None
-        if self._model:
-            llama_cpp.llama_model_free(self._model)
-            self._model = None
-
-
-_GREEDY = Sampler(SamplingParams())
+        for handle, free in ((self._ctx, llama_cpp.llama_free), (self._model, llama_cpp.llama_model_free)):
+            if handle:
+                free(handle)
+        self._batch = self._ctx = self._model = None
 
 
 class MtpDrafter:
@@ -288,14 +279,9 @@ class MtpDrafter:
         probs: List[np.ndarray] = []
         while len(tokens) < max_tokens:
             logits, hidden = self.assistant.step(token, position, hidden)
-            if self._sampler is not None:
-                q = self._sampler.distribution(logits)
-                token = inverse_cdf(q, self._rng.random())
-                probs.append(q)
-            else:
-                token = _GREEDY.sample(logits, None)
-                if spec.p_min > 0.0 and _top_probability(logits, token) < spec.p_min:
-                    break
+            token = next_draft_token(logits, self._sampler, self._rng, spec.p_min, probs)
+            if token is None:
+                break
             tokens.append(token)
             if self.target.is_eog(token):
                 break
