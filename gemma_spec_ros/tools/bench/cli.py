@@ -41,6 +41,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Dict, IO, List, Mapping, Optional, Sequence, Tuple
 
+from ...engine.mtp import is_assistant
 from ...engine.types import expand_path
 from .config import (REFERENCE_RUNNER, Prompt, RunnerSpec, Suite, apply_overrides,
                            default_params, find_data_dir, load_params, load_suites, model_config, parse_baselines, parse_ks,
@@ -337,11 +338,13 @@ class Bench:
         if args.repeats < 1 or args.max_tokens < 1:
             raise ValueError("--repeats and --max-tokens must be >= 1")
         self.suites = suites
-        has_draft = model_config(self.params, "draft") is not None
+        draft = model_config(self.params, "draft")
+        has_draft = draft is not None
         native_ks = [k for k in parse_ks(args.native_k) if k is not None]
         self.specs, self.notes = plan_runners(parse_modes(args.modes), parse_ks(args.k), has_draft,
                                               parse_baselines(args.baselines), args.native_bin, native_ks,
-                                              args.via_action, args.prompt_reuse)
+                                              args.via_action, args.prompt_reuse,
+                                              assistant=has_draft and is_assistant(draft.resolved_path))
         self.specs += remote_runners(args.via_remote, parse_baselines(args.baselines))
         self.out_dir = Path(expand_path(args.out))
         if args.omp_wait_policy != "inherit":  # every worker and native tool inherits it

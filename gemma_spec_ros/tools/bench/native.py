@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ...engine.types import expand_path
-from .config import NATIVE_TOOLS, RunnerSpec, model_config, thread_count
+from .config import NATIVE_TOOLS, RunnerSpec, base_config, model_config, thread_count
 from .runner import Request, RunResult
 
 _NUMBER = r"([0-9]+(?:\.[0-9]+)?)"
@@ -105,6 +105,9 @@ class NativeRunner:
             if draft is None:
                 raise ValueError("llama-speculative-simple needs a draft model")
             self._base += ["-md", draft.resolved_path]
+            if spec.mode == "speculative-mtp":  # the Gemma 4 assistant, at our engine's p_min
+                p_min = base_config(params).spec.p_min
+                self._base += ["--spec-type", "draft-mtp", "--spec-draft-p-min", str(p_min)]
         self.peak_rss_mb = 0.0
         self.base_rss_mb: Optional[float] = None  # the tool is the whole process: no base to tell apart
         self.info: Dict[str, Any] = {"command": self._base}
