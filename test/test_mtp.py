@@ -45,13 +45,13 @@ def agreeing_pair(tmp_path_factory: pytest.TempPathFactory) -> Tuple[Path, Path]
     return write_gemma4_pair(tmp_path_factory.mktemp("gemma4"), agreeing=True)
 
 
-def make_engine(pair: Tuple[Path, Path], **spec: object) -> Engine:
+def make_engine(pair: Tuple[Path, Path], n_batch: int = 512, **spec: object) -> Engine:
     """p_min 0 and a fixed K by default: the random assistant's confidence is low, and the test
     wants every step drafted."""
     target, assistant = pair
     settings = dict(mode="mtp", draft_max=3, p_min=0.0, adaptive=False)
     settings.update(spec)
-    return Engine(EngineConfig(target=ModelConfig(str(target), n_ctx=N_CTX, n_threads=1),
+    return Engine(EngineConfig(target=ModelConfig(str(target), n_ctx=N_CTX, n_batch=n_batch, n_threads=1),
                                draft=ModelConfig(str(assistant), n_ctx=N_CTX, n_threads=1),
                                spec=SpecConfig(**settings)))
 
@@ -116,26 +116,35 @@ def test_the_assistant_writes_nothing_into_the_target_cache(random_engine) -> No
     assert llama_cpp.llama_memory_seq_pos_max(memory, 0) == before
 
 
-def test_the_carried_hidden_row_is_the_target_state_of_the_last_position(random_pair, random_engine) -> None:
+@pytest.mark.parametrize("n_batch", [512, 3])
+def test_the_carried_hidden_row_is_the_target_state_of_the_last_position(random_pair, n_batch) -> None:
     """After many rejected rounds, the row the next draft starts from equals a fresh target's
-    hidden state at that position (one decode of the whole sequence): nothing stale carried over."""
-    run(random_engine, "mtp", max_tokens=80)
-    target = random_engine.target
-    drafter = random_engine.drafters["mtp"].drafter
-    carried = drafter.hidden.row(target.n_past - 1)
-    assert carried is not None
+    hidden state at that position (one decode of the whole sequence): nothing stale carried over.
+    n_batch 3 splits each 4-row verify pass in two chunks: a rejected draft's row is in the first."""
+    engine = make_engine(random_pair, n_batch=n_batch)
+    try:
+        _, steps = run(engine, "mtp", max_tokens=80)
+        stats = steps[-1].stats
+        assert stats.acceptance_rate < 0.2  # mostly row 0 carried over
+        assert stats.num_drafts >= stats.num_steps - 1  # each found its row (the last may not draft)
+        target = engine.target
+        carried = engine.drafters["mtp"].drafter.hidden.row(target.n_past - 1)
+        assert carried is not None
+        assert engine.drafters["mtp"].drafter.hidden.row(target.n_past) is None  # past the cache
+        tokens = list(target.kv_tokens)
+    finally:
+        engine.close()
     fresh = LlamaBackend(ModelConfig(str(random_pair[0]), n_ctx=N_CTX, n_threads=1))
     rows = TargetHiddenRows(fresh)
     try:
         rows.enable(True)
-        fresh.decode(list(target.kv_tokens), [target.n_past - 1])
-        expected = rows.row(target.n_past - 1)
+        fresh.decode(tokens, [len(tokens) - 1])
+        expected = rows.row(len(tokens) - 1)
     finally:
         rows.close()
         fresh.close()
     # bit-identical under the exact build; the fast build's batched products differ by rounding
     np.testing.assert_allclose(carried, expected, rtol=0, atol=1e-4)
-    assert drafter.hidden.row(target.n_past) is None  # no position past the cache
 
 
 def test_the_agreeing_pair_accepts_nearly_every_draft(agreeing_engine) -> None:

@@ -179,9 +179,10 @@ class LlamaBackend:
     """
 
     #: Called after each decoded chunk with (position of its first token, its rows asked for
-    #: logits), before the next chunk overwrites llama.cpp's outputs: an MTP drafter copies the
-    #: target's hidden rows there (engine/mtp.py). None = nothing to do, as for the other drafters.
-    after_chunk: Optional[Callable[[int, List[int]], None]] = None
+    #: logits, whether it is the decode's last chunk), before the next chunk overwrites llama.cpp's
+    #: outputs: an MTP drafter keeps the target's hidden rows there (engine/mtp.py). None = nothing
+    #: to do, as for the other drafters.
+    after_chunk: Optional[Callable[[int, List[int], bool], None]] = None
 
     def __init__(self, config: ModelConfig, *, max_batch_rows: int = 65,
                  full_swa_cache: bool = True) -> None:
@@ -420,7 +421,7 @@ class LlamaBackend:
                 row = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
                 out.append(row if last_chunk else row.copy())
             if self.after_chunk is not None:
-                self.after_chunk(base, rows_here)
+                self.after_chunk(base, rows_here, last_chunk)
             start += len(part)
         return out
 

@@ -38,9 +38,6 @@ from .types import (DRAFT_MODES, MTP_MODES, Draft, Drafter, EngineError, ModelCo
 ASSISTANT_ARCHITECTURE = "gemma4-assistant"
 #: Targets whose graph exports the hidden row an assistant reads and whose cache it can share.
 TARGET_ARCHITECTURES = ("gemma4",)
-#: Hidden rows kept behind the newest decoded position: a verify pass split into several chunks
-#: (n_batch below K + 1) needs rows of its earlier chunks; older ones are never asked for.
-_KEEP_BEHIND = 64
 
 
 class AssistantMismatchError(EngineError):
@@ -78,11 +75,12 @@ def model_drafter(config: ModelConfig, target: LlamaBackend) -> Drafter:
 
 
 class TargetHiddenRows:
-    """The target's exported hidden rows by position, copied after each decoded chunk.
+    """The hidden rows the target's last decode exported, by position.
 
-    Rows of positions >= a new chunk's first position are dropped (those cells were rolled back and
-    are being rewritten); rows before it stay valid, since a position's hidden state depends only
-    on the tokens up to it, which a rollback past it would have removed too.
+    A draft needs one row, and which one is known only after verification: the rows of a decode's
+    last chunk stay in llama.cpp's buffer (valid until the target's next decode; the assistant
+    decodes in its own context) and only the row asked for is copied. Rows of earlier chunks
+    (a verify pass longer than n_batch) are copied before the next chunk overwrites them.
     """
 
     def __init__(self, target: LlamaBackend) -> None:
@@ -90,7 +88,9 @@ class TargetHiddenRows:
         model, self._ctx = target.handles
         self._bindings = nextn_bindings()
         self.n_embd = int(_llama().llama_model_n_embd_out(model))
-        self._rows: Dict[int, np.ndarray] = {}
+        self._rows: Dict[int, np.ndarray] = {}  # copied rows, by position
+        self._in_buffer: Dict[int, int] = {}  # position -> row index in llama.cpp's output buffer
+        self._decoding = False  # a chunk came that was not its decode's last
         self.enabled = False
 
     def enable(self, enabled: bool) -> None:
@@ -100,23 +100,42 @@ class TargetHiddenRows:
             return
         self._bindings.llama_set_embeddings_nextn(self._ctx, enabled, True)
         self._target.after_chunk = self._keep if enabled else None
-        self._rows = {}
+        self._rows, self._in_buffer, self._decoding = {}, {}, False
         self.enabled = enabled
 
     def row(self, position: int) -> Optional[np.ndarray]:
         """The hidden row at ``position`` (< the target's n_past), None if it was not exported."""
         if not 0 <= position < self._target.n_past:
             return None
-        return self._rows.get(position)
+        row = self._rows.get(position)
+        if row is None and position in self._in_buffer:
+            row = self._copy(self._in_buffer.pop(position))
+            if row is not None:
+                self._rows[position] = row
+        return row
 
-    def _keep(self, base: int, rows_here: List[int]) -> None:
-        rows = {p: r for p, r in self._rows.items() if base - _KEEP_BEHIND <= p < base}
-        get_row, width = self._bindings.llama_get_embeddings_nextn_ith, self.n_embd
+    def _keep(self, base: int, rows_here: List[int], last_chunk: bool) -> None:
+        """After each chunk of a target decode: forget what the previous decode left; copy now
+        the rows of a chunk that the next chunk will overwrite."""
+        if self._decoding:  # the next chunk of one decode: keep the rows before it
+            self._rows = {p: r for p, r in self._rows.items() if p < base}
+        else:
+            self._rows = {}
+        self._in_buffer = {}
+        self._decoding = not last_chunk
         for i in rows_here:
-            pointer = get_row(self._ctx, i)
-            if pointer:  # NULL: llama.cpp did not export this row (logged by llama.cpp)
-                rows[base + i] = np.ctypeslib.as_array(pointer, shape=(width,)).copy()
-        self._rows = rows
+            if last_chunk:
+                self._in_buffer[base + i] = i
+            else:
+                row = self._copy(i)
+                if row is not None:
+                    self._rows[base + i] = row
+
+    def _copy(self, index: int) -> Optional[np.ndarray]:
+        pointer = self._bindings.llama_get_embeddings_nextn_ith(self._ctx, index)
+        if not pointer:  # NULL: llama.cpp did not export this row (it logs why)
+            return None
+        return np.ctypeslib.as_array(pointer, shape=(self.n_embd,)).copy()
 
     def close(self) -> None:
         if self._target.after_chunk == self._keep:
@@ -191,6 +210,7 @@ class GemmaAssistant:
             raise AssistantMismatchError(f"llama.cpp did not link {self.path} to the target's context")
         bindings.llama_set_embeddings_nextn(self._ctx, True, True)  # its next hidden row
         self._next_hidden = bindings.llama_get_embeddings_nextn_ith
+        self._views: Dict[Tuple[int, int], np.ndarray] = {}
         # A one-row batch that carries a token and a hidden row. llama_batch_init with embd != 0
         # would allocate no token array; this one has its token array and points embd at a
         # buffer we own (reset before llama_batch_free, which would free it otherwise).
@@ -212,11 +232,23 @@ class GemmaAssistant:
         rc = llama_cpp.llama_decode(self._ctx, batch)
         if rc != 0:
             raise EngineError(f"the assistant's llama_decode failed with code {rc} at position {position}")
-        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, 0), shape=(self.n_vocab,))
+        logits = self._view(llama_cpp.llama_get_logits_ith(self._ctx, 0), self.n_vocab)
         pointer = self._next_hidden(self._ctx, 0)
         if not pointer:
             raise EngineError(f"the assistant {self.path} exported no hidden row")
-        return logits, np.ctypeslib.as_array(pointer, shape=(self.n_embd,))
+        return logits, self._view(pointer, self.n_embd)
+
+    def _view(self, pointer: "ctypes._Pointer", length: int) -> np.ndarray:
+        """A numpy view of ``length`` floats of llama.cpp's buffer at ``pointer``, cached by address
+        (the buffers move only when llama.cpp reallocates them): np.ctypeslib.as_array costs ~5 us
+        a call, three times per draft step; the lookup ~1 us."""
+        key = (ctypes.addressof(pointer.contents), length)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) > 16:
+                self._views.clear()
+            view = self._views[key] = np.ctypeslib.as_array(pointer, shape=(length,))
+        return view
 
     def model_info(self) -> dict:
         """What the node's ``models`` status shows of the assistant (no n_ctx: it has no cache)."""

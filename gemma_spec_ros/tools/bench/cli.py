@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder of text files for --random-prompts (repeatable; default: this "
                         "interpreter's standard library and installed packages)")
     p.add_argument("--prompts-dir", default="", help="folder of suite files (default: the package's prompts/)")
-    p.add_argument("--modes", default="all", help="comma-separated of off,draft,lookup,draft+lookup,auto, "
+    p.add_argument("--modes", default="all", help="comma-separated of off,draft,lookup,draft+lookup,auto,mtp, "
                    "or all (off always runs: it is the reference)")
     p.add_argument("--prompt-reuse", choices=PROMPT_REUSE_CHOICES, default="on",
                    help="engine runners reuse the previous request's prompt prefix (on, the node's "
