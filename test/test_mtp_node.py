@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from gemma_spec_ros.engine.mtp import is_assistant
 from gemma_spec_ros.node.parameters import check_values, defaults, engine_config_from
 from gemma_spec_ros.tools.bench import config as bench_config
@@ -38,3 +40,27 @@ def test_the_bench_plans_mtp_runners_only_for_an_assistant(tmp_path: Path) -> No
     specs, notes = bench_config.plan_runners(["off", "draft", "mtp"], [3], True, [], str(tmp_path), [3], "")
     assert [s.name for s in specs] == ["off", "draft/K3", "native-spec/K3"]
     assert any("mode mtp skipped" in n for n in notes)
+
+
+def test_the_native_mtp_runner_runs_llama_cpps_draft_mtp(tmp_path: Path) -> None:
+    """The bench's reference: llama-speculative-simple --spec-type draft-mtp on the agreeing pair,
+    its timings parsed (run again if the tool's log thread lost them at exit)."""
+    from remote_servers import NATIVE_BIN
+    from gemma_spec_ros.tools.bench.native import NativeRunner
+
+    if not (NATIVE_BIN / "llama-speculative-simple").is_file():
+        pytest.skip(f"llama-speculative-simple not built in {NATIVE_BIN} (scripts/build_native_tools.sh)")
+    target, assistant = write_gemma4_pair(tmp_path, agreeing=True)
+    params = {"target.model_path": str(target), "target.n_ctx": 512, "target.n_threads": 1,
+              "draft.model_path": str(assistant), "spec.p_min": 0.5}
+    spec = bench_config.RunnerSpec("native-spec-mtp/K3", "native", "speculative-mtp", 3)
+    runner = NativeRunner(spec, params, str(NATIVE_BIN), tmp_path, 0)
+    command = runner.info["command"]
+    assert command[command.index("--spec-type") + 1] == "draft-mtp"
+    assert command[command.index("-md") + 1] == str(assistant)
+    assert command[command.index("--spec-draft-p-min") + 1] == "0.5"
+    for _ in range(5):  # several short runs: the retry is what keeps them all parsed
+        result = runner.run({"prompt": "the robot picks up the red cup. ", "max_tokens": 40,
+                             "temperature": 0.0, "seed": 1})
+        assert result.n_tokens >= 39 and result.stats["num_draft_tokens"] > 0
+        assert result.stats["acceptance_rate"] == 1.0
