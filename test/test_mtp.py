@@ -345,3 +345,46 @@ def test_the_agreeing_target_is_what_its_docstring_says(agreeing_pair) -> None:
     tokens = [1, 40, 41, 77, 200, 9]
     rows = logits_of(agreeing_pair[0], tokens)
     assert [int(r.argmax()) for r in rows[1:]] == [int(succ[t]) for t in tokens[1:]]
+
+
+@pytest.mark.timeout(300)
+def test_rejection_sampling_with_the_assistant_keeps_the_target_distribution(random_pair) -> None:
+    """``rejection`` accepts the random assistant's sampled draft with min(1, p/q) and resamples
+    the residual: the second token (the first the assistant drafts) must follow the target's own
+    marginal P(t2) = sum_t1 P(t1) P(t2 | t1), exactly computed here (chi-square, fixed seeds)."""
+    from test_engine_pure import chi_square_p_value
+    from tiny_gguf import EOS_ID
+
+    engine = make_engine(random_pair, draft_max=2, verification="rejection")
+    try:
+        backend, vocab = engine.target, engine.target.n_vocab
+        prompt = engine.prompt_tokens(GenerationRequest(PROMPT))
+
+        def next_dist(tokens: List[int]) -> np.ndarray:
+            backend.clear()
+            row = backend.decode(tokens, [len(tokens) - 1])[0].astype(np.float64)
+            e = np.exp(row - row.max())
+            return e / e.sum()
+
+        p1 = next_dist(prompt)
+        p2 = np.zeros(vocab + 1)  # + "no second token" (EOS came first)
+        p2[vocab] = p1[EOS_ID]
+        for t1 in range(vocab):
+            if t1 != EOS_ID:
+                p2[:vocab] += p1[t1] * next_dist(prompt + [t1])
+        backend.clear()
+        counts = np.zeros(vocab + 1)
+        drafted = accepted = 0
+        for seed in range(3000):
+            tokens, steps = run(engine, "mtp", max_tokens=3, sampling=SamplingParams(temperature=1.0, seed=seed))
+            counts[tokens[1] if len(tokens) > 1 else vocab] += 1
+            drafted += steps[-1].stats.num_draft_tokens
+            accepted += steps[-1].stats.num_accepted_tokens
+    finally:
+        engine.close()
+    assert drafted > 2000 and 0 < accepted < drafted  # acceptance and residual resampling both ran
+    # categories expected below 5 times pooled into one (chi-square needs expected counts >= 5)
+    small = p2 * counts.sum() < 5
+    pooled_p = np.append(p2[~small], p2[small].sum())
+    pooled_counts = np.append(counts[~small], counts[small].sum())
+    assert chi_square_p_value(pooled_counts, pooled_p) > 1e-3

@@ -16,7 +16,8 @@ if TYPE_CHECKING:  # numpy in annotations only: configs validate without it
     import numpy as np
 
 #: Speculative modes. ``draft+lookup`` tries the n-gram drafter, then the draft model, in that
-#: order; ``auto`` is always adaptive and tries them best predicted speedup first (or drafts nothing).
+#: order; ``auto`` is always adaptive and tries them best predicted speedup first (or drafts nothing);
+#: ``mtp`` drafts with a Gemma 4 assistant (engine/mtp.py), which ``auto`` also tries.
 SPEC_MODES: Tuple[str, ...] = ("off", "draft", "lookup", "draft+lookup", "auto", "mtp")
 #: Modes that cannot run without a draft model (``auto`` does without one).
 DRAFT_MODES: Tuple[str, ...] = ("draft", "draft+lookup")
