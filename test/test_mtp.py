@@ -293,6 +293,12 @@ def test_an_assistant_of_another_hidden_size_is_refused(random_pair, tmp_path: P
         make_engine((random_pair[0], other))
 
 
+def test_an_assistant_of_another_vocabulary_is_refused(random_pair, tmp_path: Path) -> None:
+    other = write_gemma4_assistant(tmp_path / "assistant-v200.gguf", vocab_size=200)
+    with pytest.raises(AssistantMismatchError, match="vocabulary of 200 tokens.*256"):
+        make_engine((random_pair[0], other))
+
+
 def test_a_target_that_is_not_gemma4_is_refused(random_pair, tmp_path: Path) -> None:
     gemma3 = write_tiny_gguf(tmp_path / "gemma3.gguf", vocab_size=256, n_embd=64, arch="gemma3")
     with pytest.raises(AssistantMismatchError, match="only for a Gemma 4 target.*gemma3"):

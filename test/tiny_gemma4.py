@@ -65,7 +65,8 @@ def _zeros(*shape: int) -> np.ndarray:
     return np.zeros(shape, dtype=np.float32)
 
 
-def _common_keys(writer: gguf.GGUFWriter, arch: str, n_embd: int, n_ff: int, n_ctx_train: int) -> None:
+def _common_keys(writer: gguf.GGUFWriter, arch: str, n_embd: int, n_ff: int, n_ctx_train: int,
+                 vocab_size: int) -> None:
     """The hyper-parameters both architectures read (the assistant's must match the target's
     attention shapes: it attends over the target's cache)."""
     writer.add_uint32(f"{arch}.context_length", n_ctx_train)
@@ -84,16 +85,16 @@ def _common_keys(writer: gguf.GGUFWriter, arch: str, n_embd: int, n_ff: int, n_c
     writer.add_uint32(f"{arch}.attention.sliding_window", SLIDING_WINDOW)
     writer.add_array(f"{arch}.attention.sliding_window_pattern", list(SWA_PATTERN))
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    _add_vocab(writer, VOCAB_SIZE)
+    _add_vocab(writer, vocab_size)
 
 
 def _write(path: Path, arch: str, keys: Dict[str, int], tensors: Dict[str, np.ndarray],
-           n_embd: int, n_ff: int, n_ctx_train: int) -> Path:
+           n_embd: int, n_ff: int, n_ctx_train: int, vocab_size: int = VOCAB_SIZE) -> Path:
     """Write one file under a temporary name, then rename it (a reader never sees a partial file)."""
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
     writer = gguf.GGUFWriter(partial, arch)
     writer.add_name(path.stem)
-    _common_keys(writer, arch, n_embd, n_ff, n_ctx_train)
+    _common_keys(writer, arch, n_embd, n_ff, n_ctx_train, vocab_size)
     for key, value in keys.items():
         writer.add_uint32(key, value)
     return finish_file(writer, tensors, partial, path)
@@ -160,14 +161,15 @@ def _add_layers(tensors: Dict[str, np.ndarray], rng: np.random.Generator, n_embd
 
 
 def _assistant_tensors(agreeing: bool, rng: np.random.Generator, n_embd: int, n_ff: int,
-                       hidden_size: int, target_output: Optional[np.ndarray]) -> Dict[str, np.ndarray]:
+                       hidden_size: int, target_output: Optional[np.ndarray],
+                       vocab_size: int) -> Dict[str, np.ndarray]:
     if agreeing:
         head = _zeros(VOCAB_SIZE, n_embd)
         head[:, :TARGET_EMBD] = target_output
         pre = _zeros(n_embd, 2 * hidden_size)
         pre[:TARGET_EMBD, :TARGET_EMBD] = np.eye(TARGET_EMBD, dtype=np.float32)  # token half only
     else:
-        head = _matrix(rng, VOCAB_SIZE, n_embd)
+        head = _matrix(rng, vocab_size, n_embd)
         head[EOS_ID] = 0.0
         pre = _matrix(rng, n_embd, 2 * hidden_size)
     tensors = {"token_embd.weight": head, "output_norm.weight": _ones(n_embd),
@@ -188,20 +190,21 @@ def write_gemma4_target(path: PathLike, agreeing: bool = False, seed: int = 0,
 
 
 def write_gemma4_assistant(path: PathLike, agreeing: bool = False, seed: int = 1,
-                           hidden_size: int = TARGET_EMBD, n_ctx_train: int = 4096) -> Path:
+                           hidden_size: int = TARGET_EMBD, n_ctx_train: int = 4096,
+                           vocab_size: int = VOCAB_SIZE) -> Path:
     """A tiny ``gemma4-assistant`` for a target of ``hidden_size`` (its ``embedding_length_out``;
-    another value makes an assistant meant for another target). ``agreeing``: its head is the
-    agreeing target's (:func:`agreeing_head`)."""
-    if agreeing and hidden_size != TARGET_EMBD:
-        raise ValueError("an agreeing assistant is made for the agreeing target's hidden size")
+    another value, or another ``vocab_size``, makes an assistant meant for another target).
+    ``agreeing``: its head is the agreeing target's (:func:`agreeing_head`)."""
+    if agreeing and (hidden_size, vocab_size) != (TARGET_EMBD, VOCAB_SIZE):
+        raise ValueError("an agreeing assistant is made for the agreeing target's sizes")
     n_embd = TARGET_EMBD + 32  # llama.cpp refuses an assistant as wide as its target
     n_ff = 2 * n_embd
     target_output = agreeing_head()[1] if agreeing else None
     tensors = _assistant_tensors(agreeing, np.random.default_rng(seed), n_embd, n_ff, hidden_size,
-                                 target_output)
+                                 target_output, vocab_size)
     keys = {f"{ASSISTANT_ARCH}.embedding_length_out": hidden_size,
             f"{ASSISTANT_ARCH}.nextn_predict_layers": len(SWA_PATTERN)}
-    return _write(Path(path), ASSISTANT_ARCH, keys, tensors, n_embd, n_ff, n_ctx_train)
+    return _write(Path(path), ASSISTANT_ARCH, keys, tensors, n_embd, n_ff, n_ctx_train, vocab_size)
 
 
 def write_gemma4_pair(directory: PathLike, agreeing: bool = False) -> Tuple[Path, Path]:
