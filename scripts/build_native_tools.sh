@@ -18,7 +18,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${GEMMA_SPEC_CACHE:-$HOME/.cache/gemma_spec_ros}"
 NATIVE="$CACHE/native"
-LLAMA_VERSION="0.3.36"
+. "$ROOT/scripts/versions.sh"  # LLAMA_VERSION
 JOBS="${JOBS:-2}"
 if [ -z "${PYTHON:-}" ]; then
   if [ -x "$ROOT/.venv/bin/python" ]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi

@@ -23,7 +23,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
 PYTHON="${PYTHON:-python3}"
 CACHE="${GEMMA_SPEC_CACHE:-$HOME/.cache/gemma_spec_ros}"
-LLAMA_VERSION="0.3.36"
+. "$ROOT/scripts/versions.sh"  # LLAMA_VERSION
 # GGML_NATIVE=OFF: -march=native enables the AMX backend, which segfaults on these CPUs (ENV.md).
 # GEMMA_SPEC_LLAMA_BUILD: llamafile's sgemm computes the F16/F32/Q8_0/Q4_0 matrix products of a
 # multi-token batch (never a one-token decode) in another order: logits of a verify batch then

@@ -306,7 +306,8 @@ def _lookup_engine(model_path, **values):
     from gemma_spec_ros.node.parameters import defaults, engine_config_from
 
     params = {**defaults(), "target.model_path": str(model_path), "target.n_ctx": 512,
-              "spec.mode": "lookup", "spec.draft_max": 4, "spec.adaptive": False, **values}
+              "spec.mode": "lookup", "spec.draft_max": 4, "spec.adaptive": False,
+              "lookup.cache_dir": "", **values}
     return Engine(engine_config_from(params), calibrate=False)
 
 
@@ -342,7 +343,7 @@ def test_static_cache_drafts_end_to_end(tmp_path, f16_model_path, venv_python):
 def test_dynamic_cache_is_saved_and_reloaded_by_the_next_engine(tmp_path, f16_model_path):
     """lookup.dynamic_path: n-grams of finished requests are saved at close, loaded by a new engine
     and draft its first request; an engine without them drafts far less on that request."""
-    from gemma_spec_ros.engine.ngram_cache import NgramCache
+    from gemma_spec_ros.engine import learned_cache
 
     path = tmp_path / "dynamic.bin"
     first = _lookup_engine(f16_model_path, **{"lookup.dynamic_path": str(path)})
@@ -352,7 +353,7 @@ def test_dynamic_cache_is_saved_and_reloaded_by_the_next_engine(tmp_path, f16_mo
         prompt = first.prompt_tokens(GenerationRequest(CACHE_PROMPT))
     finally:
         first.close()
-    saved = NgramCache.load(path)
+    _, saved = learned_cache.read(path)
     sequence = prompt + tokens
     for i in range(len(sequence) - 4):  # every 4-gram of the requests, seen twice, with its successor
         assert saved.get(tuple(sequence[i:i + 4])).get(sequence[i + 4], 0) >= 2, i

@@ -58,6 +58,15 @@ def test_greedy_takes_argmax_and_no_random_number():
     assert rng.bit_generator.state == state
 
 
+@pytest.mark.parametrize("temperature", [1e-310, 5e-324, 1e-30])
+def test_a_denormal_temperature_samples_the_most_likely_token(temperature):
+    """L8 (first review): logits / 1e-310 overflowed to inf and the softmax gave NaN."""
+    logits = np.array([3.0, 7.5, -2.0, 7.0], dtype=np.float32)
+    for top_k, top_p in ((0, 1.0), (2, 1.0), (0, 0.9)):
+        sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=1))
+        assert [sampler.sample(logits, make_rng(seed)) for seed in range(5)] == [1] * 5
+
+
 def test_seeded_sampling_is_reproducible_and_follows_temperature():
     logits = logits_of([0.5, 0.3, 0.2])
     sampler = Sampler(SamplingParams(temperature=1.0, seed=3))

@@ -12,6 +12,7 @@ from typing import Iterator, List, Sequence, Tuple, Union, overload
 
 import pytest
 
+from gemma_spec_ros.engine import learned_cache
 from gemma_spec_ros.engine import lookup as lookup_module
 from gemma_spec_ros.engine.lookup import (
     LAX_THRESHOLDS, STRICT_THRESHOLDS, DraftThresholds, LookupDrafter, draft_tokens)
@@ -178,15 +179,16 @@ def test_close_creates_the_file_but_does_not_rewrite_an_unchanged_cache(tmp_path
     dynamic_path = tmp_path / "dynamic.bin"
     lookup = drafter(dynamic_path=str(dynamic_path))
     lookup.close()
-    assert dynamic_path.read_bytes() == b""  # as llama.cpp's lookup example, always a file
-    cache_of(PATTERN).save(dynamic_path)
+    # as llama.cpp's lookup example, always a file: here an empty learned cache (header only)
+    assert learned_cache.load(dynamic_path, "") == NgramCache()
+    learned_cache.save(cache_of(PATTERN), dynamic_path, "")
     inode = dynamic_path.stat().st_ino
     lookup = drafter(dynamic_path=str(dynamic_path))
     lookup.begin(PATTERN)
     lookup.propose(PATTERN, 4)
     lookup.close()
     assert dynamic_path.stat().st_ino == inode  # not replaced
-    assert NgramCache.load(dynamic_path) == cache_of(PATTERN)
+    assert learned_cache.load(dynamic_path, "") == cache_of(PATTERN)
 
 
 def test_observe_counts_verified_drafts() -> None:
@@ -230,7 +232,7 @@ def test_injected_caches_are_used_and_the_dynamic_one_is_saved(tmp_path: Path) -
     assert lookup.propose([8, 3, 4], 1).tokens == (6,)
     lookup.end([8, 3, 4, 6])
     lookup.close()
-    assert NgramCache.load(dynamic_path) == dynamic == cache_of([8, 3, 4, 6])
+    assert learned_cache.load(dynamic_path, "") == dynamic == cache_of([8, 3, 4, 6])
 
 
 class ReadCountingSequence(Sequence[int]):

@@ -10,6 +10,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
+import numpy as np
 import pytest
 
 from gemma_spec_ros.engine import ngram_cache as ngram_cache_module
@@ -165,10 +166,10 @@ def test_every_truncation_is_rejected_cleanly(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("data,problem,offset", [
-    (record([1], [(2, 1)])[:-2], "needs 8 bytes, 6 left", 16),  # cut inside the last pair
-    (struct.pack("<5i", 1, -1, -1, -1, 0), "continuation count 0", 16),
-    (struct.pack("<5i", 1, -1, -1, -1, -3), "continuation count -3", 16),
-    (struct.pack("<7i", 1, -1, -1, -1, 2**30, 5, 1), "needs", 16),  # absurd size
+    (record([1], [(2, 1)])[:-2], "past the end", 16),  # cut inside the last pair
+    (struct.pack("<5i", 1, -1, -1, -1, 0), "continuation count below 1", 16),
+    (struct.pack("<5i", 1, -1, -1, -1, -3), "continuation count below 1", 16),
+    (struct.pack("<7i", 1, -1, -1, -1, 2**30, 5, 1), "past the end", 16),  # absurd size
     (struct.pack("<7i", -1, -1, -1, -1, 1, 5, 1), "invalid n-gram", 0),
     (struct.pack("<7i", 1, -1, 2, -1, 1, 5, 1), "invalid n-gram", 0),
     (record([1], [(2, 1), (3, 0)]), "invalid continuation", 28),
@@ -182,6 +183,25 @@ def test_corrupt_files_name_the_problem_and_offset(data: bytes, problem: str, of
         NgramCache.from_bytes(data, source="corrupt.bin")
     assert "corrupt.bin: " in str(error.value)
     assert f"at byte offset {offset} " in str(error.value)
+
+
+def test_a_refusal_never_quotes_the_file_s_content() -> None:
+    """The reason lands on /diagnostics: a path a peer names must not leak bytes of that file
+    (the old message quoted 'continuation count 2051945283', 4 bytes of an SSH key)."""
+    secret = b"ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOq secret@host\n"
+    numbers = {str(v) for v in np.frombuffer(secret[:len(secret) // 4 * 4], dtype="<i4").tolist()}
+    for data in (secret, struct.pack("<7i", 1, -1, -1, -1, 1, -977, 1), struct.pack("<5i", 1, 2, 3, 99, 0)):
+        with pytest.raises(CacheFormatError) as error:
+            NgramCache.from_bytes(data, source="victim")
+        message = str(error.value)
+        assert not any(number in message for number in numbers | {"-977", "99"}), message
+
+
+def test_more_n_grams_than_the_bound_are_refused_before_building_the_table() -> None:
+    data = b"".join(record([i], [(i + 1, 1)]) for i in range(50))
+    assert len(NgramCache.from_bytes(data, max_ngrams=50)) == 50
+    with pytest.raises(CacheFormatError, match="more than 49 n-grams"):
+        NgramCache.from_bytes(data, source="big.bin", max_ngrams=49)
 
 
 def test_missing_file_is_a_cache_error_and_a_file_not_found_error(tmp_path: Path) -> None:

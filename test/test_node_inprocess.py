@@ -17,7 +17,7 @@ import rclpy
 from action_msgs.msg import GoalStatus
 from diagnostic_msgs.msg import DiagnosticStatus
 
-from gemma_spec_ros.engine.ngram_cache import NgramCache
+from gemma_spec_ros.engine import learned_cache
 from gemma_spec_ros.engine.types import KVCacheError
 from gemma_spec_ros.node.node import GemmaSpecNode
 from test_node_harness import Client, Spinning, collect, key_values, wait_until
@@ -36,7 +36,7 @@ LONG = 400  # tokens of a goal that must outlast a few round trips (limits.max_t
 def overrides(model: Path, dynamic_path: Path) -> Dict[str, Any]:
     return {
         "target.model_path": str(model), "target.n_ctx": 512, "target.n_threads": 1,
-        "lookup.dynamic_path": str(dynamic_path),
+        "lookup.dynamic_path": str(dynamic_path), "lookup.cache_dir": str(dynamic_path.parent),
         # adaptive off: always draft K when the n-gram caches have a continuation, so tau is known
         "spec.mode": "lookup", "spec.draft_max": K, "spec.adaptive": False, "generation.max_tokens": 8,
         "limits.max_tokens": LONG, "limits.max_prompt_tokens": 256, "queue.max_depth": QUEUE_DEPTH,
@@ -130,6 +130,35 @@ def test_configure_fails_on_bad_models_then_recovers(client: Client, embedded_mo
 
     assert client.transition("activate") is True
     assert client.state() == "active"
+
+
+@pytest.mark.timeout(300)
+def test_a_peer_cannot_aim_the_learned_cache_at_a_file_of_its_choice(node: GemmaSpecNode,
+                                                                      client: Client) -> None:
+    """N2 (second review): a peer that set lookup.dynamic_path while the node was unconfigured got
+    any file renamed and then overwritten with the cache. Now: a path outside lookup.cache_dir is
+    refused at once, cache_dir itself is read-only, and a file inside it that the node did not
+    write fails configure with a reason, untouched (no rename, no .corrupt file)."""
+    own = Path(node.get_parameter("lookup.dynamic_path").value)
+    victim = own.parent / "authorized_keys"
+    victim.write_bytes(b"ssh-ed25519 AAAAC3NzaC1lZDI1NTE5 robot@arm\n")
+    before = sorted(p.name for p in own.parent.iterdir())
+    assert client.transition("deactivate") and client.transition("cleanup")
+    try:
+        [outside] = client.set_parameters(lookup__dynamic_path="/tmp/elsewhere.bin")
+        assert not outside.successful and "outside lookup.cache_dir" in outside.reason
+        [folder] = client.set_parameters(lookup__cache_dir="/")
+        assert not folder.successful and "read-only" in folder.reason
+        [inside] = client.set_parameters(lookup__dynamic_path=str(victim))
+        assert inside.successful, inside.reason
+        mark = client.log_mark()
+        assert client.transition("configure") is False
+        assert "not a learned n-gram cache" in client.wait_log(str(victim), since=mark).msg
+        assert victim.read_bytes() == b"ssh-ed25519 AAAAC3NzaC1lZDI1NTE5 robot@arm\n"
+        assert sorted(p.name for p in own.parent.iterdir()) == before
+    finally:
+        client.set_parameters(lookup__dynamic_path=str(own))
+        victim.unlink()
 
 
 @pytest.mark.timeout(120)
@@ -380,7 +409,7 @@ def test_dynamic_cache_survives_a_restart_then_lifecycle_down_to_finalized(
         first = [own.send(**goal).wait_result() for _ in range(2)]  # the dynamic cache's strict
         assert own.transition("deactivate") and own.transition("cleanup")  # thresholds want 2
         assert own.state() == "unconfigured" and dynamic.stat().st_size > 0
-        saved = NgramCache.load(dynamic)
+        _, saved = learned_cache.read(dynamic)
         prompt = tokenize(f16_model_path, CACHE_PROMPT)
         for i in range(len(prompt) - 4):
             assert saved.get(tuple(prompt[i:i + 4])).get(prompt[i + 4], 0) >= 2, i

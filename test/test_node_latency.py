@@ -22,9 +22,10 @@ PROMPT = "The inspection robot's hourly log.\nHour 1: corridor clear.\nHour 2:"
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory, embedded_model_path: Path) -> Iterator[GemmaSpecNode]:
+    folder = tmp_path_factory.mktemp("latency")
     overrides = {
         "target.model_path": str(embedded_model_path), "target.n_ctx": 1024,
-        "lookup.dynamic_path": str(tmp_path_factory.mktemp("latency") / "dynamic.bin"),
+        "lookup.dynamic_path": str(folder / "dynamic.bin"), "lookup.cache_dir": str(folder),
         "spec.mode": "off", "limits.max_tokens": 900, "queue.max_depth": 4,
         "diagnostics.period": 0.2,
     }
@@ -68,6 +69,20 @@ def test_time_budget_ends_the_goal_with_timeout_and_its_text(idle: Client) -> No
     assert 0 < result.completion_tokens < 800 and result.text == run.streamed_text
     status = idle.wait_status(SPEC_STATUS, lambda s: int(key_values(s)["requests timeout"]) >= 1)
     assert float(key_values(status)["TTFT p95 ms"]) > 0
+
+
+@pytest.mark.timeout(240)
+def test_a_waiting_goal_ends_when_its_budget_runs_out_not_when_its_turn_comes(idle: Client) -> None:
+    """N7 (second review): a waiting goal's budget was checked only when it reached the head of
+    the queue, so a 1 s goal behind an 800-token one got its timeout after the long goal ended."""
+    first = running(idle.send(prompt=PROMPT, max_tokens=800))
+    waiting = idle.send(prompt=PROMPT, max_tokens=8, time_budget=1.0)
+    result = waiting.wait_result(timeout=30)
+    assert result.finish_reason == "timeout" and "while waiting" in result.error
+    assert waiting.status == GoalStatus.STATUS_ABORTED and result.completion_tokens == 0
+    assert not first._result_future.done()  # the long goal still runs: it was not its turn
+    idle.cancel(first)
+    assert first.wait_result().finish_reason == "cancelled"
 
 
 @pytest.mark.timeout(300)

@@ -32,7 +32,7 @@ EXPECTED_NAMES = """
 target.model_path target.n_gpu_layers target.n_ctx target.n_batch target.n_threads target.flash_attn
 draft.model_path draft.n_gpu_layers draft.n_ctx draft.n_threads spec.mode spec.draft_max
 spec.draft_min spec.p_min spec.adaptive spec.verification lookup.static_path lookup.dynamic_path
-lookup.ngram_min lookup.ngram_max generation.max_tokens generation.temperature generation.top_p
+lookup.cache_dir lookup.ngram_min lookup.ngram_max generation.max_tokens generation.temperature generation.top_p
 generation.top_k generation.seed generation.time_budget generation.prompt_cache limits.max_prompt_tokens
 limits.max_tokens queue.max_depth
 limits.max_prompt_bytes limits.max_stop_strings limits.max_stop_length queue.result_timeout lookup.dynamic_max_ngrams lookup.save_period
@@ -54,7 +54,8 @@ def test_parameter_table_has_the_documented_names_and_descriptors() -> None:
     assert sorted(p.name for p in PARAMETERS) == sorted(EXPECTED_NAMES)
     for spec in PARAMETERS:
         descriptor = spec.descriptor()
-        assert descriptor.description and not descriptor.read_only
+        assert descriptor.description
+        assert descriptor.read_only == (spec.name == "lookup.cache_dir")  # the rest: see the callback
         if spec.value_range is not None:
             assert spec.value_range[0] <= spec.default <= spec.value_range[1], spec.name
             assert descriptor.integer_range or descriptor.floating_point_range
@@ -226,6 +227,23 @@ def test_job_queue_counts_waiting_goals_not_the_running_one() -> None:
     assert queue.next_to_start() is jobs[2]
     queue.close()
     assert queue.next_to_start() is None
+
+
+def test_a_goal_queued_after_a_transition_stopped_goals_is_dropped_until_resumed() -> None:
+    """L5 (first review): the goal callback's check of `accepting` and the push were not atomic,
+    so a goal accepted as deactivate began was queued after drop_all and then served while the node
+    was inactive. The queue itself now drops what is pushed after drop_all, until resume()."""
+    queue = goals.JobQueue()
+    queue.drop_all("the node was deactivated")
+    late = goals.Job(GoalHandle(7), None)
+    queue.push(late)
+    assert late.drop_reason == "the node was deactivated" and late.cancel.is_set()
+    assert queue.next_to_start() is late  # ends at once, unstarted
+    queue.finished(late)
+    queue.resume()
+    served = goals.Job(GoalHandle(8), None)
+    queue.push(served)
+    assert not served.drop_reason and queue.next_to_start() is served and queue.is_running(served)
 
 
 @pytest.mark.parametrize("module", [goals, diagnostics, serve])  # parameters.py has no examples

@@ -21,12 +21,12 @@ from action_msgs.msg import GoalStatus
 from gemma_spec_msgs.action import Generate
 
 from gemma_spec_ros.engine.engine import Engine
-from gemma_spec_ros.engine.ngram_cache import NgramCache
+from gemma_spec_ros.engine import learned_cache
 from gemma_spec_ros.node.goals import request_from_goal
 from gemma_spec_ros.node.parameters import defaults, engine_config_from
 from gemma_spec_ros.tools import generate
-from gemma_spec_ros.tools.generate import EXIT_OK, EXIT_REJECTED
-from test_node_harness import Client, wait_until
+from gemma_spec_ros.tools.generate import EXIT_OK, EXIT_REJECTED, EXIT_UNAVAILABLE
+from test_node_harness import Client, key_values, wait_until
 
 NODE = "gemma_spec_serve_test"
 PROMPT = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n"
@@ -55,8 +55,9 @@ def yaml_parameters(path: Path) -> Dict[str, Any]:
 def overrides(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
     """Command-line overrides of config/embedded.yaml: small context, fixed K (not adaptive, so the
     drafts do not depend on timing), a dynamic n-gram cache file in a temporary folder."""
+    folder = tmp_path_factory.mktemp("serve")
     return {"target.n_ctx": 512, "spec.adaptive": False, "spec.draft_max": 3,
-            "lookup.dynamic_path": str(tmp_path_factory.mktemp("serve") / "dynamic.bin")}
+            "lookup.dynamic_path": str(folder / "dynamic.bin"), "lookup.cache_dir": str(folder)}
 
 
 @contextmanager
@@ -155,6 +156,21 @@ def test_generate_cli_prints_the_same_text(client: Client, reference: Reference,
     assert rejected.returncode == EXIT_REJECTED, rejected.stderr
 
 
+@pytest.mark.timeout(120)
+def test_generate_cli_cancels_its_goal_when_it_gives_up_waiting(client: Client, venv_python: Path,
+                                                                repo_root: Path) -> None:
+    """L11 (first review): on --timeout the client exited and left its goal running on the node,
+    holding the queue. Now it cancels the goal first."""
+    status = f"{NODE}: speculative decoding"
+    cancelled = int(key_values(client.wait_status(status))["requests cancelled"])
+    cli = [bin_path(venv_python, "gemma-spec-generate"), GOAL["prompt"], "--max-tokens", "450",
+           "--node", NODE, "--timeout", "3"]
+    out = subprocess.run(cli, cwd=repo_root, capture_output=True, text=True, timeout=60)
+    assert out.returncode == EXIT_UNAVAILABLE and "goal cancelled" in out.stderr, out.stderr
+    client.wait_status(status, lambda s: int(key_values(s)["requests cancelled"]) == cancelled + 1,
+                       timeout=15)
+
+
 def test_generate_cli_streams_feedback_before_the_result(capsys: pytest.CaptureFixture) -> None:
     """--stream prints each feedback's text as it arrives, then only what the result adds; without
     it nothing is printed before the result. (The CLI's stdout above is the same either way.)"""
@@ -183,7 +199,7 @@ def test_sigterm_shuts_down_cleanly_and_saves_the_dynamic_cache(
     exit 0, and the dynamic cache file holds that request's n-grams."""
     name = "gemma_spec_serve_sigterm"
     dynamic = tmp_path / "dynamic.bin"
-    with serving(repo_root, venv_python, {**overrides, "lookup.dynamic_path": str(dynamic)},
+    with serving(repo_root, venv_python, {**overrides, "lookup.dynamic_path": str(dynamic), "lookup.cache_dir": str(tmp_path)},
                  tmp_path / "serve.log", node=name) as process:
         own = Client(f"/{name}", name="gemma_spec_serve_sigterm_client")
         try:
@@ -195,7 +211,7 @@ def test_sigterm_shuts_down_cleanly_and_saves_the_dynamic_cache(
         assert process.wait(timeout=45) == 0, process.log.read_text()  # type: ignore[attr-defined]
         saved = f"dynamic n-gram cache saved to {dynamic}"
         assert saved in process.log.read_text()  # type: ignore[attr-defined]
-    cache = NgramCache.load(dynamic)
+    _, cache = learned_cache.read(dynamic)
     assert len(cache) > 0 and cache.total_count >= result.prompt_tokens + result.completion_tokens - 4
 
 

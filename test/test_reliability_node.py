@@ -5,6 +5,7 @@ its fix. Fault injection is used only where no real component can produce the fa
 from __future__ import annotations
 
 import itertools
+import time
 import threading
 from pathlib import Path
 from typing import Any, Dict, Iterator
@@ -68,7 +69,7 @@ def test_cleanup_frees_the_models_and_reports_a_failed_cache_save(serve: Any, tm
     cleanup still succeeds, the models are freed, and the failure is on /diagnostics (before: the
     exception left on_cleanup, the transition failed with no reason logged)."""
     cache = tmp_path / "dynamic.bin"
-    served = serve(lookup__dynamic_path=str(cache))
+    served = serve(lookup__dynamic_path=str(cache), lookup__cache_dir=str(tmp_path))
     client = served.client
     assert client.transition("configure") and client.transition("activate")
     run = client.send(prompt="ab ab ab ab", max_tokens=4, temperature=0.0)
@@ -83,6 +84,25 @@ def test_cleanup_frees_the_models_and_reports_a_failed_cache_save(serve: Any, tm
                                 lambda s: "not saved" in key_values(s)["last internal error"])
     assert str(cache) in key_values(status)["last internal error"]
     client.wait_log("dynamic n-gram cache not saved")
+
+
+def test_a_failed_periodic_cache_save_is_a_fault_and_the_goal_succeeds(serve: Any, tmp_path: Path) -> None:
+    """N6 (second review): the periodic save of the learned cache failed after the goal's text had
+    streamed (its folder was removed), and the goal ended ABORTED with finish_reason error. Now the
+    goal succeeds and the failure is a fault on /diagnostics."""
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    served = serve(lookup__dynamic_path=str(folder / "dynamic.bin"), lookup__cache_dir=str(tmp_path),
+                   lookup__save_period=0.001)
+    client = served.client
+    assert client.transition("configure") and client.transition("activate")
+    folder.rmdir()
+    run = client.send(prompt="ab ab ab ab", max_tokens=4, temperature=0.0)
+    assert run.accepted and run.wait_result().finish_reason in ("stop", "length")
+    assert run.status == GoalStatus.STATUS_SUCCEEDED
+    status = client.wait_status(served.status_name, lambda s: "saving the learned n-gram cache failed"
+                                in key_values(s)["last internal error"])
+    assert int(key_values(status)["requests ok"]) == 1
 
 
 def test_a_goal_the_model_cannot_template_is_rejected_and_the_node_keeps_serving(serve: Any) -> None:
@@ -290,3 +310,64 @@ def test_cancels_at_random_points_each_goal_gets_one_result(serve: Any) -> None:
         if state["cancel_ok"]:
             assert state["result"].status in (GoalStatus.STATUS_CANCELED, GoalStatus.STATUS_SUCCEEDED), (
                 i, state["result"].status, state["result"].result.error)
+
+
+class _SlowFeedbackHandle:
+    """A goal handle that records its feedback; one of them is slow to publish. A fake: no real
+    client can make rclpy's publish_feedback stall on demand, which is what opens the race."""
+
+    def __init__(self, name: str, published: list, delay: float = 0.0) -> None:
+        self.goal_id = type("GoalId", (), {"uuid": name.encode().ljust(16, b"\0")})()
+        self.name, self.published, self.delay = name, published, delay
+        self.is_cancel_requested = False
+
+    def publish_feedback(self, feedback: Any) -> None:
+        time.sleep(self.delay)
+        self.published.append((self.name, feedback.queue_position))
+
+
+def test_queue_positions_published_from_two_threads_never_end_stale(serve: Any) -> None:
+    """N13 (second review): the executor (a goal queued) and the dispatcher (a goal started) both
+    published queue positions without ordering: a position computed before a goal left the queue
+    could be published after the new one and stay. Now one publication at a time."""
+    from gemma_spec_ros.node.goals import Job, JobQueue
+    node = serve().node
+    published: list = []
+    jobs = JobQueue()
+    running, slow, last = (Job(_SlowFeedbackHandle(name, published, delay), None)
+                           for name, delay in (("running", 0), ("slow", 0.3), ("last", 0)))
+    for job in (running, slow, last):
+        jobs.push(job)
+    assert jobs.next_to_start() is running  # running; slow is 1st in line, last 2nd
+    first = threading.Thread(target=node._publish_queue_positions, args=(jobs,))
+    first.start()  # publishes slow:1 (0.3 s), then last:2
+    time.sleep(0.1)
+    slow.goal_handle.is_cancel_requested = True
+    slow.cancel.set()
+    assert jobs.next_to_start() is slow  # slow left the queue: last is now 1st
+    node._publish_queue_positions(jobs)
+    first.join()
+    assert [p for name, p in published if name == "last"][-1] == 1, published
+
+
+def test_two_releases_at_once_undo_configure_once(serve: Any) -> None:
+    """L7 (first review): serve's shutdown path and a transition could run release() at the same
+    time, both destroying the action server and closing the engine. Now one undoes configure and
+    the other finds nothing left to undo."""
+    served = serve()
+    assert served.client.transition("configure") and served.client.transition("activate")
+    node, errors = served.node, []
+    engine = node._engine
+
+    def release() -> None:
+        try:
+            node.release("test: two releases")
+        except BaseException as error:  # noqa: BLE001  reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=release) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors and node._engine is None and engine.target._model is None

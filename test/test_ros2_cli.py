@@ -22,7 +22,7 @@ from typing import Dict, Iterator, List, Optional
 import pytest
 import yaml
 
-from gemma_spec_ros.engine.ngram_cache import NgramCache
+from gemma_spec_ros.engine import learned_cache
 
 try:
     import launch_ros  # noqa: F401
@@ -113,7 +113,7 @@ def params_file(tmp: Path, model: Path, **overrides: object) -> Path:
     params = document["/**"]["ros__parameters"]
     params["target"].update(model_path=str(model), n_ctx=512)
     params["spec"].update(adaptive=False, draft_max=3)
-    params["lookup"]["dynamic_path"] = str(tmp / "dynamic.bin")
+    params["lookup"].update(dynamic_path=str(tmp / "dynamic.bin"), cache_dir=str(tmp))
     params["diagnostics"]["period"] = 0.5
     for dotted, value in overrides.items():
         group, name = dotted.split(".", 1)
@@ -298,7 +298,7 @@ def test_ros2_run_with_spec_mode_off_on_the_command_line(
     assert "gemma_spec_ros gemma_spec_node" in ros2("pkg", "executables", "gemma_spec_ros")
     node = Background([str(VENV / "bin" / "ros2"), "run", "gemma_spec_ros", "gemma_spec_node",
                        "--ros-args", "-p", "spec.mode:=off", "-p", f"target.model_path:={embedded_model_path}",
-                       "-p", "target.n_ctx:=512", "-p", f"lookup.dynamic_path:={tmp_path / 'dynamic.bin'}"],
+                       "-p", "target.n_ctx:=512", "-p", f"lookup.dynamic_path:={tmp_path / 'dynamic.bin'}", "-p", f"lookup.cache_dir:={tmp_path}"],
                       tmp_path / "run.log")
     try:
         wait_state("unconfigured", timeout=60)
@@ -364,5 +364,5 @@ def test_sigint_to_the_launch_ends_the_goal_saves_the_cache_and_exits_0(
     assert "process has finished cleanly" in proc.output, proc.output
     assert "Goal finished with status: ABORTED" in out and "finish_reason: cancelled" in out, out
     assert "shutting down" in out, out  # the result's error names the shutdown
-    cache = NgramCache.load(str(tmp_path / "dynamic.bin"))
+    _, cache = learned_cache.read(tmp_path / "dynamic.bin")
     assert len(cache) > 0, "the dynamic n-gram cache was not saved with the request's n-grams"

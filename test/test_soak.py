@@ -63,6 +63,7 @@ def test_smoke_profile(repo_root: Path, embedded_model_path: Path, tmp_path: Pat
     overrides = {"target.model_path": str(embedded_model_path), "target.n_threads": 1,
                  "target.n_ctx": 1024, "limits.max_prompt_tokens": 256, "limits.max_tokens": 64,
                  "generation.max_tokens": 12, "lookup.dynamic_path": str(cache),
+                 "lookup.cache_dir": str(tmp_path),
                  "lookup.save_period": 2.0, "diagnostics.period": 0.5}
     cmd = [sys.executable, "-m", "gemma_spec_ros.tools.soak",
            "--params-file", str(repo_root / "config" / "embedded.yaml"),

@@ -120,10 +120,14 @@ def _random_weights(vocab_size: int, n_embd: int, n_ff: int, n_layer: int, arch:
 
 
 def write_tiny_gguf(path: PathLike, vocab_size: int = 32, n_embd: int = 32, n_layer: int = 1,
-                    seed: int = 0, arch: str = "llama", n_ctx_train: int = 4096) -> Path:
+                    seed: int = 0, arch: str = "llama", n_ctx_train: int = 4096,
+                    sliding_window: int = 0) -> Path:
     """Write a random-weight F32 model with the :func:`tiny_vocab` vocabulary; returns ``path``.
 
-    ``arch`` is ``llama`` or ``gemma3`` (sliding window = ``n_ctx_train``, so attention is full).
+    ``arch`` is ``llama`` or ``gemma3``. A gemma3 model's sliding-window layers (5 of every 6, as
+    llama.cpp builds Gemma 3) see the last ``sliding_window`` positions (0: ``n_ctx_train``, so
+    attention is full); a small window makes llama.cpp's window-sized cache wrap after a few
+    hundred tokens.
     ``n_embd`` must be a multiple of 8 (heads of 8 dimensions). The file is written under a
     temporary name and renamed, so a reader never sees a partial file.
     """
@@ -155,7 +159,7 @@ def write_tiny_gguf(path: PathLike, vocab_size: int = 32, n_embd: int = 32, n_la
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-6)
     if arch == "gemma3":
-        writer.add_sliding_window(n_ctx_train)
+        writer.add_sliding_window(sliding_window or n_ctx_train)
     _add_vocab(writer, vocab_size)
     return finish_file(writer, tensors, partial, path)
 

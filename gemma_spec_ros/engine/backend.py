@@ -20,6 +20,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from . import learned_cache
 from .types import KVCacheError, ModelConfig, ModelLoadError, VocabMismatchError
 
 _BACKEND_LOCK = threading.Lock()
@@ -78,6 +79,16 @@ def batch_invariant_build() -> bool:
     return b"LLAMAFILE = 1" not in _llama().llama_print_system_info()
 
 
+def exact_output_expected(ftype: int) -> bool:
+    """Whether output of a model with llama.cpp file type ``ftype`` is promised bit-identical
+    whatever the batch shapes and rollbacks: under the exact build (every batch size gives the same
+    F16/F32 logits), or with unquantized weights (prompt reuse is promised bit-identical there)."""
+    llama_cpp = _llama()
+    unquantized = ftype in (llama_cpp.LLAMA_FTYPE_ALL_F32, llama_cpp.LLAMA_FTYPE_MOSTLY_F16,
+                            llama_cpp.LLAMA_FTYPE_MOSTLY_BF16)
+    return unquantized or batch_invariant_build()
+
+
 def return_freed_memory() -> bool:
     """Give the heap pages freed so far back to the OS (glibc ``malloc_trim``); False where there is
     no glibc. Freeing a model and its context (KV cache, compute buffers: hundreds of MiB) leaves
@@ -134,6 +145,25 @@ class VocabIdentity:
     token_texts_digest: str  # digest of all token texts, to compare without holding both lists
 
 
+def token_texts_digest(vocab: object) -> str:
+    """A digest of every token text of a llama.cpp vocabulary (``llama_model_get_vocab``)."""
+    import hashlib
+
+    llama_cpp = _llama()
+    digest = hashlib.sha1()
+    for token in range(int(llama_cpp.llama_vocab_n_tokens(vocab))):
+        digest.update(llama_cpp.llama_vocab_get_text(vocab, token) or b"")
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def vocab_tag_of(vocab: object) -> str:
+    """The tag learned n-gram cache files of a llama.cpp vocabulary carry (learned_cache.vocab_tag)."""
+    llama_cpp = _llama()
+    return learned_cache.vocab_tag(int(llama_cpp.llama_vocab_type(vocab)),
+                                   int(llama_cpp.llama_vocab_n_tokens(vocab)), token_texts_digest(vocab))
+
+
 def check_vocab_compatible(target: "LlamaBackend", draft: "LlamaBackend") -> None:
     """Raise VocabMismatchError unless ``draft`` can draft for ``target``.
 
@@ -176,6 +206,15 @@ class LlamaBackend:
     first of them no longer sees); a deeper rollback is checked: :meth:`reuse_prefix` then starts
     over, :meth:`rollback` raises KVCacheError. A drafter that rolls back several one-token
     passes at once (the draft model) keeps the full cache.
+
+    The window cache is a ring: a rollback moves llama.cpp's write head back to the lowest freed
+    cell, so after rejected tokens (or a trimmed prompt) that crossed the ring's end, the next token
+    lands in another cell than plain decoding would put it in. Attention sums the cells in cell
+    order, so the same positions give other floats (up to ~0.05 of a logit with F16 weights,
+    measured). ``full_swa_cache=None`` therefore decides by what is promised: the full cache (cell =
+    position, whatever was rolled back) where output must be bit-identical, i.e. under the exact
+    build or with F16/F32/BF16 weights (:func:`exact_output_expected`); the window cache otherwise
+    (quantized weights on the fast build, where logits already depend on batch shapes).
     """
 
     #: Called after each decoded chunk with (position of its first token, its rows asked for
@@ -185,7 +224,7 @@ class LlamaBackend:
     after_chunk: Optional[Callable[[int, List[int], bool], None]] = None
 
     def __init__(self, config: ModelConfig, *, max_batch_rows: int = 65,
-                 full_swa_cache: bool = True) -> None:
+                 full_swa_cache: Optional[bool] = True) -> None:
         _init_backend()
         llama_cpp = _llama()
         self._llama_cpp = llama_cpp
@@ -207,6 +246,9 @@ class LlamaBackend:
                 f"llama.cpp could not load {self.path} (corrupt file, unsupported architecture, "
                 f"or not enough memory for n_gpu_layers={config.n_gpu_layers})")
         try:
+            if full_swa_cache is None:
+                full_swa_cache = exact_output_expected(int(llama_cpp.llama_model_ftype(self._model)))
+            self.full_swa_cache = full_swa_cache
             self._vocab = llama_cpp.llama_model_get_vocab(self._model)
             self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
             cparams = llama_cpp.llama_context_default_params()
@@ -246,6 +288,7 @@ class LlamaBackend:
         self._piece_buf = ctypes.create_string_buffer(256)
         self._vocab_identity: Optional[VocabIdentity] = None
         self._eog_cache: dict = {}
+        self._control_pattern = None  # compiled on first use (see control_token_in)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def close(self) -> None:
@@ -304,15 +347,29 @@ class LlamaBackend:
     @property
     def vocab_identity(self) -> VocabIdentity:
         if self._vocab_identity is None:
-            import hashlib
-
-            digest = hashlib.sha1()
-            for token in range(self.n_vocab):
-                digest.update(self.token_text(token))
-                digest.update(b"\0")
             self._vocab_identity = VocabIdentity(self.vocab_type, self.n_vocab, self.bos, self.eos,
-                                                 self.add_bos, digest.hexdigest())
+                                                 self.add_bos, token_texts_digest(self._vocab))
         return self._vocab_identity
+
+    def vocab_tag(self) -> str:
+        """The tag learned n-gram cache files of this vocabulary carry (learned_cache.vocab_tag)."""
+        identity = self.vocab_identity
+        return learned_cache.vocab_tag(identity.vocab_type, identity.n_vocab, identity.token_texts_digest)
+
+    def control_token_in(self, text: str) -> str:
+        """The first control-token text (``<start_of_turn>``, ``<eos>``, ...) found in ``text``, or
+        ''. A chat-templated prompt is tokenized with special tokens parsed (the template's own
+        markers must become control tokens), so such text in a client's content would forge turns."""
+        if self._control_pattern is None:
+            import re
+
+            llama_cpp = self._llama_cpp
+            texts = {self.token_text(token).decode("utf-8", "replace") for token in range(self.n_vocab)
+                     if llama_cpp.llama_vocab_is_control(self._vocab, token)}
+            texts = sorted((t for t in texts if t), key=len, reverse=True)
+            self._control_pattern = re.compile("|".join(map(re.escape, texts))) if texts else False
+        found = self._control_pattern.search(text) if self._control_pattern else None
+        return found.group(0) if found else ""
 
     def chat_prompt(self, prompt: str, system_prompt: str = "") -> str:
         """``prompt`` wrapped in the model's own chat template (GGUF ``tokenizer.chat_template``)."""
@@ -361,6 +418,8 @@ class LlamaBackend:
             "n_ctx": self.n_ctx,
             "n_vocab": self.n_vocab,
             "vocab_type": self.vocab_type,
+            # "window" (llama.cpp's default, less memory) or "full" (bit-identical output promised)
+            "sliding_window_cache": "full" if self.full_swa_cache else "window",
         }
 
     # -- decoding -------------------------------------------------------------------------------

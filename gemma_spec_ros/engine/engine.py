@@ -128,19 +128,28 @@ class Engine:
         self._lock = threading.Lock()  # one generation at a time; models are freed only under it
         self._closing = threading.Event()  # close() was called: stop the running generation
         self.close_error: Optional[BaseException] = None  # a failed deferred close (see close())
+        self._faults: List[str] = []  # problems outside any request, for take_faults()
+        # Tokenization runs in the caller's thread (a goal callback), outside the generation lock:
+        # this lock keeps close() from freeing the model under it.
+        self._vocab_lock = threading.Lock()
+        self._freed = False
         self._stats_lock = threading.Lock()
         self._rolling = SpecStats()
         self.costs = CostModel()
         self.drafters: Dict[str, Drafting] = {}
         # A window-sized sliding-window cache (LlamaBackend): the target rolls back only the
         # rejected tokens of its last pass, and prompt reuse checks the window. Safe only while
-        # every verify pass is one llama.cpp batch: with a smaller n_batch, the full cache.
+        # every verify pass is one llama.cpp batch: with a smaller n_batch, the full cache. The
+        # window cache's cell order depends on the rollback history, so wherever bit-identical
+        # output is promised (the exact build, F16/F32 weights) the backend keeps the full cache.
         one_batch = min(config.target.n_batch, config.target.n_ctx) >= MAX_VERIFY_ROWS
-        self.target = LlamaBackend(config.target, full_swa_cache=not one_batch)
+        self.target = LlamaBackend(config.target, full_swa_cache=None if one_batch else True)
         try:  # the draft model first: if it cannot draft for the target, no cache is loaded (or saved)
             if config.draft is not None:
                 self._add_drafter(model_drafter(config.draft, self.target))  # a model or an assistant
-            self._add_drafter(LookupDrafter(config.lookup))
+            lookup = config.lookup
+            tag = self.target.vocab_tag() if lookup.dynamic_path or lookup.static_path else ""
+            self._add_drafter(LookupDrafter(lookup, vocab_tag=tag))
         except BaseException:
             self.close()
             raise
@@ -150,6 +159,12 @@ class Engine:
     def _add_drafter(self, drafter: Drafter) -> None:
         policy = DraftLengthPolicy(drafter.name, self.costs, probe_new_requests=drafter.cheap_to_probe)
         self.drafters[drafter.name] = Drafting(drafter, policy)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     # -- configuration --------------------------------------------------------------------------
     @property
@@ -170,6 +185,12 @@ class Engine:
     def warnings(self) -> List[str]:
         """Problems the drafters recovered from while loading (e.g. a corrupt cache moved aside)."""
         return [w for d in self.drafters.values() for w in getattr(d.drafter, "warnings", ())]
+
+    def take_faults(self) -> List[str]:
+        """Problems outside any request since the last call (a periodic save of the learned cache
+        failed; a deferred close failed), for the owner to report; never a request's error."""
+        faults, self._faults = self._faults, []
+        return faults
 
     def dynamic_ngrams(self) -> int:
         """N-grams in the lookup drafter's dynamic (learned) cache; 0 without one."""
@@ -195,13 +216,25 @@ class Engine:
 
     # -- requests -------------------------------------------------------------------------------
     def prompt_tokens(self, request: GenerationRequest) -> List[int]:
-        text = request.prompt
-        if request.use_chat_template:
-            text = self.target.chat_prompt(request.prompt, request.system_prompt)
-            return self.target.tokenize(text, add_special=True, parse_special=True)
-        if request.system_prompt:
-            text = request.system_prompt + "\n\n" + text
-        return self.target.tokenize(text, add_special=True, parse_special=False)
+        """The request's prompt tokens (templated); thread-safe, also against close() (raises
+        EngineError once the engine is closed, never touches a freed model)."""
+        with self._vocab_lock:
+            if self._freed:
+                raise EngineError("the engine is closed")
+            text = request.prompt
+            if request.use_chat_template:
+                for part, name in ((request.prompt, "prompt"), (request.system_prompt, "system_prompt")):
+                    forged = self.target.control_token_in(part)
+                    if forged:
+                        raise ValueError(
+                            f"{name} contains the control token text {forged!r}: with "
+                            "use_chat_template, turns and other control tokens come only from the "
+                            "model's chat template")
+                text = self.target.chat_prompt(request.prompt, request.system_prompt)
+                return self.target.tokenize(text, add_special=True, parse_special=True)
+            if request.system_prompt:
+                text = request.system_prompt + "\n\n" + text
+            return self.target.tokenize(text, add_special=True, parse_special=False)
 
     def count_prompt_tokens(self, request: GenerationRequest) -> int:
         return len(self.prompt_tokens(request))
@@ -244,9 +277,15 @@ class Engine:
                         self._free()
                     except Exception as exc:  # noqa: BLE001  kept for the owner to report
                         self.close_error = exc
+                        self._faults.append(f"closing the engine after its last step failed: {exc}")
 
     def _stop_requested(self, cancel: Optional[threading.Event]) -> bool:
         return self._closing.is_set() or (cancel is not None and cancel.is_set())
+
+    @staticmethod
+    def _over_budget(run: _Run) -> bool:
+        budget = run.request.time_budget
+        return bool(budget) and time.perf_counter() - run.started >= budget
 
     def _generate(self, request: GenerationRequest, cancel: Optional[threading.Event]) -> Iterator[Step]:
         prompt = self.prompt_tokens(request)
@@ -255,9 +294,10 @@ class Engine:
         try:
             try:
                 first = self._prompt_pass(run, cancel)
-            except DecodeInterrupted:  # cancelled (or closing) between two prompt chunks
+            except DecodeInterrupted:  # cancelled, closing or out of time between two prompt chunks
+                reason = "cancelled" if self._stop_requested(cancel) else "timeout"
                 yield Step((), run.text.flush(), run.stats.snapshot(), self._mode_label(run, None),
-                           self._spec.draft_max, "cancelled")
+                           self._spec.draft_max, reason)
                 return
             step = self._emit(run, (first,), self._mode_label(run, None), self._spec.draft_max, cancel)
             yield step
@@ -285,12 +325,14 @@ class Engine:
     def _prompt_pass(self, run: _Run, cancel: Optional[threading.Event] = None) -> int:
         """Decode the prompt, sample the first token, start the drafters and their policies.
 
-        Raises DecodeInterrupted if ``cancel`` (or close()) stops it between two n_batch chunks."""
+        Raises DecodeInterrupted if ``cancel``, close() or the request's time budget stops it
+        between two n_batch chunks."""
         with timed(run.stats, "prompt_time"):
             reused = self._keep_prompt_prefix(run.prompt, run.request.reuse_prompt)
             export_hidden_for(self.drafters, DRAFTERS_BY_MODE[run.request.spec_mode or self._spec.mode])
             rest = run.prompt[reused:]
-            rows = self.target.decode(rest, [len(rest) - 1], stop=lambda: self._stop_requested(cancel))
+            rows = self.target.decode(
+                rest, [len(rest) - 1], stop=lambda: self._stop_requested(cancel) or self._over_budget(run))
             first = run.sampler.sample(rows[0], run.rng)
         run.stats.num_prompt_tokens_reused = reused
         run.stats.time_to_first_token = time.perf_counter() - run.started
@@ -389,7 +431,7 @@ class Engine:
             finish = "length"
         elif self._stop_requested(cancel):
             finish = "cancelled"
-        elif run.request.time_budget and time.perf_counter() - run.started >= run.request.time_budget:
+        elif self._over_budget(run):
             finish = "timeout"
         if finish is not None:
             new_text += run.text.flush()
@@ -405,10 +447,15 @@ class Engine:
     def _end_run(self, run: _Run) -> None:
         """The request ended (finished, cancelled, or failed): drafters learn, stats roll up."""
         run.stats.plain_token_time = self.costs.plain_token_time
-        for drafting in self.drafters.values():
-            drafting.drafter.end(run.prompt + run.generated)
-        with self._stats_lock:
+        with self._stats_lock:  # first: whatever follows, the request counts
             self._rolling.merge(run.stats)
+        for drafting in self.drafters.values():
+            drafter = drafting.drafter
+            drafter.end(run.prompt + run.generated)  # learns; a failed save is kept, never raised
+            save_error = getattr(drafter, "save_error", None)
+            if save_error:
+                drafter.save_error = None  # reported once per failed save
+                self._faults.append(save_error)
 
     # -- calibration and teardown ---------------------------------------------------------------
     def calibrate(self, sizes: Sequence[int] = (), context_len: int = 64, repeats: int = 2,
@@ -476,6 +523,8 @@ class Engine:
 
     def _free(self) -> None:
         """Free models, save the dynamic cache; the generation lock is held (or never used)."""
+        with self._vocab_lock:  # waits for a tokenization in flight; refuses later ones
+            self._freed = True
         drafters, self.drafters = list(self.drafters.values()), {}
         errors: List[BaseException] = []
         for drafting in reversed(drafters):  # the n-gram caches first, then the draft model

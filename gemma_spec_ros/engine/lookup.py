@@ -16,12 +16,12 @@ the *sample size* is the sum of the counts of all continuations of that n-gram.
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
+from . import learned_cache
 from .ngram_cache import NGRAM_MAX, NGRAM_STATIC, NgramCache
 from .types import EMPTY_DRAFT, CacheFormatError, Draft, LookupConfig, SamplingParams, SpecConfig, expand_path
 
@@ -164,10 +164,11 @@ def draft_tokens(context: Sequence[int], max_tokens: int, ngram_min: int, ngram_
     return draft
 
 
-def _load_if_present(path: str) -> NgramCache:
-    """The cache at ``path``; an empty cache if ``path`` is empty or the file does not exist yet
-    (a dynamic cache is created by the first :meth:`LookupDrafter.close`)."""
-    return NgramCache.load(path) if path and Path(path).exists() else NgramCache()
+#: The most n-grams read from a static cache file (its Python table costs ~0.5 KiB per n-gram).
+MAX_STATIC_NGRAMS = 2_000_000
+#: A learned cache file may hold this many times ``dynamic_max_ngrams`` (a bound lowered since it
+#: was saved); it is pruned to the bound after loading.
+DYNAMIC_LOAD_MARGIN = 2
 
 
 class LookupDrafter:
@@ -194,22 +195,26 @@ class LookupDrafter:
     cheap_to_probe = True  # a probe is a few dictionary lookups
 
     def __init__(self, config: LookupConfig, static_cache: Optional[NgramCache] = None,
-                 dynamic_cache: Optional[NgramCache] = None) -> None:
+                 dynamic_cache: Optional[NgramCache] = None, vocab_tag: str = "") -> None:
         if static_cache is not None and config.static_path:
             raise ValueError("pass either a static cache or LookupConfig.static_path, not both")
         self.config = config
+        self._vocab_tag = vocab_tag  # the learned cache file belongs to this vocabulary
         self._static_path = expand_path(config.static_path)
         self._dynamic_path = expand_path(config.dynamic_path)
         if static_cache is not None:
             self._static_cache = static_cache
         else:  # a configured static cache must exist: it was built on purpose
-            self._static_cache = (NgramCache.load(self._static_path) if self._static_path
-                                  else NgramCache())
+            self._static_cache = (learned_cache.load_static(self._static_path, vocab_tag, MAX_STATIC_NGRAMS)
+                                  if self._static_path else NgramCache())
         if self._dynamic_path and not Path(self._dynamic_path).parent.is_dir():
             raise CacheFormatError(
                 f"the folder of the dynamic n-gram cache {self._dynamic_path} does not exist: "
                 "create it, or set lookup.dynamic_path to '' (memory only)")
         self.warnings: List[str] = []  # for the owner to log (e.g. a corrupt cache moved aside)
+        #: a periodic save's failure not yet taken by the owner (who reports it as a fault and
+        #: resets it to None); it never fails the request that triggered the save
+        self.save_error: Optional[str] = None
         self._dynamic_cache = (dynamic_cache if dynamic_cache is not None
                                else self._load_dynamic(self._dynamic_path))
         self._last_save = time.monotonic()
@@ -220,20 +225,22 @@ class LookupDrafter:
         self._dynamic_changed = False
 
     def _load_dynamic(self, path: str) -> NgramCache:
-        """The learned cache at ``path``. One that is a regular file but not a valid cache (a
-        crash mid-write by another tool, a disk error) is moved aside to ``<path>.corrupt-<time>``
-        with a warning, and learning starts again: losing learned n-grams must not stop a robot.
-        A path that is not a regular file is still refused (CacheFormatError)."""
-        try:
-            return _load_if_present(path)
-        except CacheFormatError as error:
-            if not Path(path).is_file() or "cannot read" in str(error):
-                raise
-            aside = f"{path}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}"
-            os.replace(path, aside)
-            self.warnings.append(f"dynamic n-gram cache {path} is corrupt ({error}); moved it to "
-                                 f"{aside} and started an empty one")
+        """The learned cache at ``path`` (empty if there is none yet). Only a file this engine wrote
+        is read, and only one of this vocabulary: anything else is refused (CacheFormatError) and
+        left untouched. One of ours whose records are broken (a disk error) is moved aside to a new
+        ``<path>.corrupt-<time>-<random>`` with a warning, and learning starts again: losing learned
+        n-grams must not stop a robot."""
+        if not path:
             return NgramCache()
+        bound = self.config.dynamic_max_ngrams
+        try:
+            cache = learned_cache.load(path, self._vocab_tag, DYNAMIC_LOAD_MARGIN * bound)
+        except learned_cache.CorruptLearnedCacheError as error:
+            aside = learned_cache.move_aside(path)
+            self.warnings.append(f"{error}; moved it to {aside} and started an empty one")
+            return NgramCache()
+        cache.prune(bound)
+        return cache
 
     # ---------------------------------------------------------------------------------- caches
     @property
@@ -297,13 +304,17 @@ class LookupDrafter:
         self._dynamic_cache.prune(self.config.dynamic_max_ngrams)
         period = self.config.save_period
         if period and self._dynamic_changed and time.monotonic() - self._last_save >= period:
-            self.save()
+            try:
+                self.save()
+            except (OSError, CacheFormatError) as error:  # a full disk, a removed folder, ...
+                self.save_error = f"saving the learned n-gram cache failed: {error}"
 
     def save(self) -> None:
-        """Save the dynamic cache now (atomically) if ``LookupConfig.dynamic_path`` is set."""
+        """Save the dynamic cache now (atomically) if ``LookupConfig.dynamic_path`` is set; only over
+        a file this engine wrote (ForeignFileError otherwise)."""
         self._last_save = time.monotonic()
         if self._dynamic_path:
-            self._dynamic_cache.save(self._dynamic_path)
+            learned_cache.save(self._dynamic_cache, self._dynamic_path, self._vocab_tag)
             self._dynamic_changed = False
 
     def warm_up(self, filler: Sequence[int], max_rows: int, passes: int) -> None:

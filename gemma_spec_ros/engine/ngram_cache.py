@@ -18,9 +18,12 @@ In memory an n-gram is a tuple of its real tokens (no padding): ``(5, 6)``, not 
 """
 from __future__ import annotations
 
+import array
 import itertools
 import os
 import stat
+import sys
+import tempfile
 from pathlib import Path
 from typing import Dict, ItemsView, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -39,6 +42,11 @@ _INT32 = np.dtype("<i4")
 _WORD_BYTES = _INT32.itemsize
 #: int32 words before a record's (token, count) pairs: the padded n-gram and the pair count.
 _HEADER_WORDS = NGRAM_MAX + 1
+
+#: Records parsed per chunk when building the table (bounds the temporary lists).
+_BUILD_CHUNK = 1 << 16
+#: On a little-endian host the file's words read as native ints without a copy.
+_NATIVE_LITTLE = sys.byteorder == "little"
 
 Ngram = Tuple[int, ...]
 PathLike = Union[str, "os.PathLike[str]"]
@@ -216,15 +224,25 @@ class NgramCache:
             raise ValueError(f"an n-gram count does not fit the file's int32: {error}") from None
 
     @classmethod
-    def from_bytes(cls, data: bytes, source: str = "<bytes>") -> "NgramCache":
+    def from_bytes(cls, data: bytes, source: str = "<bytes>",
+                   max_ngrams: Optional[int] = None) -> "NgramCache":
         """Parse llama.cpp's file format. ``source`` names the data in error messages.
 
         Raises :class:`CacheFormatError` naming ``source`` and the byte offset of a record that
         is truncated or invalid (n-gram not 1-4 tokens >= 0 then -1 padding,
         continuation count ``n < 1`` or larger than the bytes left, a token < 0 or count < 1,
-        a token or n-gram repeated); never anything else.
+        a token or n-gram repeated), or holding more than ``max_ngrams`` n-grams; never anything
+        else. The messages never quote a value read from the data: a path a peer names may be any
+        file, and the reason is published (on /diagnostics).
+
+        Memory: the records are found and checked on the buffer itself (no Python object per word),
+        and the table is built a chunk of records at a time, so a file that is not a cache costs
+        little more than its own size, and a valid one what its n-grams hold.
         """
-        words = np.frombuffer(data, dtype=_INT32, count=len(data) // _WORD_BYTES)
+        n_words = len(data) // _WORD_BYTES
+        words = np.frombuffer(data, dtype=_INT32, count=n_words)
+        # Python ints without a list of the whole file (a view, native byte order = the file's)
+        word_at = memoryview(data)[:n_words * _WORD_BYTES].cast("i") if _NATIVE_LITTLE else words
 
         def fail(word_index: int, problem: str) -> CacheFormatError:
             return CacheFormatError(
@@ -235,109 +253,126 @@ class NgramCache:
         # 1. Find the records (a walk over the headers only), up to the first broken one.
         #    Problems are (word index, description); the one earliest in the file is reported.
         problems: List[Tuple[int, str]] = []
-        record_starts: List[int] = []
-        word_list = words.tolist()
-        n_words = len(word_list)
+        record_starts = array.array("i")  # word indices: < 2**31 for files <= MAX_FILE_BYTES
         pos = 0
         while pos < n_words:
             pairs_start = pos + _HEADER_WORDS
             if pairs_start > n_words:
                 problems.append((pos, "record header truncated"))
                 break
-            n_pairs = word_list[pos + NGRAM_MAX]
+            n_pairs = int(word_at[pos + NGRAM_MAX])
             if n_pairs < 1:
-                problems.append((pos + NGRAM_MAX, f"continuation count {n_pairs} < 1"))
+                problems.append((pos + NGRAM_MAX, "continuation count below 1"))
                 break
             if pairs_start + 2 * n_pairs > n_words:
-                problems.append((pos + NGRAM_MAX,
-                                 f"continuation count {n_pairs} needs {8 * n_pairs} bytes, "
-                                 f"{len(data) - pairs_start * _WORD_BYTES} left"))
+                problems.append((pos + NGRAM_MAX, "continuation count past the end of the data"))
                 break
+            if max_ngrams is not None and len(record_starts) >= max_ngrams:
+                raise CacheFormatError(
+                    f"n-gram cache {source} holds more than {max_ngrams} n-grams, the most this "
+                    f"node keeps in memory ({len(data)} bytes): use a smaller cache file")
             record_starts.append(pos)
             pos = pairs_start + 2 * n_pairs
         if not problems and len(data) % _WORD_BYTES:  # a few bytes after the last record
             problems.append((n_words, "record header truncated"))
 
         # 2. Check the values of all whole records at once (numpy).
-        starts = np.asarray(record_starts, dtype=np.int64)
-        ngram_words = words[starts[:, None] + np.arange(NGRAM_MAX)]
+        starts = np.frombuffer(record_starts, dtype=np.intc) if record_starts else np.zeros(0, np.intc)
+        # column by column: a (records x 4) int64 index array would cost 32 bytes per record
+        ngram_words = np.empty((len(starts), NGRAM_MAX), dtype=_INT32)
+        for column in range(NGRAM_MAX):
+            ngram_words[:, column] = words[starts + column]
         is_pad = ngram_words == PAD_TOKEN
         bad_ngram = ((ngram_words[:, 0] < 0) | (ngram_words < PAD_TOKEN).any(axis=1)
                      | (is_pad[:, :-1] & ~is_pad[:, 1:]).any(axis=1))  # padding only at the end
         if bad_ngram.any():
-            record = int(np.argmax(bad_ngram))
-            problems.append((record_starts[record],
-                             f"invalid n-gram {ngram_words[record].tolist()}"))
+            problems.append((int(starts[int(np.argmax(bad_ngram))]), "invalid n-gram"))
         is_pair_word = np.ones(pos, dtype=bool)
-        is_pair_word[(starts[:, None] + np.arange(_HEADER_WORDS)).ravel()] = False
-        pair_word_index = np.flatnonzero(is_pair_word)
-        pairs = words[pair_word_index].reshape(-1, 2)
+        for column in range(_HEADER_WORDS):
+            is_pair_word[starts + column] = False
+        pairs = words[:pos][is_pair_word].reshape(-1, 2)
         bad_pair = (pairs[:, 0] < 0) | (pairs[:, 1] < 1)
         if bad_pair.any():
-            pair = int(np.argmax(bad_pair))
-            token, count = pairs[pair].tolist()
-            problems.append((int(pair_word_index[2 * pair]),
-                             f"invalid continuation (token {token}, count {count})"))
+            pair_word = int(np.flatnonzero(is_pair_word)[2 * int(np.argmax(bad_pair))])
+            problems.append((pair_word, "invalid continuation (token < 0 or count < 1)"))
         if problems:
             raise fail(*min(problems))
 
-        # 3. Build the table.
+        # 3. Build the table, a chunk of records at a time (no list of the whole file).
         cache = cls()
         table = cache._table
-        ngram_sizes = (NGRAM_MAX - is_pad.sum(axis=1)).tolist()
-        pair_values = pairs.ravel().tolist()
-        pair_offset = 0
-        for record, (padded, size) in enumerate(zip(ngram_words.tolist(), ngram_sizes)):
-            n_pairs = word_list[record_starts[record] + NGRAM_MAX]
-            pair_end = pair_offset + 2 * n_pairs
-            part = dict(zip(pair_values[pair_offset:pair_end:2],
-                            pair_values[pair_offset + 1:pair_end:2]))
-            ngram = tuple(padded[:size])
-            if len(part) != n_pairs:
-                raise fail(record_starts[record] + _HEADER_WORDS,
-                           f"a continuation token of n-gram {list(ngram)} repeats")
-            if ngram in table:
-                raise fail(record_starts[record], f"n-gram {list(ngram)} appears twice")
-            table[ngram] = part
-            pair_offset = pair_end
+        ngram_sizes = NGRAM_MAX - is_pad.sum(axis=1)
+        n_pairs_of = words[starts + NGRAM_MAX].astype(np.int64)
+        pair_ends = np.cumsum(n_pairs_of)
+        for first in range(0, len(starts), _BUILD_CHUNK):
+            last = min(first + _BUILD_CHUNK, len(starts))
+            pair_begin = int(pair_ends[first - 1]) if first else 0
+            values = pairs[pair_begin:int(pair_ends[last - 1])].ravel().tolist()
+            offset = 0
+            for record, padded, size, n_pairs in zip(
+                    range(first, last), ngram_words[first:last].tolist(),
+                    ngram_sizes[first:last].tolist(), n_pairs_of[first:last].tolist()):
+                end = offset + 2 * n_pairs
+                part = dict(zip(values[offset:end:2], values[offset + 1:end:2]))
+                ngram = tuple(padded[:size])
+                if len(part) != n_pairs:
+                    raise fail(int(starts[record]) + _HEADER_WORDS, "a continuation token repeats")
+                if ngram in table:
+                    raise fail(int(starts[record]), "an n-gram appears twice")
+                table[ngram] = part
+                offset = end
         return cache
 
     def save(self, path: PathLike) -> None:
-        """Write the cache to ``path`` atomically (a temporary file in the same directory, then a
-        rename): a reader never sees a half-written cache, and a failed save keeps the old file."""
-        target = Path(path)
-        data = self.to_bytes()
-        temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        try:
-            with open(temporary, "wb") as stream:
-                stream.write(data)
-                stream.flush()
-                os.fsync(stream.fileno())
-            os.replace(temporary, target)
-            _fsync_directory(target.parent)
-        except BaseException:
-            temporary.unlink(missing_ok=True)
-            raise
+        """Write the cache to ``path`` in llama.cpp's format, atomically (see :func:`write_atomically`).
+        The node's learned cache is saved with a header instead: :mod:`.learned_cache`."""
+        write_atomically(path, self.to_bytes())
 
     @classmethod
-    def load(cls, path: PathLike) -> "NgramCache":
+    def load(cls, path: PathLike, max_ngrams: Optional[int] = None) -> "NgramCache":
         """Read a cache file written by :meth:`save`, ``gemma-spec-lookup-create``, or llama.cpp's
         ``llama-lookup-create`` / ``llama-lookup``.
 
         Raises :class:`CacheFileNotFoundError` if ``path`` does not exist and
-        :class:`CacheFormatError` if it cannot be read or is not a valid cache.
+        :class:`CacheFormatError` if it cannot be read, is not a valid cache, or holds more than
+        ``max_ngrams`` n-grams.
         """
-        try:
-            data = read_regular_file(path, MAX_FILE_BYTES)
-        except FileNotFoundError:
-            raise CacheFileNotFoundError(
-                f"n-gram cache file {os.fspath(path)} does not exist "
-                "(build a static cache with gemma-spec-lookup-create)") from None
-        except OSError as error:
-            raise CacheFormatError(
-                f"cannot read n-gram cache file {os.fspath(path)}: "
-                f"{error.strerror or error}") from None
-        return cls.from_bytes(data, source=os.fspath(path))
+        return cls.from_bytes(read_cache_file(path), source=os.fspath(path), max_ngrams=max_ngrams)
+
+
+def read_cache_file(path: PathLike) -> bytes:
+    """The bytes of the cache file ``path`` (a regular file of at most :data:`MAX_FILE_BYTES`).
+
+    Raises :class:`CacheFileNotFoundError` if it does not exist, :class:`CacheFormatError` if it
+    cannot be read (a directory, a FIFO, too large, no permission)."""
+    try:
+        return read_regular_file(path, MAX_FILE_BYTES)
+    except FileNotFoundError:
+        raise CacheFileNotFoundError(
+            f"n-gram cache file {os.fspath(path)} does not exist "
+            "(build a static cache with gemma-spec-lookup-create)") from None
+    except OSError as error:
+        raise CacheFormatError(
+            f"cannot read n-gram cache file {os.fspath(path)}: {error.strerror or error}") from None
+
+
+def write_atomically(path: PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically: a temporary file of a unique name (``mkstemp``) in the
+    same directory, then a rename. A reader never sees a half-written file, a failed write keeps the
+    old file, and two writers (two engines in one process) never share a temporary file."""
+    target = Path(path)
+    fd, temporary = tempfile.mkstemp(dir=os.fspath(target.parent), prefix=f".{target.name}.",
+                                     suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as stream:
+            stream.write(data)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, target)
+        _fsync_directory(target.parent)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -354,8 +389,9 @@ def _fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-#: The largest n-gram cache file read (parsing costs several times the file size in memory).
-MAX_FILE_BYTES = 1 << 30
+#: The largest n-gram cache file read: 256 MiB holds ~10 million 2-gram records, far more than a
+#: robot keeps in memory as Python objects (a 27 MiB file of 1 million n-grams took ~0.7 GiB).
+MAX_FILE_BYTES = 256 << 20
 
 
 class NotARegularFileError(OSError):

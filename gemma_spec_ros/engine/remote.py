@@ -313,6 +313,10 @@ class RemoteEngine:
             self._note_served("remote", "")
             yield from self._stream(stream, n_prompt, cancel)
 
+    def take_faults(self) -> List[str]:
+        """The local fallback's faults (a failed cache save), as :meth:`Engine.take_faults`."""
+        return self._fallback.take_faults() if self._fallback is not None else []
+
     def rolling_stats(self) -> SpecStats:
         """Requests merged; tau counters from the server's /metrics since configure when it has them."""
         with self._state_lock:

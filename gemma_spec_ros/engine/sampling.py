@@ -61,7 +61,11 @@ class Sampler:
         (renormalised), then min-p relative to the most likely token.
         """
         p = self.params
-        scaled = logits.astype(np.float64) / p.temperature
+        # shifted by the max first: a tiny (even denormal) temperature then gives -inf for the
+        # others, never inf - inf = NaN
+        wide = logits.astype(np.float64)
+        with np.errstate(over="ignore"):  # -inf is the intended result of such an overflow
+            scaled = (wide - wide.max()) / p.temperature
         n = scaled.shape[0]
         if 0 < p.top_k < n:
             ids = _top_ids(scaled, p.top_k)

@@ -117,6 +117,9 @@ class LookupConfig:
 
     static_path: str = ""  # static cache built by gemma-spec-lookup-create / llama-lookup-create
     dynamic_path: str = ""  # dynamic cache: loaded if present, saved on close; '' = in memory only
+    #: if set, ``dynamic_path`` must lie inside this folder (after resolving links): the learned
+    #: cache is the one file the engine writes, so a path set by a peer cannot create files elsewhere
+    cache_dir: str = ""
     ngram_min: int = 1  # shortest context n-gram tried
     ngram_max: int = 4  # longest context n-gram tried (llama.cpp's cache format allows <= 4)
     #: the dynamic cache keeps at most this many n-grams (~0.4 KB each in memory): past it, the
@@ -133,6 +136,14 @@ class LookupConfig:
         if not 1 <= self.ngram_min <= self.ngram_max <= 4:
             raise ValueError(
                 f"lookup n-gram sizes {self.ngram_min}..{self.ngram_max}: need 1 <= min <= max <= 4")
+        if self.cache_dir and self.dynamic_path:
+            folder = os.path.realpath(expand_path(self.cache_dir))
+            target = os.path.realpath(expand_path(self.dynamic_path))
+            if os.path.commonpath([folder, target]) != folder:
+                raise ValueError(
+                    f"lookup.dynamic_path {self.dynamic_path!r} is outside lookup.cache_dir "
+                    f"{self.cache_dir!r}: the learned cache is the one file the node writes and it "
+                    "stays in that folder (lookup.cache_dir is set at launch only)")
 
 
 @dataclass(frozen=True)

@@ -133,13 +133,23 @@ class Job:
     def key(self) -> bytes:
         return bytes(self.goal_handle.goal_id.uuid)
 
+    @property
+    def deadline(self) -> float:
+        """When the goal's time budget (counted from acceptance) runs out; inf without one."""
+        budget = self.request.time_budget if self.request is not None else 0.0
+        return self.accepted_at + budget if budget else math.inf
+
+    def budget_spent(self, now: Optional[float] = None) -> bool:
+        return (time.monotonic() if now is None else now) >= self.deadline
+
 
 class JobQueue:
     """The bounded priority queue of accepted goals and the one running goal.
 
     Goals start one at a time, highest ``priority`` first and in acceptance order within a level; a
-    goal that was cancelled or dropped while waiting is handed out at once (out of order) so its
-    client gets the result without waiting for the running goal. A goal pushed with ``preempt``
+    goal that was cancelled or dropped while waiting, or whose time budget ran out while waiting, is
+    handed out at once (out of order) so its client gets the result without waiting for the
+    running goal. A goal pushed with ``preempt``
     stops a running goal of lower priority at its next step (``preempted_by`` set, cancel event
     set). ``max_depth`` counts waiting goals, not the running one.
 
@@ -152,6 +162,9 @@ class JobQueue:
         self._running: Optional[Job] = None
         self._jobs: Dict[bytes, Job] = {}
         self._closed = False
+        # set by drop_all (a transition stopped goals), cleared by resume(): a goal that passed the
+        # goal callback just before the transition is pushed dropped, whatever the thread timing
+        self._dropping = ""
 
     # -- producers ---------------------------------------------------------------------------------
     def depth(self) -> int:
@@ -172,6 +185,9 @@ class JobQueue:
     def push(self, job: Job) -> None:
         """Queue an accepted goal behind every waiting goal of its priority or higher."""
         with self._cond:
+            if self._dropping and not job.drop_reason:
+                job.drop_reason = self._dropping
+                job.cancel.set()
             index = next((i for i, other in enumerate(self._waiting) if other.priority < job.priority),
                          len(self._waiting))
             self._waiting.insert(index, job)
@@ -218,8 +234,10 @@ class JobQueue:
             return True
 
     def drop_all(self, reason: str) -> None:
-        """Cancel the running goal and mark every waiting goal to finish unstarted with ``reason``."""
+        """Cancel the running goal and mark every waiting goal to finish unstarted with ``reason``;
+        goals pushed from now on until :meth:`resume` are dropped with it too."""
         with self._cond:
+            self._dropping = reason
             for job in self._waiting:
                 job.drop_reason = reason
                 job.cancel.set()
@@ -227,6 +245,11 @@ class JobQueue:
                 self._running.drop_reason = reason
                 self._running.cancel.set()
             self._cond.notify_all()
+
+    def resume(self) -> None:
+        """Goals pushed from now on are served again (the node was activated)."""
+        with self._cond:
+            self._dropping = ""
 
     def finished(self, job: Job) -> None:
         """A goal's execute callback is done with it."""
@@ -260,12 +283,18 @@ class JobQueue:
                 job = self._pick()
                 if job is not None:
                     return job
-                self._cond.wait(poll if self._cancel_in_flight() else None)
+                # wake for the first waiting goal's deadline (it is then ended, out of order)
+                wake = min((job.deadline for job in self._waiting), default=math.inf) - time.monotonic()
+                if self._cancel_in_flight():
+                    wake = min(wake, poll)
+                self._cond.wait(None if wake == math.inf else max(wake, 0.0))
             return None
 
     def _pick(self) -> Optional[Job]:
+        now = time.monotonic()
         for job in self._waiting:
-            if job.drop_reason or (job.cancel.is_set() and job.goal_handle.is_cancel_requested):
+            if (job.drop_reason or (job.cancel.is_set() and job.goal_handle.is_cancel_requested)
+                    or job.budget_spent(now)):
                 self._waiting.remove(job)
                 return job
         if self._running is None:

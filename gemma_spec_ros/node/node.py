@@ -110,6 +110,12 @@ class GemmaSpecNode(LifecycleNode):
         self._stop_reason = ""  # why goals stopped being accepted (deactivate, cleanup, ...)
         self._configure_error = ""
         self._log_lock = threading.Lock()
+        # queue-position feedback comes from the executor (a goal queued) and the dispatcher (a
+        # goal started): one at a time, so a stale position is never published last
+        self._positions_lock = threading.Lock()
+        # release() from a transition and from serve's shutdown path at once: one undoes configure,
+        # the other finds nothing left to undo
+        self._release_lock = threading.Lock()
         self._requests = diagnostics.RequestLog()
         self._orphans: Dict[bytes, str] = {}  # accepted goals that could not be queued -> why
         super().__init__(node_name, **kwargs)
@@ -234,6 +240,8 @@ class GemmaSpecNode(LifecycleNode):
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
         """Accept goals from now on."""
+        if self._jobs is not None:
+            self._jobs.resume()
         self._accepting = True
         self._state = "active"
         self.get_logger().info("active: accepting goals on ~/generate")
@@ -282,6 +290,10 @@ class GemmaSpecNode(LifecycleNode):
 
         What cleanup and shutdown do; callable directly when no transition can run.
         """
+        with self._release_lock:
+            self._release(reason)
+
+    def _release(self, reason: str) -> None:
         self._stop_goals(reason)
         if self._jobs is not None:
             self._jobs.close()
@@ -405,13 +417,14 @@ class GemmaSpecNode(LifecycleNode):
 
     def _publish_queue_positions(self, jobs: JobQueue) -> None:
         """Feedback to every waiting goal whose queue position changed (1 = starts next)."""
-        for job, position in jobs.positions():
-            if position != job.queue_position:
-                job.queue_position = position
-                try:
-                    job.goal_handle.publish_feedback(Generate.Feedback(queue_position=position))
-                except Exception as exc:  # noqa: BLE001  the goal ended meanwhile
-                    self.get_logger().debug(f"queue position feedback skipped: {exc!r}")
+        with self._positions_lock:
+            for job, position in jobs.positions():
+                if position != job.queue_position:
+                    job.queue_position = position
+                    try:
+                        job.goal_handle.publish_feedback(Generate.Feedback(queue_position=position))
+                    except Exception as exc:  # noqa: BLE001  the goal ended meanwhile
+                        self.get_logger().debug(f"queue position feedback skipped: {exc!r}")
 
     def _on_cancel(self, goal_handle: ServerGoalHandle) -> CancelResponse:
         """Accept a cancel for a known goal; it stops at its next step (or before it starts)."""
@@ -460,11 +473,11 @@ class GemmaSpecNode(LifecycleNode):
             self._end_goal(goal_handle, result)
             return result
         try:
-            budget = job.request.time_budget if job.request is not None else 0.0
-            waited = time.monotonic() - job.accepted_at
-            if jobs.is_running(job) and job.request is not None and budget and waited >= budget:
-                result = Generate.Result(finish_reason="timeout",
-                                         error=f"time_budget of {budget:g} s ran out while waiting")
+            unstopped = not (job.drop_reason or job.cancel.is_set())
+            if unstopped and job.budget_spent():  # ran out while waiting (ended at once, out of turn)
+                result = Generate.Result(
+                    finish_reason="timeout",
+                    error=f"time_budget of {job.request.time_budget:g} s ran out while waiting")
                 stats = None
             elif jobs.is_running(job) and job.request is not None:
                 result, stats = self._generate(job)
@@ -508,6 +521,9 @@ class GemmaSpecNode(LifecycleNode):
         except Exception as exc:  # noqa: BLE001  a bug in one request must not stop the node
             self.get_logger().error(f"unexpected error in the engine: {exc!r}")
             return self._failed(job, parts, step, f"internal error: {exc!r}"), None
+        finally:  # a failed cache save or deferred close is the node's fault, not this goal's
+            for fault in engine.take_faults():
+                self._report_fault(fault)
         if step is None:
             return self._failed(job, parts, step, "the engine produced no step"), None
         step.stats.queue_wait = queue_wait

@@ -35,6 +35,8 @@ ParamValue = Union[str, int, float, bool]
 
 #: Where scripts/setup.sh assembles the embedded default model (Gemma 3 270M Q4_K_M from PyPI).
 EMBEDDED_MODEL_PATH = "~/.cache/gemma_spec_ros/models/gemma-3-270m-q4_k_m.gguf"
+#: The folder the node's learned n-gram cache must lie in, by default (``lookup.cache_dir``).
+CACHE_DIR = "~/.cache/gemma_spec_ros"
 #: Prefixes of the parameters that only change while the node is unconfigured.
 CONFIGURE_TIME_PREFIXES: Tuple[str, ...] = ("target.", "draft.", "lookup.", "backend", "remote.")
 #: Where generation runs: this process (llama.cpp in-process) or an OpenAI-compatible server.
@@ -64,6 +66,8 @@ class ParamSpec:
     #: reads YAML 1.1, so ``ros2 param set /n p off``, ``-p p:=off`` and ``p: off`` in a file all
     #: send the boolean false; a parameter with this set also accepts that boolean (as this value).
     yaml_false: str = ""
+    #: set at launch only (a parameter file or ``-p``): no peer can change it on a running node
+    read_only: bool = False
 
     @property
     def configure_time(self) -> bool:
@@ -82,7 +86,7 @@ class ParamSpec:
                     float: ParameterType.PARAMETER_DOUBLE, bool: ParameterType.PARAMETER_BOOL}
         descriptor = ParameterDescriptor(
             name=self.name, type=ros_type[type(self.default)], description=self.description,
-            additional_constraints=self.constraints, read_only=False,
+            additional_constraints=self.constraints, read_only=self.read_only,
             # a string that must also take YAML's boolean false: rclpy checks no type then, and
             # the set-parameters callback (check_choices) refuses anything but a choice or false
             dynamic_typing=bool(self.yaml_false))
@@ -103,7 +107,9 @@ class ParamSpec:
             parts.append("one of: " + ", ".join(self.choices))
         if self.yaml_false:
             parts.append(f"unquoted YAML {self.yaml_false} (boolean false) means {self.yaml_false}")
-        if self.configure_time:
+        if self.read_only:
+            parts.append("read-only: set at launch only")
+        elif self.configure_time:
             parts.append("configure-time: set only while unconfigured")
         return "; ".join(parts)
 
@@ -184,7 +190,11 @@ PARAMETERS: Tuple[ParamSpec, ...] = (
     ParamSpec("lookup.static_path", _LOOKUP.static_path,
               "static n-gram cache (llama-lookup-create format); '' = none"),
     ParamSpec("lookup.dynamic_path", _LOOKUP.dynamic_path,
-              "dynamic n-gram cache: loaded if present, saved at cleanup/shutdown; '' = memory only"),
+              "dynamic (learned) n-gram cache: loaded if present, saved at cleanup/shutdown; only a "
+              "file this node wrote is read or replaced; inside lookup.cache_dir; '' = memory only"),
+    ParamSpec("lookup.cache_dir", CACHE_DIR,
+              "folder lookup.dynamic_path must lie in (the one file the node writes); '' = anywhere",
+              read_only=True),
     ParamSpec("lookup.dynamic_max_ngrams", _LOOKUP.dynamic_max_ngrams,
               "the dynamic cache keeps at most this many n-grams (~0.4 KB each in memory); the "
               "least seen are evicted", (1, 100_000_000)),
@@ -307,6 +317,7 @@ def engine_config_from(values: Mapping[str, Any]) -> EngineConfig:
                         n_threads=values["draft.n_threads"])
     lookup = LookupConfig(static_path=values["lookup.static_path"],
                           dynamic_path=values["lookup.dynamic_path"],
+                          cache_dir=values["lookup.cache_dir"],
                           ngram_min=values["lookup.ngram_min"], ngram_max=values["lookup.ngram_max"],
                           dynamic_max_ngrams=values["lookup.dynamic_max_ngrams"],
                           save_period=values["lookup.save_period"])

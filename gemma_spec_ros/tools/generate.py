@@ -139,8 +139,10 @@ def send(client_node: Node, args: argparse.Namespace) -> int:
         rclpy.spin_until_future_complete(client_node, cancel, timeout_sec=5.0)
         rclpy.spin_until_future_complete(client_node, result_future, timeout_sec=10.0)
     response = result_future.result()
-    if response is None:
-        print("timed out waiting for the result", file=sys.stderr)
+    if response is None:  # gave up waiting: do not leave the goal running on the node
+        cancel = handle.cancel_goal_async()
+        rclpy.spin_until_future_complete(client_node, cancel, timeout_sec=5.0)
+        print("timed out waiting for the result (goal cancelled)", file=sys.stderr)
         return EXIT_UNAVAILABLE
     printer.result(response.result.text)
     print(f"status: {_STATUS_NAMES.get(response.status, response.status)}", file=sys.stderr)

@@ -8,8 +8,9 @@ with the model's own tokenizer (BOS added, special tokens parsed) and its 2-gram
 (LLAMA_NGRAM_STATIC) counted. Several files add up; n-grams never span two files.
 Give the result to the node as ``lookup.static_path`` (or llama.cpp's ``--lookup-cache-static``).
 
-``--ngram-min 1 --ngram-max 4`` makes a file to seed a *dynamic* cache (``lookup.dynamic_path``)
-instead: the drafter reads only 2-grams from a static cache.
+``--learned --ngram-min 1 --ngram-max 4`` makes a file to seed the node's *learned* cache
+(``lookup.dynamic_path``) instead: the drafter reads only 2-grams from a static cache, and the node
+reads or replaces a learned cache only in its own format (a header naming the vocabulary).
 
 The cache is only valid with models that share MODEL's vocabulary (a Gemma 3 tokenizer, say).
 """
@@ -25,8 +26,10 @@ from typing import List, Optional, Sequence
 
 from tqdm import tqdm
 
+from ..engine import learned_cache
+from ..engine.backend import vocab_tag_of
 from ..engine.ngram_cache import NGRAM_MAX, NGRAM_STATIC, NgramCache
-from ..engine.types import ModelLoadError
+from ..engine.types import CacheFormatError, ModelLoadError
 
 PROG = "gemma-spec-lookup-create"
 #: Tokens hashed between two progress-bar updates.
@@ -46,14 +49,14 @@ class _VocabTokenizer:
         self._model = llama_cpp.llama_model_load_from_file(model_path.encode(), params)
         if not self._model:
             raise ModelLoadError(f"cannot load the tokenizer of {model_path}: not a GGUF model?")
-        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self.vocab = llama_cpp.llama_model_get_vocab(self._model)
 
     def tokenize(self, text: bytes) -> List[int]:
         """``text`` as tokens, BOS added and special tokens parsed (llama.cpp's common_tokenize)."""
         capacity = len(text) + 8  # at most one token per byte, plus BOS/EOS
         while True:
             buffer = (self._llama_cpp.llama_token * capacity)()
-            count = self._llama_cpp.llama_tokenize(self._vocab, text, len(text), buffer, capacity,
+            count = self._llama_cpp.llama_tokenize(self.vocab, text, len(text), buffer, capacity,
                                                    True, True)
             if count >= 0:
                 return list(buffer[:count])
@@ -123,6 +126,9 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--ngram-max", type=int, default=NGRAM_STATIC,
                         help=f"longest n-gram counted (default {NGRAM_STATIC}, "
                              f"at most {NGRAM_MAX})")
+    parser.add_argument("--learned", action="store_true",
+                        help="write the node's learned-cache format (header + MODEL's vocabulary), "
+                             "to seed lookup.dynamic_path; default: llama.cpp's plain format")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     parser.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
     args = parser.parse_args(argv)
@@ -151,12 +157,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with _VocabTokenizer(args.model) as tokenizer:
             cache = build_static_cache(args.corpus, tokenizer, args.ngram_min, args.ngram_max,
                                        show_progress=not args.quiet)
+            tag = vocab_tag_of(tokenizer.vocab) if args.learned else ""
     except ModelLoadError as error:
         print(f"{PROG}: {error}", file=sys.stderr)
         return 1
     try:
-        cache.save(args.output)
-    except (OSError, ValueError) as error:
+        if args.learned:
+            learned_cache.save(cache, args.output, tag)
+        else:
+            cache.save(args.output)
+    except (OSError, ValueError, CacheFormatError) as error:
         print(f"{PROG}: cannot write {args.output}: {error}", file=sys.stderr)
         return 1
     print(f"{PROG}: {len(cache)} n-grams of size {args.ngram_min}..{args.ngram_max} "

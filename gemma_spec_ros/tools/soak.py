@@ -767,9 +767,9 @@ class Soak:
         path = self.overrides.get("lookup.dynamic_path", "")
         if not path:
             return {"pass": True, "detail": "no lookup.dynamic_path override: not checked"}
-        from ..engine.ngram_cache import NgramCache
+        from ..engine import learned_cache
         try:
-            cache = NgramCache.load(os.path.expanduser(path))
+            _, cache = learned_cache.read(os.path.expanduser(path))
         except Exception as exc:  # noqa: BLE001
             return {"pass": False, "detail": f"{path}: {exc}"}
         return {"pass": True, "detail": f"{path}: {len(cache)} n-grams"}

@@ -155,7 +155,10 @@ def base_config(params: Mapping[str, object]) -> EngineConfig:
     unknown = sorted(set(params) - set(node_parameters.PARAMETERS_BY_NAME))
     if unknown:
         raise ValueError(f"unknown parameters {', '.join(unknown)} (see docs/parameters.md)")
-    config = node_parameters.engine_config_from({**node_parameters.defaults(), **params})
+    # the learned cache stays in memory: a benchmark never writes the node's cache file, and a
+    # fresh worker per repeat starts from the same state
+    config = node_parameters.engine_config_from(
+        {**node_parameters.defaults(), **params, "lookup.dynamic_path": ""})
     return dataclasses.replace(config, spec=dataclasses.replace(config.spec, mode="off"))
 
 
@@ -163,15 +166,14 @@ def engine_config(params: Mapping[str, object], mode: str, draft_max: Optional[i
     """EngineConfig for one engine runner: the file's settings with the runner's mode and K.
 
     ``draft_max`` None keeps the configured K and the adaptive policy; a number fixes K (policy off).
-    The dynamic n-gram cache stays in memory so a benchmark never writes the node's cache file, and a
-    fresh worker per repeat starts from the same state.
+    The dynamic n-gram cache stays in memory (see :func:`base_config`).
     """
     base = base_config(params)
     spec = dataclasses.replace(base.spec, mode=mode)
     if draft_max is not None:
         spec = dataclasses.replace(spec, draft_max=draft_max, adaptive=False,
                                    draft_min=min(spec.draft_min, draft_max))
-    return dataclasses.replace(base, spec=spec, lookup=dataclasses.replace(base.lookup, dynamic_path=""))
+    return dataclasses.replace(base, spec=spec)
 
 
 def model_config(params: Mapping[str, object], role: str) -> Optional[ModelConfig]:

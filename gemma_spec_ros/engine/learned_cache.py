@@ -1,0 +1,171 @@
+"""The learned (dynamic) n-gram cache's file: llama.cpp's records behind a header this project owns.
+
+A node writes its learned cache back to ``lookup.dynamic_path``, a path any ROS peer on the domain
+could have set. So the engine reads, moves aside or overwrites only a file that starts with this
+header, i.e. one it wrote itself; any other file is refused with a reason and left untouched. The
+header also names the vocabulary the n-grams belong to: token ids of one vocabulary mean nothing in
+another, so a node serving another model refuses the file instead of drafting junk from it.
+
+File layout (little-endian)::
+
+    8 bytes   MAGIC
+    uint32    FORMAT_VERSION
+    uint32    length of the vocabulary tag in bytes (at most MAX_TAG_BYTES)
+    tag       ASCII, zero-padded to a multiple of 4 bytes
+    records   llama.cpp's n-gram cache format (see :mod:`.ngram_cache`)
+
+Static caches stay in llama.cpp's plain format (``llama-lookup-create`` makes them); a learned file
+may be used as a static cache too (:func:`load_static`).
+"""
+from __future__ import annotations
+
+import os
+import stat
+import struct
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional, Tuple
+
+from .ngram_cache import NgramCache, PathLike, read_cache_file, write_atomically
+from .types import CacheFormatError
+
+MAGIC = b"\x89GSNGRM\n"  # high bit + name + newline: not text, not a llama.cpp record
+FORMAT_VERSION = 1
+MAX_TAG_BYTES = 256
+_PREFIX = struct.Struct("<8sII")
+
+
+class ForeignFileError(CacheFormatError):
+    """The path names a file this engine did not write (no header): refused, left untouched."""
+
+
+class VocabularyMismatchError(CacheFormatError):
+    """A learned cache of another vocabulary: refused, left untouched."""
+
+
+class CorruptLearnedCacheError(CacheFormatError):
+    """A learned cache (it has the header) whose records are broken: the owner may move it aside."""
+
+
+def vocab_tag(vocab_type: int, n_vocab: int, token_texts_digest: str) -> str:
+    """The tag of a vocabulary: its type, size and a digest of all token texts.
+
+    >>> vocab_tag(1, 262144, "ab" * 20)
+    'vocab-1-262144-abababababababababababababababababababab'
+    """
+    return f"vocab-{vocab_type}-{n_vocab}-{token_texts_digest}"
+
+
+def encode(cache: NgramCache, tag: str) -> bytes:
+    """``cache`` as a learned-cache file for the vocabulary ``tag``."""
+    raw_tag = tag.encode("ascii")
+    if len(raw_tag) > MAX_TAG_BYTES:
+        raise ValueError(f"vocabulary tag of {len(raw_tag)} bytes: at most {MAX_TAG_BYTES}")
+    padding = b"\0" * (-len(raw_tag) % 4)
+    return _PREFIX.pack(MAGIC, FORMAT_VERSION, len(raw_tag)) + raw_tag + padding + cache.to_bytes()
+
+
+def _is_learned(data: bytes) -> bool:
+    return data[:len(MAGIC)] == MAGIC
+
+
+def _split(data: bytes, source: str) -> Tuple[str, bytes]:
+    """(vocabulary tag, records) of a learned-cache file; raises as :func:`decode`."""
+    if not _is_learned(data):
+        raise ForeignFileError(
+            f"{source} is not a learned n-gram cache written by gemma_spec (no header): it is left "
+            "untouched and not used; point lookup.dynamic_path at a new file or at one this node wrote")
+    if len(data) < _PREFIX.size:
+        raise CorruptLearnedCacheError(f"learned n-gram cache {source}: header truncated")
+    _, version, tag_bytes = _PREFIX.unpack_from(data)
+    body_start = _PREFIX.size + tag_bytes + (-tag_bytes % 4)
+    raw_tag = data[_PREFIX.size:_PREFIX.size + tag_bytes]
+    if version != FORMAT_VERSION or tag_bytes > MAX_TAG_BYTES or body_start > len(data) \
+            or not raw_tag.isascii():
+        raise CorruptLearnedCacheError(
+            f"learned n-gram cache {source}: unknown format version or broken header")
+    return raw_tag.decode("ascii"), data[body_start:]
+
+
+def _records(body: bytes, source: str, max_ngrams: Optional[int]) -> NgramCache:
+    try:
+        return NgramCache.from_bytes(body, source=source, max_ngrams=max_ngrams)
+    except CacheFormatError as error:
+        raise CorruptLearnedCacheError(str(error)) from None
+
+
+def decode(data: bytes, source: str, tag: str, max_ngrams: Optional[int] = None) -> NgramCache:
+    """The n-grams of a learned-cache file of the vocabulary ``tag``.
+
+    Raises :class:`ForeignFileError` without the header, :class:`VocabularyMismatchError` for
+    another vocabulary, :class:`CorruptLearnedCacheError` for broken records (or too many of them).
+    The messages never quote the file's content.
+    """
+    file_tag, body = _split(data, source)
+    if file_tag != tag:
+        raise VocabularyMismatchError(
+            f"learned n-gram cache {source} was learned with another vocabulary (another model "
+            "family): it is left untouched and not used; give this model its own lookup.dynamic_path")
+    return _records(body, source, max_ngrams)
+
+
+def read(path: PathLike) -> Tuple[str, NgramCache]:
+    """(vocabulary tag, n-grams) of the learned-cache file ``path``, whatever its vocabulary
+    (tools that inspect a file); raises as :func:`decode`."""
+    file_tag, body = _split(read_cache_file(path), os.fspath(path))
+    return file_tag, _records(body, os.fspath(path), None)
+
+
+def load(path: PathLike, tag: str, max_ngrams: Optional[int] = None) -> NgramCache:
+    """The learned cache at ``path``; an empty one if the file does not exist yet (the first
+    :func:`save` creates it). Raises as :func:`decode`, or CacheFormatError if it cannot be read."""
+    if not os.path.lexists(os.fspath(path)):
+        return NgramCache()
+    return decode(read_cache_file(path), os.fspath(path), tag, max_ngrams)
+
+
+def load_static(path: PathLike, tag: str, max_ngrams: Optional[int] = None) -> NgramCache:
+    """A static cache: llama.cpp's plain format, or a learned-cache file (of the vocabulary ``tag``)."""
+    data = read_cache_file(path)
+    if _is_learned(data):
+        return decode(data, os.fspath(path), tag, max_ngrams)
+    return NgramCache.from_bytes(data, source=os.fspath(path), max_ngrams=max_ngrams)
+
+
+def check_owned(path: PathLike) -> None:
+    """Raise :class:`ForeignFileError` unless ``path`` is absent or a regular file with the header.
+
+    Opened without blocking and checked on the descriptor (a FIFO cannot hang the caller)."""
+    try:
+        fd = os.open(os.fspath(path), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return
+    except OSError as error:
+        raise ForeignFileError(f"cannot check {os.fspath(path)} before writing the learned n-gram "
+                               f"cache: {error.strerror or error}") from None
+    try:
+        owned = stat.S_ISREG(os.fstat(fd).st_mode) and os.read(fd, len(MAGIC)) == MAGIC
+    finally:
+        os.close(fd)
+    if not owned:
+        raise ForeignFileError(
+            f"refusing to overwrite {os.fspath(path)} with the learned n-gram cache: the file was "
+            "not written by gemma_spec (no header)")
+
+
+def save(cache: NgramCache, path: PathLike, tag: str) -> None:
+    """Write ``cache`` to ``path`` atomically, only over a file this engine wrote (or none)."""
+    check_owned(path)
+    write_atomically(path, encode(cache, tag))
+
+
+def move_aside(path: PathLike) -> str:
+    """Rename the (corrupt, own) file ``path`` to a new unique ``<path>.corrupt-<time>-<random>``
+    name and return it; never replaces an earlier aside file."""
+    target = Path(path)
+    fd, aside = tempfile.mkstemp(dir=os.fspath(target.parent),
+                                 prefix=f"{target.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}-")
+    os.close(fd)
+    os.replace(target, aside)
+    return aside
