@@ -38,7 +38,7 @@ def mtp_params_file(tmp: Path, repo_root: Path) -> Path:
                             flash_attn=False)
     params["draft"].update(model_path=str(assistant), n_gpu_layers=0, n_threads=1)
     params["spec"].update(mode="lookup", adaptive=False, draft_max=3)  # the launch argument sets mtp
-    params["lookup"]["dynamic_path"] = str(tmp / "dynamic.bin")
+    params["lookup"].update(dynamic_path=str(tmp / "dynamic.bin"), cache_dir=str(tmp))
     params["diagnostics"] = {"period": 0.5}
     path = tmp / "params.yaml"
     path.write_text(yaml.safe_dump(document))
