@@ -6,7 +6,7 @@ The lifecycle node is configured (models load) and then activated (goals accepte
 Arguments:
     params_file  parameter file            (default: <share>/gemma_spec_ros/config/orin.yaml)
     models_dir   folder with the GGUFs     (default: '' = the model paths written in params_file)
-    spec_mode    off | draft | lookup | draft+lookup | auto  (default: '' = params_file's spec.mode)
+    spec_mode    off | draft | lookup | draft+lookup | auto | mtp  (default: '' = params_file's spec.mode)
 """
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def generate_launch_description() -> LaunchDescription:
             description=f"folder holding {TARGET_MODEL_FILE} (target) and {DRAFT_MODEL_FILE} "
                         "(draft); empty: the model paths of params_file"),
         DeclareLaunchArgument("spec_mode", default_value="",
-                              description="off | draft | lookup | draft+lookup | auto; "
+                              description="off | draft | lookup | draft+lookup | auto | mtp; "
                                           "empty: params_file's spec.mode"),
         OpaqueFunction(function=launch_node),
     ])

@@ -161,6 +161,12 @@ def write_tiny_gguf(path: PathLike, vocab_size: int = 32, n_embd: int = 32, n_la
     if arch == "gemma3":
         writer.add_sliding_window(sliding_window or n_ctx_train)
     _add_vocab(writer, vocab_size)
+    return finish_file(writer, tensors, partial, path)
+
+
+def finish_file(writer: gguf.GGUFWriter, tensors: Dict[str, np.ndarray], partial: Path, path: Path) -> Path:
+    """Add ``tensors``, write the file under its temporary name ``partial``, rename it to ``path``
+    (a reader never sees a partial file); returns ``path``."""
     for name, tensor in tensors.items():
         writer.add_tensor(name, tensor)
     try:

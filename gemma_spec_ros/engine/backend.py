@@ -217,6 +217,12 @@ class LlamaBackend:
     (quantized weights on the fast build, where logits already depend on batch shapes).
     """
 
+    #: Called after each decoded chunk with (position of its first token, its rows asked for
+    #: logits, whether it is the decode's last chunk), before the next chunk overwrites llama.cpp's
+    #: outputs: an MTP drafter keeps the target's hidden rows there (engine/mtp.py). None = nothing
+    #: to do, as for the other drafters.
+    after_chunk: Optional[Callable[[int, List[int], bool], None]] = None
+
     def __init__(self, config: ModelConfig, *, max_batch_rows: int = 65,
                  full_swa_cache: Optional[bool] = True) -> None:
         _init_backend()
@@ -473,6 +479,8 @@ class LlamaBackend:
                 ptr = llama_cpp.llama_get_logits_ith(self._ctx, i)
                 row = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
                 out.append(row if last_chunk else row.copy())
+            if self.after_chunk is not None:
+                self.after_chunk(base, rows_here, last_chunk)
             start += len(part)
         return out
 
@@ -527,3 +535,9 @@ class LlamaBackend:
         t0 = time.perf_counter()
         rows = self.decode(tokens, logit_rows)
         return rows, time.perf_counter() - t0
+
+    @property
+    def handles(self) -> Tuple[object, object]:
+        """(llama_model, llama_context) pointers, for code that calls llama.cpp on this model itself
+        (an MTP assistant's context is created over the target's: engine/mtp.py)."""
+        return self._model, self._ctx

@@ -18,6 +18,21 @@ def _top_probability(logits: np.ndarray, top: int) -> float:
     return 1.0 / float(np.exp(logits.astype(np.float64) - shift).sum())
 
 
+def next_draft_token(logits: np.ndarray, sampler: Optional[Sampler], rng: Optional[np.random.Generator],
+                     p_min: float, probs: List[np.ndarray]) -> Optional[int]:
+    """One drafted token from a drafter model's logits: sampled from ``sampler`` (its distribution q
+    appended to ``probs``, for rejection verification), or greedy; None when the greedy token's
+    probability is below ``p_min`` (the draft stops there: it would likely be rejected)."""
+    if sampler is not None:
+        q = sampler.distribution(logits)
+        probs.append(q)
+        return inverse_cdf(q, rng.random())
+    token = _GREEDY.sample(logits, None)
+    if p_min > 0.0 and _top_probability(logits, token) < p_min:
+        return None
+    return token
+
+
 class DraftModelDrafter:
     """Greedy (or, for ``rejection`` verification, sampled) drafting with a small model.
 
@@ -74,14 +89,9 @@ class DraftModelDrafter:
         tokens: List[int] = []
         probs: List[np.ndarray] = []
         while True:
-            if self._sampler is not None:
-                q = self._sampler.distribution(logits)
-                token = inverse_cdf(q, self._rng.random())
-                probs.append(q)
-            else:
-                token = _GREEDY.sample(logits, None)
-                if _top_probability(logits, token) < spec.p_min:
-                    break
+            token = next_draft_token(logits, self._sampler, self._rng, spec.p_min, probs)
+            if token is None:
+                break
             tokens.append(token)
             if len(tokens) >= max_tokens or backend.is_eog(token):
                 break

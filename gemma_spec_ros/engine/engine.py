@@ -39,6 +39,7 @@ import numpy as np
 from .backend import DecodeInterrupted, LlamaBackend, return_freed_memory
 from .draft_model import DraftModelDrafter
 from .lookup import LookupDrafter
+from .mtp import export_hidden_for, model_drafter, mtp_drafter, mtp_spec_problem
 from .policy import PLAIN_STEP, CostModel, Decision, DraftLengthPolicy
 from .sampling import Sampler, make_rng
 from .stats import SpecStats, timed
@@ -55,7 +56,8 @@ DRAFTERS_BY_MODE: Dict[str, Tuple[str, ...]] = {
     "draft": ("draft",),
     "lookup": ("lookup",),
     "draft+lookup": ("lookup", "draft"),
-    "auto": ("lookup", "draft"),
+    "auto": ("lookup", "draft", "mtp"),
+    "mtp": ("mtp",),  # Gemma 4's assistant (engine/mtp.py); "draft" is a standalone model
 }
 
 
@@ -144,7 +146,7 @@ class Engine:
         self.target = LlamaBackend(config.target, full_swa_cache=None if one_batch else True)
         try:  # the draft model first: if it cannot draft for the target, no cache is loaded (or saved)
             if config.draft is not None:
-                self._add_drafter(DraftModelDrafter(config.draft, self.target))
+                self._add_drafter(model_drafter(config.draft, self.target))  # a model or an assistant
             lookup = config.lookup
             tag = self.target.vocab_tag() if lookup.dynamic_path or lookup.static_path else ""
             self._add_drafter(LookupDrafter(lookup, vocab_tag=tag))
@@ -197,6 +199,9 @@ class Engine:
 
     def check_spec(self, spec: SpecConfig) -> str:
         """Why ``spec`` cannot be used here ('' if it can)."""
+        reason = mtp_spec_problem(spec.mode, self.drafters)
+        if reason:
+            return reason
         if spec.mode in DRAFT_MODES and self.draft is None:
             return f"spec mode {spec.mode!r} needs a draft model, and none is configured (draft.model_path)"
         return ""
@@ -253,7 +258,7 @@ class Engine:
         return snap
 
     def model_info(self) -> dict:
-        draft = self.draft
+        draft = self.draft or mtp_drafter(self.drafters)  # a standalone model or an assistant
         return {"target": self.target.model_info(),
                 "draft": draft.model_info() if draft is not None else None}
 
@@ -324,6 +329,7 @@ class Engine:
         between two n_batch chunks."""
         with timed(run.stats, "prompt_time"):
             reused = self._keep_prompt_prefix(run.prompt, run.request.reuse_prompt)
+            export_hidden_for(self.drafters, DRAFTERS_BY_MODE[run.request.spec_mode or self._spec.mode])
             rest = run.prompt[reused:]
             rows = self.target.decode(
                 rest, [len(rest) - 1], stop=lambda: self._stop_requested(cancel) or self._over_budget(run))
@@ -361,6 +367,7 @@ class Engine:
         room = self.n_ctx - target.n_past - 1
         k_cap = max(0, min(spec.draft_max, run.request.max_tokens - len(run.generated) - 1, room))
         run.context.append(run.pending)
+        export_hidden_for(self.drafters, DRAFTERS_BY_MODE[mode])  # for this step's verify pass
         with timed(stats, "draft_time"):
             draft, decision = self._propose(mode, spec, run.context, k_cap)
         batch = [run.pending, *draft.tokens]

@@ -16,10 +16,13 @@ if TYPE_CHECKING:  # numpy in annotations only: configs validate without it
     import numpy as np
 
 #: Speculative modes. ``draft+lookup`` tries the n-gram drafter, then the draft model, in that
-#: order; ``auto`` is always adaptive and tries them best predicted speedup first (or drafts nothing).
-SPEC_MODES: Tuple[str, ...] = ("off", "draft", "lookup", "draft+lookup", "auto")
+#: order; ``auto`` is always adaptive and tries them best predicted speedup first (or drafts nothing);
+#: ``mtp`` drafts with a Gemma 4 assistant (engine/mtp.py), which ``auto`` also tries.
+SPEC_MODES: Tuple[str, ...] = ("off", "draft", "lookup", "draft+lookup", "auto", "mtp")
 #: Modes that cannot run without a draft model (``auto`` does without one).
 DRAFT_MODES: Tuple[str, ...] = ("draft", "draft+lookup")
+#: Modes that cannot run without a Gemma 4 MTP assistant in ``draft.model_path`` (engine/mtp.py).
+MTP_MODES: Tuple[str, ...] = ("mtp",)
 #: Verification rules. ``exact``: accept while the target's own sample equals the draft (lossless
 #: for any drafter). ``rejection``: Leviathan/Chen min(1, p/q) with residual resampling.
 VERIFICATIONS: Tuple[str, ...] = ("exact", "rejection")
@@ -155,6 +158,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.spec.mode in DRAFT_MODES and self.draft is None:
             raise ValueError(f"spec mode {self.spec.mode!r} needs a draft model: set draft.model_path")
+        if self.spec.mode in MTP_MODES and self.draft is None:
+            raise ValueError(f"spec mode {self.spec.mode!r} needs a Gemma 4 assistant: set "
+                             f"draft.model_path to a gemma4-assistant GGUF")
 
 
 @dataclass(frozen=True)

@@ -170,7 +170,8 @@ PARAMETERS: Tuple[ParamSpec, ...] = (
     *_model_rows("target", "target", EMBEDDED_MODEL_PATH,
                  "target model .gguf ('~' and $VARS expanded)", with_batch=True),
     *_model_rows("draft", "draft", "",
-                 "draft model .gguf with the target's vocabulary; '' = no draft model",
+                 "draft model .gguf with the target's vocabulary, or a Gemma 4 MTP assistant "
+                 "(a gemma4-assistant .gguf: spec.mode mtp); '' = no draft model",
                  with_batch=False),
     ParamSpec("spec.mode", _SPEC.mode, "speculative mode; applies from the next step, no reload",
               choices=SPEC_MODES, yaml_false="off"),

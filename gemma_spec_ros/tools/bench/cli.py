@@ -41,6 +41,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Dict, IO, List, Mapping, Optional, Sequence, Tuple
 
+from ...engine.mtp import is_assistant
 from ...engine.types import expand_path
 from .config import (REFERENCE_RUNNER, Prompt, RunnerSpec, Suite, apply_overrides,
                            default_params, find_data_dir, load_params, load_suites, model_config, parse_baselines, parse_ks,
@@ -130,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder of text files for --random-prompts (repeatable; default: this "
                         "interpreter's standard library and installed packages)")
     p.add_argument("--prompts-dir", default="", help="folder of suite files (default: the package's prompts/)")
-    p.add_argument("--modes", default="all", help="comma-separated of off,draft,lookup,draft+lookup,auto, "
+    p.add_argument("--modes", default="all", help="comma-separated of off,draft,lookup,draft+lookup,auto,mtp, "
                    "or all (off always runs: it is the reference)")
     p.add_argument("--prompt-reuse", choices=PROMPT_REUSE_CHOICES, default="on",
                    help="engine runners reuse the previous request's prompt prefix (on, the node's "
@@ -337,11 +338,13 @@ class Bench:
         if args.repeats < 1 or args.max_tokens < 1:
             raise ValueError("--repeats and --max-tokens must be >= 1")
         self.suites = suites
-        has_draft = model_config(self.params, "draft") is not None
+        draft = model_config(self.params, "draft")
+        has_draft = draft is not None
         native_ks = [k for k in parse_ks(args.native_k) if k is not None]
         self.specs, self.notes = plan_runners(parse_modes(args.modes), parse_ks(args.k), has_draft,
                                               parse_baselines(args.baselines), args.native_bin, native_ks,
-                                              args.via_action, args.prompt_reuse)
+                                              args.via_action, args.prompt_reuse,
+                                              assistant=has_draft and is_assistant(draft.resolved_path))
         self.specs += remote_runners(args.via_remote, parse_baselines(args.baselines))
         self.out_dir = Path(expand_path(args.out))
         if args.omp_wait_policy != "inherit":  # every worker and native tool inherits it

@@ -16,7 +16,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
-from ...engine.types import DRAFT_MODES, SPEC_MODES, EngineConfig, ModelConfig, expand_path
+from ...engine.types import DRAFT_MODES, MTP_MODES, SPEC_MODES, EngineConfig, ModelConfig, expand_path
 from ...node import parameters as node_parameters
 
 PACKAGE = "gemma_spec_ros"
@@ -269,7 +269,9 @@ def parse_baselines(text: str) -> List[str]:
     return wanted
 
 
-NATIVE_TOOLS: Dict[str, str] = {"lookup": "llama-lookup", "speculative": "llama-speculative-simple"}
+NATIVE_TOOLS: Dict[str, str] = {"lookup": "llama-lookup", "speculative": "llama-speculative-simple",
+                                # the same tool with --spec-type draft-mtp: a Gemma 4 assistant as -md
+                                "speculative-mtp": "llama-speculative-simple"}
 
 
 #: ``--prompt-reuse`` choices: engine runners with prompt reuse, without, or both side by side.
@@ -280,12 +282,15 @@ NO_REUSE_SUFFIX = "/no-reuse"
 
 def plan_runners(modes: Sequence[str], ks: Sequence[Optional[int]], has_draft: bool,
                  baselines: Sequence[str], native_bin: str, native_ks: Sequence[int],
-                 via_action: str, prompt_reuse: str = "on") -> Tuple[List[RunnerSpec], List[str]]:
+                 via_action: str, prompt_reuse: str = "on",
+                 assistant: bool = False) -> Tuple[List[RunnerSpec], List[str]]:
     """The runners of one bench invocation and notes on what was skipped and why.
 
     ``off`` is always run (every speedup is measured against it). Each other mode runs once per K.
     ``prompt_reuse`` ``off`` runs the engine runners without prompt reuse; ``both`` adds a
-    ``<name>/no-reuse`` twin of each, whose own baseline is the runner with reuse.
+    ``<name>/no-reuse`` twin of each, whose own baseline is the runner with reuse. ``assistant``: the
+    draft model is a Gemma 4 MTP assistant, which drafts in mode ``mtp`` (and for llama.cpp's
+    ``llama-speculative-simple --spec-type draft-mtp``), never in the draft-model modes.
     """
     notes: List[str] = []
     specs: List[RunnerSpec] = [RunnerSpec(REFERENCE_RUNNER, "engine", "off", None, "")]
@@ -294,6 +299,10 @@ def plan_runners(modes: Sequence[str], ks: Sequence[Optional[int]], has_draft: b
             continue
         if mode in DRAFT_MODES and not has_draft:
             notes.append(f"mode {mode} skipped: no draft model configured (draft.model_path or --draft)")
+            continue
+        if (mode in DRAFT_MODES and assistant) or (mode in MTP_MODES and not assistant):
+            notes.append(f"mode {mode} skipped: " + ("the draft model is a Gemma 4 assistant (mode mtp)"
+                                                     if assistant else "no Gemma 4 assistant configured"))
             continue
         specs.extend(RunnerSpec(runner_name(mode, k), "engine", mode, k) for k in ks)
     if prompt_reuse not in PROMPT_REUSE_CHOICES:
@@ -309,7 +318,7 @@ def plan_runners(modes: Sequence[str], ks: Sequence[Optional[int]], has_draft: b
         specs.append(RunnerSpec("lcp-prompt-lookup", "llama-cpp", "prompt-lookup", PROMPT_LOOKUP_TOKENS,
                                 "lcp-plain" if "plain" in baselines else REFERENCE_RUNNER))
     if native_bin:
-        specs.extend(_native_runners(native_bin, native_ks, has_draft, notes))
+        specs.extend(_native_runners(native_bin, native_ks, has_draft, notes, assistant))
     if via_action:
         specs.extend(RunnerSpec(f"action:{s.name}", "action", s.mode, None, s.name)
                      for s in list(specs) if s.kind == "engine" and s.draft_max is None)
@@ -317,8 +326,9 @@ def plan_runners(modes: Sequence[str], ks: Sequence[Optional[int]], has_draft: b
 
 
 def _native_runners(native_bin: str, native_ks: Sequence[int], has_draft: bool,
-                    notes: List[str]) -> List[RunnerSpec]:
-    """llama-lookup with K=0 (its plain decoding) and each K; llama-speculative-simple with a draft."""
+                    notes: List[str], assistant: bool = False) -> List[RunnerSpec]:
+    """llama-lookup with K=0 (its plain decoding) and each K; llama-speculative-simple with a draft
+    (``--spec-type draft-mtp`` when it is a Gemma 4 assistant: ``native-spec-mtp/K*``)."""
     bin_dir = Path(expand_path(native_bin))
     specs: List[RunnerSpec] = []
     if (bin_dir / NATIVE_TOOLS["lookup"]).is_file():
@@ -332,8 +342,8 @@ def _native_runners(native_bin: str, native_ks: Sequence[int], has_draft: bool,
         notes.append("native speculative skipped: no draft model configured")
     elif (bin_dir / NATIVE_TOOLS["speculative"]).is_file():
         reference = "native-plain" if specs else REFERENCE_RUNNER
-        specs.extend(RunnerSpec(f"native-spec/K{k}", "native", "speculative", k, reference)
-                     for k in native_ks)
+        tool, name = ("speculative-mtp", "native-spec-mtp") if assistant else ("speculative", "native-spec")
+        specs.extend(RunnerSpec(f"{name}/K{k}", "native", tool, k, reference) for k in native_ks)
     else:
         notes.append(f"native speculative skipped: {bin_dir / NATIVE_TOOLS['speculative']} not found")
     return specs

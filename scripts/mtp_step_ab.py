@@ -1,0 +1,62 @@
+"""Our MTP step against llama.cpp's, interleaved in one loop: the engine in this process (no bench
+worker), then ``llama-speculative-simple --spec-type draft-mtp`` on the same pair, prompt and K,
+ROUNDS times; medians of milliseconds per target pass after the first token (docs/benchmarks.md).
+
+    .venv/bin/python scripts/mtp_step_ab.py TARGET.gguf ASSISTANT.gguf [ROUNDS]
+
+The tiny pairs of the tests: ``write_gemma4_pair(dir, agreeing=...)`` in test/tiny_gemma4.py.
+"""
+from __future__ import annotations
+
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+from gemma_spec_ros.engine.engine import Engine
+from gemma_spec_ros.engine.types import EngineConfig, GenerationRequest, ModelConfig, SpecConfig
+
+TOOL = os.path.expanduser("~/.cache/gemma_spec_ros/native/bin/llama-speculative-simple")
+PROMPT, MAX_TOKENS, K, P_MIN, N_CTX = "the robot picks up the red cup. ", 200, 3, 0.75, 512
+
+
+def native_step_ms(target: str, assistant: str) -> float:
+    """decode time / target passes of one run; the tool logs from a thread and can exit before
+    its last lines are out: such a run is repeated."""
+    argv = [TOOL, "-m", target, "-md", assistant, "--spec-type", "draft-mtp", "--spec-draft-n-max", str(K),
+            "--spec-draft-p-min", str(P_MIN), "-c", str(N_CTX), "-t", "1", "-p", PROMPT,
+            "-n", str(MAX_TOKENS - 1), "--temp", "0", "--no-escape"]
+    for _ in range(5):
+        log = subprocess.run(argv, capture_output=True, text=True, check=True).stderr
+        decoded = re.search(r"decoded\s+(\d+) tokens in\s+([0-9.]+) seconds", log)
+        accepted = re.search(r"n_accept\s*=\s*(\d+)", log)
+        if decoded and accepted:
+            passes = int(decoded.group(1)) - 1 - int(accepted.group(1))
+            return float(decoded.group(2)) / passes * 1e3
+    raise RuntimeError("llama-speculative-simple printed no timings in 5 runs")
+
+
+def main() -> None:
+    target, assistant = sys.argv[1], sys.argv[2]
+    rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 15
+    engine = Engine(EngineConfig(
+        target=ModelConfig(target, n_ctx=N_CTX, n_threads=1, flash_attn=True),  # llama.cpp: auto
+        draft=ModelConfig(assistant, n_ctx=N_CTX, n_threads=1),
+        spec=SpecConfig(mode="mtp", draft_max=K, p_min=P_MIN, adaptive=False)))
+    ours, native = [], []
+    try:
+        for _ in range(rounds):
+            stats = list(engine.generate(GenerationRequest(PROMPT, max_tokens=MAX_TOKENS)))[-1].stats
+            ours.append(stats.generation_time / stats.num_steps * 1e3)
+            native.append(native_step_ms(target, assistant))
+    finally:
+        engine.close()
+    print(f"ours {statistics.median(ours):.3f} ms/step (min {min(ours):.3f}), llama.cpp "
+          f"{statistics.median(native):.3f} (min {min(native):.3f}): ratio of medians "
+          f"{statistics.median(ours) / statistics.median(native):.2f}, of minima {min(ours) / min(native):.2f}; "
+          f"acceptance {stats.acceptance_rate:.2f}, {stats.num_steps} passes")
+
+
+if __name__ == "__main__":
+    main()
