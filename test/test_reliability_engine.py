@@ -233,13 +233,18 @@ def test_close_during_prompt_evaluation_never_frees_under_decode(embedded_model_
     waiting) does not free the models under it: the running step finishes, then the engine is
     freed (before: llama_free ran under llama_decode, use-after-free). In a subprocess, so that a
     crash is a failed test, not a dead test session."""
-    script = tmp_path / "close_during_prompt.py"
-    script.write_text(CLOSE_DURING_PROMPT.format(test_dir=str(Path(__file__).parent),
-                                                 model=str(embedded_model_path)))
+    _run_script(tmp_path / "close_during_prompt.py", 360,
+                CLOSE_DURING_PROMPT.format(test_dir=str(Path(__file__).parent), model=str(embedded_model_path)))
+
+
+def _run_script(script: Path, timeout: float, text: str) -> None:
+    """Run ``text`` as a Python script in a child process with this checkout on its path; it must
+    exit 0 and print OK (a crash there is a failed test, not a dead test session)."""
+    script.write_text(text)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent.parent),
                                                         os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=360, env=env)
+                          timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "OK" in proc.stdout
 
@@ -337,14 +342,8 @@ def test_tokenizing_a_goal_while_the_engine_closes_never_touches_a_freed_model(
     """N3 (second review): a goal callback tokenizing a 64 KB prompt while cleanup closes the
     engine segfaulted in llama_tokenize (3 of 3 runs): close() now waits for a tokenization in
     flight and later ones are refused with EngineError. In a subprocess: a crash fails the test."""
-    script = tmp_path / "tokenize_during_close.py"
-    script.write_text(TOKENIZE_DURING_CLOSE.format(model=str(embedded_model_path)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent.parent),
-                                                        os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=240, env=env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "OK" in proc.stdout
+    _run_script(tmp_path / "tokenize_during_close.py", 240,
+                TOKENIZE_DURING_CLOSE.format(model=str(embedded_model_path)))
 
 
 def test_the_time_budget_bounds_prompt_evaluation(embedded_model_path: Path) -> None:
