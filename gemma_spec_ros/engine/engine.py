@@ -153,6 +153,9 @@ class Engine:
         except BaseException:
             self.close()
             raise
+        # the control tokens' texts (~0.3 s for a 262k vocabulary) are read here, not in the first
+        # templated goal's callback (see prompt_tokens)
+        self.target.control_token_in("")
         if calibrate:
             self.calibrate()
 
