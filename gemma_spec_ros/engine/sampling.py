@@ -63,9 +63,10 @@ class Sampler:
         p = self.params
         # shifted by the max first: a tiny (even denormal) temperature then gives -inf for the
         # others, never inf - inf = NaN
-        wide = logits.astype(np.float64)
+        scaled = logits.astype(np.float64)  # a copy: scaled in place, no further 262k-row arrays
+        scaled -= scaled.max()
         with np.errstate(over="ignore"):  # -inf is the intended result of such an overflow
-            scaled = (wide - wide.max()) / p.temperature
+            scaled /= p.temperature
         n = scaled.shape[0]
         if 0 < p.top_k < n:
             ids = _top_ids(scaled, p.top_k)
