@@ -206,10 +206,16 @@ class GenerationRequest:
     #: (bit-identical with F16/F32 weights; quantized weights may differ after a near-tie, since
     #: the batch shapes change); False = evaluate the whole prompt from an empty cache
     reuse_prompt: bool = True
+    #: constrained output (engine/grammar.py): a GBNF grammar (llama.cpp's format, rule ``root``), or
+    #: a JSON Schema (text) that llama-cpp-python's converter turns into one; at most one of the two
+    grammar: str = ""
+    json_schema: str = ""
 
     def __post_init__(self) -> None:
         if not self.prompt:
             raise ValueError("prompt is empty")
+        if self.grammar and self.json_schema:
+            raise ValueError("grammar and json_schema are both set: give at most one of the two")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens}: must be >= 1")
         if not math.isfinite(self.time_budget) or self.time_budget < 0:
