@@ -242,3 +242,39 @@ def test_feedback_min_period_spaces_the_messages_and_keeps_all_text(client: Clie
     assert 2 <= len(run.feedback) <= elapsed / 0.05 + 2, (len(run.feedback), elapsed)
     assert len(run.feedback) < steps or steps <= 2
     assert run.feedback[-1].completion_tokens == result.completion_tokens
+
+
+def test_constrained_goals_follow_their_grammar_or_schema(client: Client, reference: Engine,
+                                                           values: Dict[str, Any]) -> None:
+    """A goal's json_schema or grammar reaches the engine: the text is the reference engine's
+    constrained text (the tiny vocabulary spells lowercase words, so a boolean schema and a
+    two-word grammar), and the node's generation.json_schema applies to goals that set none."""
+    for fields in ({"json_schema": '{"type": "boolean"}'}, {"grammar": 'root ::= "go" | "stop"'}):
+        result = client.send(**goal(max_tokens=16, **fields)).wait_result()
+        assert result.finish_reason == "stop", result
+        assert result.text.strip() in ("true", "false", "go", "stop"), result.text
+        assert result.text == reference_text(reference, prompt=PROMPT, max_tokens=16, **fields)
+    with parameters(client, values, generation__json_schema='{"enum": ["yes", "no"]}'):
+        result = client.send(**goal(max_tokens=16)).wait_result()
+    # an enum of strings needs '"', which the tiny vocabulary cannot spell: the request ends with
+    # the grammar's reason (and shows the default reached the engine)
+    assert result.finish_reason == "error" and "admits no token" in result.error, result
+
+
+def test_constraint_refusals_name_the_reason_and_the_node_keeps_serving(client: Client) -> None:
+    cases = [
+        ({"grammar": 'root ::= "a" | nowhere'}, "Undefined rule identifier 'nowhere'"),
+        ({"grammar": 'root ::= "a"', "json_schema": '{"type": "boolean"}'}, "at most one"),
+        ({"json_schema": "{nope"}, "json_schema is not valid JSON"),
+        ({"json_schema": '{"type": "string", "pattern": "a+"}'}, "Pattern must start with"),
+        ({"grammar": 'root ::= "' + "a" * 70_000 + '"'}, "limits.max_grammar_bytes"),
+    ]
+    for fields, reason in cases:
+        mark = client.log_mark()
+        run = client.send(**goal(**fields))
+        assert not run.accepted, fields
+        assert reason in client.wait_log("goal rejected", since=mark).msg, fields
+    # the length of a constrained text that max_tokens cut is said in the result's error
+    result = client.send(**goal(max_tokens=1, grammar='root ::= "stop"')).wait_result()
+    assert result.finish_reason == "length" and "not a whole match" in result.error, result
+    assert client.send(**goal(max_tokens=4)).wait_result().finish_reason == "length"

@@ -35,7 +35,7 @@ spec.draft_min spec.p_min spec.adaptive spec.verification lookup.static_path loo
 lookup.cache_dir lookup.ngram_min lookup.ngram_max generation.max_tokens generation.temperature generation.top_p
 generation.top_k generation.seed generation.time_budget generation.prompt_cache limits.max_prompt_tokens
 limits.max_tokens queue.max_depth
-limits.max_prompt_bytes limits.max_stop_strings limits.max_stop_length queue.result_timeout lookup.dynamic_max_ngrams lookup.save_period
+limits.max_prompt_bytes limits.max_stop_strings limits.max_stop_length limits.max_grammar_bytes generation.grammar generation.json_schema queue.result_timeout lookup.dynamic_max_ngrams lookup.save_period
 feedback.min_period diagnostics.period diagnostics.hardware_id
 backend remote.url remote.model remote.api_key_env remote.connect_timeout remote.read_timeout
 remote.probe_period remote.n_ctx remote.fallback

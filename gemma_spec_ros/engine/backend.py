@@ -537,6 +537,12 @@ class LlamaBackend:
         return rows, time.perf_counter() - t0
 
     @property
+    def handles_vocab(self) -> object:
+        """The llama_vocab pointer, for code that calls llama.cpp on this vocabulary itself (a
+        grammar: engine/grammar.py)."""
+        return self._vocab
+
+    @property
     def handles(self) -> Tuple[object, object]:
         """(llama_model, llama_context) pointers, for code that calls llama.cpp on this model itself
         (an MTP assistant's context is created over the target's: engine/mtp.py)."""

@@ -38,6 +38,7 @@ import numpy as np
 
 from .backend import DecodeInterrupted, LlamaBackend, return_freed_memory
 from .draft_model import DraftModelDrafter
+from .grammar import Grammar, GrammarVocab, gbnf_of
 from .lookup import LookupDrafter
 from .mtp import export_hidden_for, model_drafter, mtp_drafter, mtp_spec_problem
 from .policy import PLAIN_STEP, CostModel, Decision, DraftLengthPolicy
@@ -60,6 +61,11 @@ DRAFTERS_BY_MODE: Dict[str, Tuple[str, ...]] = {
     "mtp": ("mtp",),  # Gemma 4's assistant (engine/mtp.py); "draft" is a standalone model
 }
 
+
+#: Draft.source of a draft the grammar forced whole (no drafter continued it)
+GRAMMAR_SOURCE = "grammar"
+#: Characters of forced text looked at per drafted token (JSON's keys and punctuation run ~3-4).
+FORCED_CHARS_PER_TOKEN = 8
 
 #: calibrate() measures every pass size up to this one (then only K + 1; others interpolated).
 CALIBRATE_ALL_UP_TO = 9
@@ -113,6 +119,7 @@ class _Run:
     # spec.verification at the start, kept for the whole request (a change applies to the next one)
     verification: str
     use_rejection: bool  # rejection verification, and the request samples (greedy is exact)
+    grammar: Optional[Grammar] = None  # the request's constraint (grammar or json_schema), if any
     context: List[int] = field(default_factory=list)  # tokens the target has decoded
     pending: int = -1  # the last emitted token: sampled, not yet decoded by the target
     generated: List[int] = field(default_factory=list)  # tokens emitted so far
@@ -137,6 +144,7 @@ class Engine:
         self._rolling = SpecStats()
         self.costs = CostModel()
         self.drafters: Dict[str, Drafting] = {}
+        self._grammar_vocab: Optional[GrammarVocab] = None  # made by the first constrained request
         # A window-sized sliding-window cache (LlamaBackend): the target rolls back only the
         # rejected tokens of its last pass, and prompt reuse checks the window. Safe only while
         # every verify pass is one llama.cpp batch: with a smaller n_batch, the full cache. The
@@ -253,6 +261,22 @@ class Engine:
         reason = self.check_spec(replace(self._spec, mode=request.spec_mode or self._spec.mode))
         if reason:
             raise ValueError(reason)
+        grammar = self.compile_constraint(request)  # ValueError with llama.cpp's reason
+        if grammar is not None:
+            grammar.close()
+
+    def compile_constraint(self, request: GenerationRequest) -> Optional[Grammar]:
+        """The request's grammar state (None without a constraint); ValueError if its grammar does
+        not parse or its schema cannot be converted. Thread-safe, also against close()."""
+        gbnf = gbnf_of(request.grammar, request.json_schema)
+        if not gbnf:
+            return None
+        with self._vocab_lock:
+            if self._freed:
+                raise EngineError("the engine is closed")
+            if self._grammar_vocab is None:
+                self._grammar_vocab = GrammarVocab.of(self.target)
+            return self._grammar_vocab.compile(gbnf)
 
     def rolling_stats(self) -> SpecStats:
         with self._stats_lock:
@@ -323,7 +347,8 @@ class Engine:
         verification = self._spec.verification
         return _Run(request, sampler, make_rng(request.sampling.seed),
                     SpecStats(num_prompt_tokens=len(prompt)), TextAssembler(self.target, request.stop),
-                    prompt, verification, verification == "rejection" and not sampler.greedy)
+                    prompt, verification, verification == "rejection" and not sampler.greedy,
+                    grammar=self.compile_constraint(request))
 
     def _prompt_pass(self, run: _Run, cancel: Optional[threading.Event] = None) -> int:
         """Decode the prompt, sample the first token, start the drafters and their policies.
@@ -336,7 +361,7 @@ class Engine:
             rest = run.prompt[reused:]
             rows = self.target.decode(
                 rest, [len(rest) - 1], stop=lambda: self._stop_requested(cancel) or self._over_budget(run))
-            first = run.sampler.sample(rows[0], run.rng)
+            first = verify_exact(rows, (), run.sampler, run.rng, run.grammar).tokens[0]
         run.stats.num_prompt_tokens_reused = reused
         run.stats.time_to_first_token = time.perf_counter() - run.started
         # Drafts sampled for rejection verification draw from their own stream of the request's seed.
@@ -372,7 +397,7 @@ class Engine:
         run.context.append(run.pending)
         export_hidden_for(self.drafters, DRAFTERS_BY_MODE[mode])  # for this step's verify pass
         with timed(stats, "draft_time"):
-            draft, decision = self._propose(mode, spec, run.context, k_cap)
+            draft, decision, n_forced = self._propose(mode, spec, run.context, k_cap, run.grammar, stats)
         batch = [run.pending, *draft.tokens]
         n_keep = target.n_past
         with timed(stats, "verify_time"):
@@ -380,36 +405,87 @@ class Engine:
         self.costs.observe_verify(len(batch), seconds)
         with timed(stats, "sample_time"):
             if run.use_rejection:
-                verdict = verify_rejection(rows, draft.tokens, draft.probs, run.sampler, run.rng)
+                verdict = verify_rejection(rows, draft.tokens, draft.probs, run.sampler, run.rng,
+                                           run.grammar)
             else:
-                verdict = verify_exact(rows, draft.tokens, run.sampler, run.rng)
+                verdict = verify_exact(rows, draft.tokens, run.sampler, run.rng, run.grammar)
         target.rollback(n_keep + 1 + verdict.num_accepted)
-        self._observe(stats, draft, verdict)
+        self._observe(stats, draft, verdict, n_forced)
         run.context.extend(verdict.tokens[:-1])
         run.pending = verdict.tokens[-1]
         stats.predicted_speedup = decision.predicted_speedup
         stats.generation_time += time.perf_counter() - started
         return verdict.tokens, self._mode_label(run, draft.source or None, mode), spec.draft_max
 
-    def _propose(self, mode: str, spec: SpecConfig, context: List[int], k_cap: int) -> Tuple[Draft, Decision]:
-        """The first non-empty draft in this step's drafting order, with its policy's decision."""
-        if k_cap <= 0:
-            return EMPTY_DRAFT, PLAIN_STEP
-        for drafting, decision in drafting_order(mode, self.drafters, k_cap, spec.adaptive):
-            started = time.perf_counter()
-            draft = drafting.drafter.propose(context, decision.draft_len, spec)
-            if draft.tokens:
-                self.costs.observe_draft_time(draft.source, len(draft), time.perf_counter() - started)
-                return draft, decision
-        return EMPTY_DRAFT, PLAIN_STEP
+    def _propose(self, mode: str, spec: SpecConfig, context: List[int], k_cap: int,
+                 grammar: Optional[Grammar] = None,
+                 stats: Optional[SpecStats] = None) -> Tuple[Draft, Decision, int]:
+        """The first non-empty draft in this step's drafting order, with its policy's decision, and
+        how many of its first tokens the grammar forced (0 without a grammar).
 
-    def _observe(self, stats: SpecStats, draft: Draft, verdict: Verdict) -> None:
-        """Feed one verify pass to the request's stats and to the drafter's policy."""
+        Under a grammar (any mode but ``off``), the text it forces from here (keys, punctuation,
+        the rest of an enum literal) comes first, drafted without a model; a drafter continues from
+        there, and its draft is cut before the first token the grammar refuses (that token could
+        never be accepted, and would cost a verify row)."""
+        if k_cap <= 0:
+            return EMPTY_DRAFT, PLAIN_STEP, 0
+        forced: List[int] = []
+        after = grammar
+        if grammar is not None and mode != "off":
+            forced, after = self._forced_tokens(grammar, context, k_cap)
+        try:
+            room = k_cap - len(forced)
+            for drafting, decision in drafting_order(mode, self.drafters, k_cap, spec.adaptive):
+                if room <= 0:
+                    break
+                started = time.perf_counter()
+                draft = drafting.drafter.propose(context + forced if forced else context,
+                                                 min(decision.draft_len, room), spec)
+                if draft.tokens and after is not None:
+                    keep = after.allowed_prefix(draft.tokens)
+                    if stats is not None:
+                        stats.num_grammar_cut_tokens += len(draft) - keep
+                    draft = _cut(draft, keep)
+                if draft.tokens:
+                    self.costs.observe_draft_time(draft.source, len(draft), time.perf_counter() - started)
+                    if forced:
+                        probs = None if draft.probs is None else (None,) * len(forced) + draft.probs
+                        draft = Draft(tuple(forced) + draft.tokens, probs, draft.source)
+                    return draft, decision, len(forced)
+        finally:
+            if after is not grammar and after is not None:
+                after.close()
+        if forced:
+            return Draft(tuple(forced), None, GRAMMAR_SOURCE), PLAIN_STEP, len(forced)
+        return EMPTY_DRAFT, PLAIN_STEP, 0
+
+    def _forced_tokens(self, grammar: Grammar, context: Sequence[int], limit: int) -> Tuple[List[int], Grammar]:
+        """The tokens of the text ``grammar`` forces after ``context`` (at most ``limit``), and the
+        grammar state after them (a clone: the caller closes it)."""
+        previous = self.target.token_bytes(context[-1]).decode("utf-8", "replace")[-1:] if context else ""
+        text = grammar.forced_text(FORCED_CHARS_PER_TOKEN * limit, previous)
+        tokens = self._grammar_vocab.tokenize(text)[:limit] if text else []
+        walk = grammar.clone()
+        kept: List[int] = []
+        for token in tokens:
+            if self.target.is_eog(token) or not walk.allows(token):
+                break
+            walk.accept(token)
+            kept.append(token)
+        return kept, walk
+
+    def _observe(self, stats: SpecStats, draft: Draft, verdict: Verdict, n_forced: int = 0) -> None:
+        """Feed one verify pass to the request's stats and to the drafter's policy (a drafter's
+        policy learns from its own part of the draft, after the tokens a grammar forced)."""
         stats.num_steps += 1
         stats.num_step_tokens += len(verdict.tokens)
         if draft.tokens:
             stats.observe_draft(len(draft), verdict.num_accepted, draft.source)
-            self.drafters[draft.source].policy.observe(len(draft), verdict.num_accepted)
+            stats.num_grammar_draft_tokens += n_forced
+            stats.num_grammar_accepted_tokens += min(n_forced, verdict.num_accepted)
+            own = len(draft) - n_forced
+            if own > 0 and verdict.num_accepted >= n_forced:  # the drafter's part was reached
+                self.drafters[draft.source].policy.observe(own, verdict.num_accepted - n_forced)
 
     def _emit(self, run: _Run, tokens: Sequence[int], mode_label: str, draft_max: int,
               cancel: Optional[threading.Event]) -> Step:
@@ -436,12 +512,18 @@ class Engine:
             finish = "cancelled"
         elif self._over_budget(run):
             finish = "timeout"
+        detail = ""
         if finish is not None:
             new_text += run.text.flush()
+            if finish == "length" and run.grammar is not None and not run.grammar.complete():
+                detail = ("max_tokens ran out before the grammar was complete: the text is not a whole "
+                          "match of the grammar / json_schema (raise max_tokens)")
         stats.num_generated_tokens = len(run.generated)
         stats.spec_mode, stats.draft_max, stats.verification = mode_label, draft_max, run.verification
         stats.plain_token_time = self.costs.plain_token_time
-        return Step(tuple(emitted), new_text, stats.snapshot(), mode_label, draft_max, finish)
+        if run.grammar is not None:
+            stats.num_grammar_masks, stats.grammar_time = run.grammar.masks, run.grammar.seconds
+        return Step(tuple(emitted), new_text, stats.snapshot(), mode_label, draft_max, finish, detail)
 
     def _mode_label(self, run: _Run, source: Optional[str], mode: Optional[str] = None) -> str:
         mode = mode or run.request.spec_mode or self._spec.mode
@@ -450,6 +532,8 @@ class Engine:
     def _end_run(self, run: _Run) -> None:
         """The request ended (finished, cancelled, or failed): drafters learn, stats roll up."""
         run.stats.plain_token_time = self.costs.plain_token_time
+        if run.grammar is not None:
+            run.grammar.close()
         with self._stats_lock:  # first: whatever follows, the request counts
             self._rolling.merge(run.stats)
         for drafting in self.drafters.values():
@@ -540,3 +624,13 @@ class Engine:
         return_freed_memory()
         if errors:
             raise errors[0]
+
+
+def _cut(draft: Draft, keep: int) -> Draft:
+    """``draft`` cut to its first ``keep`` tokens."""
+    if keep >= len(draft):
+        return draft
+    if keep == 0:
+        return EMPTY_DRAFT
+    probs = None if draft.probs is None else draft.probs[:keep]
+    return Draft(draft.tokens[:keep], probs, draft.source)

@@ -62,6 +62,14 @@ class SpecStats:
     accepted_at: List[int] = field(default_factory=list, metadata=_SUM)
     drafted_at: List[int] = field(default_factory=list, metadata=_SUM)
     drafts_by_source: Dict[str, int] = field(default_factory=dict, metadata=_SUM)
+    # constrained requests (engine/grammar.py): drafted tokens the grammar forced (no model ran for
+    # them), those of them the target accepted, whole-row masks, time in llama.cpp's grammar code
+    num_grammar_draft_tokens: int = field(default=0, metadata=_SUM)
+    num_grammar_accepted_tokens: int = field(default=0, metadata=_SUM)
+    num_grammar_masks: int = field(default=0, metadata=_SUM)
+    # drafted tokens cut before verification because the grammar refused them (and all after them)
+    num_grammar_cut_tokens: int = field(default=0, metadata=_SUM)
+    grammar_time: float = field(default=0.0, metadata=_SUM)
     prompt_time: float = field(default=0.0, metadata=_SUM)
     draft_time: float = field(default=0.0, metadata=_SUM)
     # target decode passes (with or without a draft)
@@ -181,6 +189,10 @@ class SpecStats:
             "mean_acceptance_length": self.mean_acceptance_length,
             "acceptance_per_position": self.acceptance_per_position,
             "drafts_by_source": dict(self.drafts_by_source),
+            "num_grammar_draft_tokens": self.num_grammar_draft_tokens,
+            "num_grammar_accepted_tokens": self.num_grammar_accepted_tokens,
+            "num_grammar_masks": self.num_grammar_masks, "grammar_ms": self.grammar_time * 1e3,
+            "num_grammar_cut_tokens": self.num_grammar_cut_tokens,
             "tokens_per_second": self.tokens_per_second,
             "time_to_first_token_ms": self.time_to_first_token * 1e3,
             "prompt_ms": self.prompt_time * 1e3, "draft_ms": self.draft_time * 1e3,

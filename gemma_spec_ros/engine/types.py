@@ -255,6 +255,9 @@ class Step:
     spec_mode: str  # mode in effect at this step ("auto:lookup" style when auto chose)
     draft_max: int  # K in effect at this step
     finish_reason: Optional[str] = None  # stop | length | timeout | cancelled on the last step
+    #: on the last step, what the finish reason alone does not say (e.g. max_tokens ran out before
+    #: the request's grammar was complete: the text is not a whole match); else ''
+    detail: str = ""
 
 
 class Drafter(Protocol):

@@ -25,14 +25,19 @@ def request_from_goal(goal: Any, values: Mapping[str, Any]) -> GenerationRequest
     Goal conventions (see Generate.action): ``max_tokens`` 0 = ``generation.max_tokens``; ``top_p`` 0
     = ``generation.top_p``; ``temperature`` -1 = ``generation.temperature``; ``top_k`` -1 =
     ``generation.top_k``; ``seed`` -1 = ``generation.seed`` (itself -1 = random by default); empty
-    ``spec_mode`` = the node's ``spec.mode``; ``time_budget`` 0 = ``generation.time_budget``. A zero-initialised goal is greedy whatever the node's
-    defaults: 0 is a real temperature, so "use the default" needs its own value.
+    ``spec_mode`` = the node's ``spec.mode``; ``time_budget`` 0 = ``generation.time_budget``;
+    ``grammar`` and ``json_schema`` both empty = the node's ``generation.grammar`` /
+    ``generation.json_schema`` (a goal that sets one replaces both defaults). A zero-initialised goal
+    is greedy whatever the node's defaults: 0 is a real temperature, so "use the default" needs its
+    own value.
 
     >>> from types import SimpleNamespace as G
     >>> v = {"generation.max_tokens": 64, "generation.top_p": 0.9, "generation.seed": -1,
-    ...      "limits.max_tokens": 256, "generation.time_budget": 0.0, "generation.prompt_cache": True}
+    ...      "limits.max_tokens": 256, "generation.time_budget": 0.0, "generation.prompt_cache": True,
+    ...      "generation.grammar": "", "generation.json_schema": ""}
     >>> goal = G(prompt="Hi", system_prompt="", use_chat_template=False, max_tokens=0,
-    ...          temperature=0.0, top_p=0.0, top_k=0, seed=7, stop=[], spec_mode="", time_budget=0.0)
+    ...          temperature=0.0, top_p=0.0, top_k=0, seed=7, stop=[], spec_mode="", time_budget=0.0,
+    ...          grammar="", json_schema="")
     >>> r = request_from_goal(goal, v); (r.max_tokens, r.sampling.top_p, r.spec_mode)
     (64, 0.9, None)
     """
@@ -54,6 +59,11 @@ def request_from_goal(goal: Any, values: Mapping[str, Any]) -> GenerationRequest
     if not math.isfinite(goal.time_budget) or goal.time_budget < 0:
         raise GoalRejected(f"time_budget={goal.time_budget}: must be >= 0 seconds "
                            "(0 = the node's generation.time_budget)")
+    if goal.grammar and goal.json_schema:
+        raise GoalRejected("grammar and json_schema are both set: give at most one of the two")
+    grammar, json_schema = goal.grammar, goal.json_schema
+    if not grammar and not json_schema:
+        grammar, json_schema = values["generation.grammar"], values["generation.json_schema"]
     max_tokens = goal.max_tokens or values["generation.max_tokens"]
     if max_tokens > values["limits.max_tokens"]:
         raise GoalRejected(f"max_tokens={max_tokens} exceeds limits.max_tokens={values['limits.max_tokens']}")
@@ -68,7 +78,8 @@ def request_from_goal(goal: Any, values: Mapping[str, Any]) -> GenerationRequest
                                  use_chat_template=bool(goal.use_chat_template),
                                  stop=tuple(goal.stop), spec_mode=goal.spec_mode or None,
                                  time_budget=float(goal.time_budget or values["generation.time_budget"]),
-                                 reuse_prompt=bool(values["generation.prompt_cache"]))
+                                 reuse_prompt=bool(values["generation.prompt_cache"]),
+                                 grammar=grammar, json_schema=json_schema)
     except ValueError as exc:
         raise GoalRejected(str(exc)) from exc
 
@@ -88,6 +99,11 @@ def check_input_bounds(goal: Any, values: Mapping[str, Any]) -> None:
     if longest > max_length:
         raise GoalRejected(f"a stop string of {longest} characters: longer than "
                            f"limits.max_stop_length={max_length}")
+    max_grammar = values["limits.max_grammar_bytes"]
+    for name in ("grammar", "json_schema"):
+        size = len(getattr(goal, name).encode("utf-8", "replace"))
+        if size > max_grammar:
+            raise GoalRejected(f"{name} of {size} bytes exceeds limits.max_grammar_bytes={max_grammar}")
 
 
 def check_fits(engine: Any, request: GenerationRequest, max_prompt_tokens: int) -> None:

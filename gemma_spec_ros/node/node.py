@@ -541,6 +541,8 @@ class GemmaSpecNode(LifecycleNode):
             result.error = job.preempted_by
         elif result.finish_reason == "timeout":
             result.error = f"time_budget of {job.request.time_budget:g} s ran out"
+        elif step.detail:  # e.g. max_tokens ran out before the grammar was complete
+            result.error = step.detail
         return result, step.stats
 
     def _failed(self, job: Job, parts: List[str], step: Any, error: str) -> Generate.Result:

@@ -27,6 +27,7 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
+from ..engine.grammar import gbnf_of
 from ..engine.remote import RemoteConfig
 from ..engine.types import (SPEC_MODES, VERIFICATIONS, EngineConfig, LookupConfig, ModelConfig,
                             SamplingParams, SpecConfig)
@@ -219,6 +220,12 @@ PARAMETERS: Tuple[ParamSpec, ...] = (
     ParamSpec("generation.time_budget", 0.0,
               "seconds from acceptance after which a goal that sends time_budget 0 ends with "
               "finish_reason timeout and its text so far; 0 = no limit", (0.0, 86_400.0)),
+    ParamSpec("generation.grammar", "",
+              "GBNF grammar (llama.cpp's format, rule root) for goals that set neither grammar nor "
+              "json_schema; '' = unconstrained"),
+    ParamSpec("generation.json_schema", "",
+              "JSON Schema (text) for goals that set neither grammar nor json_schema; at most one of "
+              "generation.grammar and generation.json_schema"),
     ParamSpec("generation.prompt_cache", True,
               "reuse the KV cache of the previous request's common prompt prefix (a planner's "
               "repeated system prompt is evaluated once); false = evaluate every prompt whole, "
@@ -233,6 +240,8 @@ PARAMETERS: Tuple[ParamSpec, ...] = (
     ParamSpec("limits.max_stop_strings", 16, "goals with more stop strings are rejected", (0, 1024)),
     ParamSpec("limits.max_stop_length", 128,
               "goals with a longer stop string (characters) are rejected", (1, 1 << 16)),
+    ParamSpec("limits.max_grammar_bytes", 1 << 16,
+              "goals with a longer grammar or json_schema (UTF-8 bytes) are rejected", (0, 1 << 20)),
     ParamSpec("queue.result_timeout", 60.0,
               "seconds a finished goal's result (and its request) is kept for late get_result "
               "calls; read by configure", (1.0, 86_400.0)),
@@ -349,6 +358,10 @@ def check_values(values: Mapping[str, Any], configured: bool) -> str:
                 f"limits.max_tokens={values['limits.max_tokens']}")
     try:
         sampling_from(values)
+        # the defaults' form and size (whether a grammar parses needs the model's vocabulary: a
+        # goal that uses a default that does not parse is rejected with llama.cpp's reason)
+        gbnf_of(values["generation.grammar"], values["generation.json_schema"],
+                values["limits.max_grammar_bytes"])
         if configured:
             spec_config_from(values)
         else:
