@@ -6,6 +6,7 @@ the same requests in the same order, so its n-gram caches, drafts and batch shap
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -154,6 +155,27 @@ def test_generate_cli_prints_the_same_text(client: Client, reference: Reference,
     rejected = subprocess.run(cli + ["--spec-mode", "draft"], cwd=repo_root, capture_output=True,
                               text=True, timeout=100)
     assert rejected.returncode == EXIT_REJECTED, rejected.stderr
+
+
+@pytest.mark.timeout(120)
+def test_generate_cli_sends_a_json_schema_and_a_grammar_from_files(client: Client, venv_python: Path,
+                                                                   repo_root: Path, tmp_path: Path) -> None:
+    schema = {"type": "object", "additionalProperties": False, "required": ["skill"],
+              "properties": {"skill": {"enum": ["navigate", "pick", "place"]}}}
+    (tmp_path / "action.schema.json").write_text(json.dumps(schema))
+    (tmp_path / "answer.gbnf").write_text('root ::= " " ("yes" | "no")\n')
+    base = [bin_path(venv_python, "gemma-spec-generate"), "The next action as JSON:", "--max-tokens", "48",
+            "--node", NODE, "--timeout", "60"]
+    out = subprocess.run(base + ["--json-schema", str(tmp_path / "action.schema.json")], cwd=repo_root,
+                         capture_output=True, text=True, timeout=100)
+    assert out.returncode == EXIT_OK, out.stderr
+    assert json.loads(out.stdout)["skill"] in ("navigate", "pick", "place"), out.stdout
+    out = subprocess.run(base + ["--grammar", str(tmp_path / "answer.gbnf")], cwd=repo_root,
+                         capture_output=True, text=True, timeout=100)
+    assert out.returncode == EXIT_OK and out.stdout in (" yes\n", " no\n"), (out.stdout, out.stderr)
+    missing = subprocess.run(base + ["--grammar", str(tmp_path / "nothing.gbnf")], cwd=repo_root,
+                             capture_output=True, text=True, timeout=100)
+    assert missing.returncode == EXIT_REJECTED and "cannot read" in missing.stderr, missing.stderr
 
 
 @pytest.mark.timeout(120)

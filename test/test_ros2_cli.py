@@ -11,14 +11,17 @@ installs them with ``../shared/ros2-tools/install.sh .venv``. Without them this 
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional
 
+import jsonschema
 import pytest
 import yaml
 
@@ -197,6 +200,39 @@ def test_send_goal_streams_feedback_and_succeeds(served: Path) -> None:
     assert out.count("Feedback:") >= 2, out  # one message per speculative step
     assert "Goal finished with status: SUCCEEDED" in out, out
     assert "finish_reason: length" in out and "completion_tokens: 24" in out, out
+
+
+#: A one-action plan (bounded: it always completes within the goal's max_tokens)
+ACTION_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["skill", "place"],
+                 "properties": {"skill": {"enum": ["navigate", "pick", "place"]},
+                                "place": {"enum": ["kitchen_table", "sink", "dock"]}}}
+
+
+def printed_result(out: str) -> dict:
+    """The Result block `ros2 action send_goal` prints (YAML), as a dict."""
+    block = out.split("Result:", 1)[1].split("Goal finished with status", 1)[0]
+    return yaml.safe_load(textwrap.dedent(block))
+
+
+@pytest.mark.timeout(300)
+def test_send_goal_with_a_json_schema_returns_json_that_validates(served: Path) -> None:
+    """A planner's goal from the command line: the json_schema field, the text parses and follows
+    it, and forced text was drafted by the grammar; a schema that cannot be converted is rejected."""
+    goal = send_goal(served, 64, name="schema", json_schema=json.dumps(ACTION_SCHEMA),
+                     prompt="The robot's next action as JSON:", spec_mode="lookup")
+    goal.proc.wait(120)
+    out = goal.output
+    goal.close()
+    assert "Goal finished with status: SUCCEEDED" in out, out
+    result = printed_result(out)
+    assert result["finish_reason"] == "stop", result
+    jsonschema.validate(json.loads(result["text"]), ACTION_SCHEMA)
+    assert result["stats"]["num_grammar_accepted_tokens"] > 0, result["stats"]
+    refused = send_goal(served, 8, name="bad_schema", json_schema='{"not": {}}')
+    refused.proc.wait(60)
+    out = refused.output
+    refused.close()
+    assert "Goal was rejected" in out, out
 
 
 @pytest.mark.timeout(300)

@@ -36,9 +36,11 @@ ROOT_RULE = "root"
 MAX_GRAMMAR_BYTES = 1 << 20
 #: One grammar operation (a check, a mask, an accept) slower than this ends the request with an
 #: error: an ambiguous grammar's state can grow without bound, and llama.cpp cannot be interrupted.
-DEFAULT_SECONDS_PER_TOKEN = 2.0
-#: Tokens a whole-row mask checks first, to predict what the whole row will cost (see Grammar.mask).
-MASK_PROBE = 256
+#: (A whole-row mask of the planner's plan schema takes 0.03-0.3 s on this CPU.)
+DEFAULT_SECONDS_PER_TOKEN = 10.0
+#: Samples of the vocabulary a whole-row mask checks first, to predict what the row will cost (see
+#: Grammar.mask): a small one, then one large enough to be a fair estimate.
+MASK_PROBES = (16, 128)
 
 # llama_token_data as numpy sees it: id (int32), logit (float), p (float)
 _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
@@ -223,7 +225,7 @@ class Grammar:
     def mask(self, logits: np.ndarray) -> np.ndarray:
         """A copy of a whole row with the tokens the grammar refuses at -inf.
 
-        The first :data:`MASK_PROBE` tokens go first and time the rest: a call into llama.cpp cannot
+        Samples of the vocabulary (:data:`MASK_PROBES`) go first and time the rest: a call into llama.cpp cannot
         be interrupted, and an ambiguous grammar's state can make one row cost minutes (300
         optional characters in a row: 170 s on this CPU), so a row predicted to take longer than
         the bound is refused before it starts."""
@@ -232,14 +234,16 @@ class Grammar:
         data["logit"] = logits
         data["p"] = 0.0
         self.masks += 1
-        probe = min(MASK_PROBE, len(data))
-        started = time.perf_counter()
-        self._apply(data[:probe])
-        predicted = (time.perf_counter() - started) * len(data) / probe
-        if predicted > self.seconds_per_token:
-            self._spent(predicted, len(data))  # raises GrammarError
-        if probe < len(data):
-            self._apply(data[probe:])
+        for size in MASK_PROBES:  # even samples of the vocabulary (its ids are grouped by kind)
+            if len(data) <= size:
+                break
+            sample = data[::len(data) // size].copy()
+            started = time.perf_counter()
+            self._apply(sample)
+            predicted = (time.perf_counter() - started) * len(data) / len(sample)
+            if predicted > self.seconds_per_token:
+                self._spent(predicted, len(data))  # raises GrammarError
+        self._apply(data)
         return data["logit"].copy()
 
     def accept(self, token: int) -> None:

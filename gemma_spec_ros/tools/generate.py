@@ -52,6 +52,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="waiting goals start highest priority first (default 0)")
     parser.add_argument("--preempt", action="store_true",
                         help="stop a running goal of lower priority at its next step")
+    parser.add_argument("--grammar", metavar="FILE", default="",
+                        help="constrain the output to the GBNF grammar in FILE (llama.cpp's format)")
+    parser.add_argument("--json-schema", metavar="FILE", default="",
+                        help="constrain the output to JSON that follows the JSON Schema in FILE "
+                             "(e.g. config/schemas/robot_plan.schema.json)")
     parser.add_argument("--node", default=NODE_NAME,
                         help="node name or full path; the action is <node>/generate")
     parser.add_argument("--timeout", type=float, default=300.0,
@@ -60,11 +65,20 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def goal_from_args(args: argparse.Namespace) -> Generate.Goal:
+    """The goal the arguments describe; OSError if a --grammar / --json-schema file cannot be read."""
     return Generate.Goal(prompt=args.prompt, system_prompt=args.system,
                          use_chat_template=args.chat, max_tokens=args.max_tokens,
                          temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                          seed=args.seed, stop=list(args.stop), spec_mode=args.spec_mode,
-                         time_budget=args.time_budget, priority=args.priority, preempt=args.preempt)
+                         time_budget=args.time_budget, priority=args.priority, preempt=args.preempt,
+                         grammar=_read(args.grammar), json_schema=_read(args.json_schema))
+
+
+def _read(path: str) -> str:
+    if not path:
+        return ""
+    with open(path, encoding="utf-8") as f:
+        return f.read()
 
 
 def format_stats(result: Generate.Result) -> str:
@@ -79,6 +93,9 @@ def format_stats(result: Generate.Result) -> str:
         f"tokens/s: {_num(s.tokens_per_second)}, TTFT: {_num(s.time_to_first_token_ms)} ms, "
         f"measured speedup: {_num(s.measured_speedup)}",
     ]
+    if s.num_grammar_draft_tokens or s.num_grammar_masks:
+        lines.append(f"grammar: {s.num_grammar_accepted_tokens}/{s.num_grammar_draft_tokens} forced "
+                     f"tokens accepted, {s.num_grammar_masks} rows masked, {_num(s.grammar_ms)} ms")
     return "\n".join(lines)
 
 
@@ -118,9 +135,14 @@ def send(client_node: Node, args: argparse.Namespace) -> int:
     if not client.wait_for_server(timeout_sec=args.timeout):
         print(f"no action server {_action_name(args.node)} (is the node active?)", file=sys.stderr)
         return EXIT_UNAVAILABLE
+    try:
+        goal = goal_from_args(args)
+    except OSError as exc:
+        print(f"cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return EXIT_REJECTED
     printer = _Printer(args.stream)
     deadline = time.monotonic() + args.timeout
-    goal_future = client.send_goal_async(goal_from_args(args), feedback_callback=printer.feedback)
+    goal_future = client.send_goal_async(goal, feedback_callback=printer.feedback)
     rclpy.spin_until_future_complete(client_node, goal_future, timeout_sec=args.timeout)
     handle = goal_future.result()
     if handle is None:
