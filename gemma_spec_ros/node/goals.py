@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Deque, Dict, List, Mapping, Optional, Tuple
 
+from ..engine.api import GenerationEngine
 from ..engine.types import (SPEC_MODES, EngineError, GenerationRequest, SamplingParams)
 
 
@@ -90,7 +91,7 @@ def check_input_bounds(goal: Any, values: Mapping[str, Any]) -> None:
                            f"limits.max_stop_length={max_length}")
 
 
-def check_fits(engine: Any, request: GenerationRequest, max_prompt_tokens: int) -> None:
+def check_fits(engine: GenerationEngine, request: GenerationRequest, max_prompt_tokens: int) -> None:
     """Raise GoalRejected if the request's mode is unusable or its prompt is too long.
 
     Uses the engine's own token count (the templated prompt) and its context check

@@ -27,9 +27,8 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
-from ..engine.remote import RemoteConfig
 from ..engine.types import (SPEC_MODES, VERIFICATIONS, EngineConfig, LookupConfig, ModelConfig,
-                            SamplingParams, SpecConfig)
+                            RemoteConfig, SamplingParams, SpecConfig)
 
 ParamValue = Union[str, int, float, bool]
 
