@@ -45,9 +45,9 @@ class GenerationEngine(Protocol):
     def count_prompt_tokens(self, request: GenerationRequest) -> int:
         """The request's prompt tokens (an engine without a tokenizer at hand may estimate low)."""
 
-    def check_request(self, request: GenerationRequest, n_prompt: Optional[int] = None) -> None:
+    def check_request(self, request: GenerationRequest, n_prompt_tokens: Optional[int] = None) -> None:
         """PromptTooLongError if the prompt and max_tokens exceed the context; ValueError if the
-        request's spec_mode cannot be used here. ``n_prompt`` saves counting again."""
+        request's spec_mode cannot be used here. ``n_prompt_tokens`` saves counting again."""
 
     def generate(self, request: GenerationRequest,
                  cancel: Optional[threading.Event] = None) -> Iterator[Step]:

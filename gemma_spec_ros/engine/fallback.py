@@ -56,8 +56,8 @@ class FallbackEngine:
     def count_prompt_tokens(self, request: GenerationRequest) -> int:
         return self.primary.count_prompt_tokens(request)
 
-    def check_request(self, request: GenerationRequest, n_prompt: Optional[int] = None) -> None:
-        self.primary.check_request(request, n_prompt)
+    def check_request(self, request: GenerationRequest, n_prompt_tokens: Optional[int] = None) -> None:
+        self.primary.check_request(request, n_prompt_tokens)
 
     # -- routing -------------------------------------------------------------------------------------
     def generate(self, request: GenerationRequest,

@@ -83,13 +83,13 @@ class RemoteEngine:
         count = -(-len(request.plain_prompt.encode("utf-8")) // ESTIMATE_BYTES_PER_TOKEN) + 1
         return count + _template_tokens(request)
 
-    def check_request(self, request: GenerationRequest, n_prompt: Optional[int] = None) -> None:
+    def check_request(self, request: GenerationRequest, n_prompt_tokens: Optional[int] = None) -> None:
         """PromptTooLongError when the server's n_ctx is known and exceeded; ValueError for a
         spec_mode (the server decides) or a json_schema that is not a JSON object."""
         parse_json_schema(request.json_schema)
         n_ctx = self.n_ctx
         if n_ctx > 0:
-            n_prompt = self.count_prompt_tokens(request) if n_prompt is None else n_prompt
+            n_prompt = self.count_prompt_tokens(request) if n_prompt_tokens is None else n_prompt_tokens
             if n_prompt + request.max_tokens > n_ctx:
                 raise PromptTooLongError(
                     f"prompt of {n_prompt} tokens + max_tokens {request.max_tokens} exceeds the "
