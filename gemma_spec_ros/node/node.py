@@ -60,7 +60,7 @@ from ..engine.engine import Engine
 from ..engine.fallback import FallbackEngine
 from ..engine.remote import RemoteEngine
 from ..engine.stats import SpecStats
-from ..engine.types import EngineConfig, EngineError
+from ..engine.types import EngineConfig, EngineError, Step
 from . import NODE_NAME, diagnostics
 from .goals import GoalRejected, Job, JobQueue, check_fits, check_input_bounds, request_from_goal
 from .parameters import (PARAMETERS, PARAMETERS_BY_NAME, as_declared, check_values,
@@ -503,7 +503,7 @@ class GemmaSpecNode(LifecycleNode):
         parts: List[str] = []
         unsent: List[str] = []
         last_feedback = -math.inf
-        step = None
+        step: Optional[Step] = None
         try:
             for step in engine.generate(request, cancel=job.cancel):
                 parts.append(step.text)
@@ -542,7 +542,7 @@ class GemmaSpecNode(LifecycleNode):
             result.error = f"time_budget of {job.request.time_budget:g} s ran out"
         return result, step.stats
 
-    def _failed(self, job: Job, parts: List[str], step: Any, error: str) -> Generate.Result:
+    def _failed(self, job: Job, parts: List[str], step: Optional[Step], error: str) -> Generate.Result:
         self.get_logger().error(f"request failed: {error}")
         result = Generate.Result(text="".join(parts), finish_reason="error", error=error)
         if step is not None:
@@ -632,7 +632,7 @@ def clip(text: str, limit: int = MAX_ECHO) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
-def _feedback(step: Any, text: str) -> Generate.Feedback:
+def _feedback(step: Step, text: str) -> Generate.Feedback:
     """Feedback for one engine step with the text accumulated since the last feedback."""
     return Generate.Feedback(
         text=text, completion_tokens=step.stats.num_generated_tokens,
