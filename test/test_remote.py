@@ -15,10 +15,12 @@ from typing import Iterator, List
 
 import pytest
 
-from gemma_spec_ros.engine import remote as remote_module
 from gemma_spec_ros.engine.engine import Engine, Step
-from gemma_spec_ros.engine.remote import (REMOTE_MODE, RemoteConfig, RemoteEngine, RemoteError,
+from gemma_spec_ros.engine.fallback import FallbackEngine
+from gemma_spec_ros.engine.remote import (KIND_LLAMA_CPP_PYTHON, KIND_LLAMA_SERVER, REMOTE_MODE,
+                                          RemoteConfig, RemoteEngine, RemoteError,
                                           ServerUnreachableError, parse_prometheus)
+from gemma_spec_ros.engine.remote.sse import SseReader, choice, parse_chunk
 from gemma_spec_ros.engine.types import (EngineConfig, GenerationRequest, ModelConfig, PromptTooLongError,
                                          SpecConfig)
 from remote_servers import (API_KEY, API_KEY_ENV, LLAMA_SERVER, Server, free_port, llama_cpp_server,
@@ -60,10 +62,10 @@ def test_sse_reader_keeps_utf8_characters_whole_across_reads() -> None:
     payload = 'data: {"choices": [{"text": "\u00e9\u4e16\U0001F916"}]}\n\ndata: [DONE]\n'.encode()
     reads = [payload[i:i + 1] for i in range(len(payload))]  # one byte per read
     feed = iter(reads + [b""])
-    events = list(remote_module._SseReader(lambda n: next(feed)))
+    events = list(SseReader(lambda n: next(feed)))
     assert events[1] == "[DONE]"
-    assert remote_module._choice(remote_module._parse_chunk(events[0]))[0] == "\u00e9\u4e16\U0001F916"
-    assert list(remote_module._SseReader(io.BytesIO(b": ping\r\n\r\n").read1)) == []
+    assert choice(parse_chunk(events[0]))[0] == "\u00e9\u4e16\U0001F916"
+    assert list(SseReader(io.BytesIO(b": ping\r\n\r\n").read1)) == []
 
 
 def test_prometheus_counters_of_llama_server_and_vllm() -> None:
@@ -95,7 +97,7 @@ def test_config_refuses_bad_urls_and_a_missing_key_variable(monkeypatch: pytest.
 @pytest.mark.timeout(120)
 def test_streams_text_per_chunk_with_stats(engine: RemoteEngine) -> None:
     """Greedy completion: one Step per chunk, whole text, TTFT and tokens/s, no invented tau."""
-    assert engine.kind == remote_module.KIND_LLAMA_CPP_PYTHON
+    assert engine.kind == KIND_LLAMA_CPP_PYTHON
     request = GenerationRequest(prompt=CODE_PROMPT, max_tokens=12)
     steps = run(engine, request)
     *chunks, last = steps
@@ -109,7 +111,7 @@ def test_streams_text_per_chunk_with_stats(engine: RemoteEngine) -> None:
     assert math.isnan(stats.mean_acceptance_length) and math.isnan(stats.acceptance_rate)
     assert run(engine, request)[-1].stats.num_generated_tokens == 12  # the engine is reusable
     assert "".join(s.text for s in run(engine, request)) == "".join(s.text for s in steps)
-    status = engine.backend_status()
+    status = engine.status()
     assert status["served by"] == "remote" and status["requests served remote"] == 3
     assert status["prompt tokens by"] == "llama-cpp-python server tokenizer"
 
@@ -227,9 +229,9 @@ def test_server_death_mid_stream_then_restart(embedded_model_path: Path, tmp_pat
         with pytest.raises(ServerUnreachableError, match="cannot connect"):
             run(eng, GenerationRequest(prompt="Hi", max_tokens=2))
         assert time.perf_counter() - t0 < 3.0
-        _wait(lambda: eng.backend_status()["server reachable"] is False, 10, "the probe to fail")
+        _wait(lambda: eng.status()["server reachable"] is False, 10, "the probe to fail")
         srv.start()
-        _wait(lambda: eng.backend_status()["server reachable"] is True, 20, "the probe to succeed")
+        _wait(lambda: eng.status()["server reachable"] is True, 20, "the probe to succeed")
         assert run(eng, GenerationRequest(prompt="Hi", max_tokens=2))[-1].finish_reason == "length"
     finally:
         eng.close()
@@ -240,15 +242,15 @@ def test_server_death_mid_stream_then_restart(embedded_model_path: Path, tmp_pat
 def test_fallback_serves_locally_when_the_server_is_unreachable(embedded_model_path: Path) -> None:
     local = Engine(EngineConfig(target=ModelConfig(path=str(embedded_model_path), n_ctx=256,
                                                    n_threads=1)), calibrate=False)
-    eng = RemoteEngine(RemoteConfig(url=f"http://127.0.0.1:{free_port()}", connect_timeout=0.5,
-                                    probe_period=0), SPEC, fallback=local)
+    eng = FallbackEngine(RemoteEngine(RemoteConfig(url=f"http://127.0.0.1:{free_port()}",
+                                                   connect_timeout=0.5, probe_period=0), SPEC), local)
     try:
-        status = eng.backend_status()
+        status = eng.status()
         assert status["server reachable"] is False and status["fallback"] == "local"
         steps = run(eng, GenerationRequest(prompt="The robot", max_tokens=3))
         assert steps[-1].finish_reason == "length" and steps[-1].stats.num_generated_tokens == 3
         assert steps[-1].spec_mode != REMOTE_MODE  # the local engine's label
-        status = eng.backend_status()
+        status = eng.status()
         assert status["served by"] == "local" and status["requests served local"] == 1
         assert "cannot connect" in status["last fallback reason"]
         assert eng.model_info()["fallback"]["path"] == str(embedded_model_path)
@@ -273,12 +275,12 @@ def test_goal_checks_estimate_prompt_tokens_the_start_counts_them(engine: Remote
     by_server = run(engine, request)[-1].stats.num_prompt_tokens
     assert 10 <= by_server <= 14  # BOS + ~11 tokens
     assert engine.count_prompt_tokens(request) <= by_server, "the estimate must not over-count"
-    assert engine.backend_status()["prompt tokens by"] == "llama-cpp-python server tokenizer"
+    assert engine.status()["prompt tokens by"] == "llama-cpp-python server tokenizer"
     dead = RemoteEngine(RemoteConfig(url=f"http://127.0.0.1:{free_port()}", connect_timeout=0.3,
                                      probe_period=0), SPEC)
     with pytest.raises(ServerUnreachableError):
         run(dead, request)
-    assert dead.backend_status()["prompt tokens by"] == "estimate"
+    assert dead.status()["prompt tokens by"] == "estimate"
     dead.close()
 
 
@@ -350,19 +352,19 @@ def test_tau_from_llama_server_with_ngram_speculation(embedded_model_path: Path,
                         "--spec-ngram-simple-size-m", "6"]).start()
     eng = RemoteEngine(RemoteConfig(url=srv.url, probe_period=0.2), SPEC)
     try:
-        assert eng.kind == remote_module.KIND_LLAMA_SERVER and eng.n_ctx == 1024
+        assert eng.kind == KIND_LLAMA_SERVER and eng.n_ctx == 1024
         request = GenerationRequest(prompt=CODE_PROMPT * 2, max_tokens=48)
         steps = run(eng, request)
         stats = steps[-1].stats
         assert steps[-1].finish_reason in ("length", "stop")
-        assert stats.num_prompt_tokens == eng._server_token_count(remote_module._prompt_text(request), 5.0)
+        assert stats.num_prompt_tokens == eng.server.count_tokens(request.plain_prompt, 5.0)
         assert stats.num_draft_tokens > 0 and 0 <= stats.acceptance_rate <= 1
         # tau counts the bonus token: between 1 and 1 + the mean draft length (drafts of <= 6 here)
         assert stats.num_drafts > 0 and stats.num_draft_tokens <= 6 * stats.num_drafts
         assert 1.0 <= stats.mean_acceptance_length <= 1 + stats.num_draft_tokens / stats.num_drafts
-        assert "timings" in eng.backend_status()["tau source"]
+        assert "timings" in eng.status()["tau source"]
         _wait(lambda: eng.rolling_stats().num_drafts >= stats.num_drafts, 10, "the rolling counters")
-        assert eng.backend_status()["prompt tokens by"] == "llama.cpp server tokenizer"
+        assert eng.status()["prompt tokens by"] == "llama.cpp server tokenizer"
     finally:
         eng.close()
         srv.stop()

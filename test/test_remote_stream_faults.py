@@ -11,9 +11,9 @@ from typing import Callable, Iterator, List
 
 import pytest
 
-from gemma_spec_ros.engine import remote as remote_module
 from gemma_spec_ros.engine.engine import Step
 from gemma_spec_ros.engine.remote import RemoteConfig, RemoteEngine, RemoteError
+from gemma_spec_ros.engine.remote.sse import MAX_EVENT_LINE_BYTES, SseReader
 from gemma_spec_ros.engine.types import GenerationRequest, SpecConfig
 from remote_servers import SSE_CHUNKED_HEAD, SSE_CLOSE_DELIMITED_HEAD, ScriptedStreamServer, chunk
 
@@ -126,5 +126,5 @@ def test_the_event_reader_stops_reading_at_the_line_cap() -> None:
         return b"data: " if reads == 1 else (b"x" * size if reads <= 64 else b"")
 
     with pytest.raises(RemoteError, match="without an end"):
-        list(remote_module._SseReader(read1))
-    assert (reads - 1) * 65536 <= remote_module.MAX_EVENT_LINE_BYTES + 65536
+        list(SseReader(read1))
+    assert (reads - 1) * 65536 <= MAX_EVENT_LINE_BYTES + 65536

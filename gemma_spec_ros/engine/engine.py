@@ -23,6 +23,7 @@ Public API (the node and the bench use only this):
     engine.model_info()                      # {"target": {...}, "draft": {...} or None}, each with
                                              # path, size_bytes, n_params, description,
                                              # n_gpu_layers, n_ctx, n_vocab, vocab_type
+    engine.status()                          # /diagnostics key-values (backend, learned n-grams)
     engine.close(timeout=None)               # frees models, saves the dynamic n-gram cache; idempotent;
                                              # never under a running step (see close())
 """
@@ -32,7 +33,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -208,6 +209,10 @@ class Engine:
         drafting = self.drafters.get(LookupDrafter.name)
         return len(drafting.drafter.dynamic_cache) if drafting is not None else 0
 
+    def status(self) -> Dict[str, Any]:
+        """Key-values for /diagnostics: the backend, and the learned lookup cache's size."""
+        return {"backend": "local", "served by": "local", "dynamic cache n-grams": self.dynamic_ngrams()}
+
     def check_spec(self, spec: SpecConfig) -> str:
         """Why ``spec`` cannot be used here ('' if it can)."""
         reason = mtp_spec_problem(spec.mode, self.drafters)
@@ -232,7 +237,6 @@ class Engine:
         with self._vocab_lock:
             if self._freed:
                 raise EngineError("the engine is closed")
-            text = request.prompt
             if request.use_chat_template:
                 for part, name in ((request.prompt, "prompt"), (request.system_prompt, "system_prompt")):
                     forged = self.target.control_token_in(part)
@@ -243,9 +247,7 @@ class Engine:
                             "model's chat template")
                 text = self.target.chat_prompt(request.prompt, request.system_prompt)
                 return self.target.tokenize(text, add_special=True, parse_special=True)
-            if request.system_prompt:
-                text = request.system_prompt + "\n\n" + text
-            return self.target.tokenize(text, add_special=True, parse_special=False)
+            return self.target.tokenize(request.plain_prompt, add_special=True, parse_special=False)
 
     def count_prompt_tokens(self, request: GenerationRequest) -> int:
         return len(self.prompt_tokens(request))

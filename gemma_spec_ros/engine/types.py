@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Tuple
 
@@ -164,6 +165,37 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class RemoteConfig:
+    """Where and how to reach an OpenAI-compatible inference server (engine/remote/)."""
+
+    url: str  # base URL, e.g. http://127.0.0.1:8080 (a trailing /v1 is accepted)
+    model: str = ""  # "model" of each request; '' = the server's default model
+    api_key_env: str = ""  # NAME of the environment variable holding the API key; '' = no key
+    connect_timeout: float = 2.0  # seconds to connect; also the limit of tokenizer and probe calls
+    read_timeout: float = 60.0  # longest wait for the next data event of a stream (the first too);
+    #                            keep-alive comments (": ping") do not count
+    probe_period: float = 2.0  # seconds between reachability/RTT probes and /metrics reads; 0 = off
+    n_ctx: int = 0  # context length for goal checks; 0 = what the server reports (else no check)
+    #: the node's limits.max_prompt_tokens as of configure, checked on the exact count at start
+    #: (the goal check has only the lower-bound estimate); 0 = no limit
+    max_prompt_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        parts = urllib.parse.urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"remote.url {self.url!r}: expected http://HOST:PORT or https://HOST:PORT")
+        for name in ("connect_timeout", "read_timeout"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"remote.{name}={value}: must be > 0 seconds")
+        if self.probe_period < 0 or self.n_ctx < 0 or self.max_prompt_tokens < 0:
+            raise ValueError("remote.probe_period, remote.n_ctx and max_prompt_tokens must be >= 0")
+        if self.api_key_env and self.api_key_env not in os.environ:
+            raise ValueError(f"remote.api_key_env names {self.api_key_env!r}, which is not set in "
+                             "the node's environment: export it, or set remote.api_key_env to ''")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampler. ``temperature == 0`` is greedy (top-k/top-p are then irrelevant)."""
 
@@ -224,6 +256,18 @@ class GenerationRequest:
             raise ValueError(f"spec mode {self.spec_mode!r}: expected one of {', '.join(SPEC_MODES)}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+
+    @property
+    def plain_prompt(self) -> str:
+        """The text of a request without the chat template: the system prompt, a blank line, the
+        prompt (the local engine tokenizes it; a remote server gets it as its raw prompt).
+
+        >>> GenerationRequest("Hi", system_prompt="Be brief.").plain_prompt
+        'Be brief.\\n\\nHi'
+        """
+        if self.system_prompt:
+            return self.system_prompt + "\n\n" + self.prompt
+        return self.prompt
 
 
 @dataclass(frozen=True)

@@ -160,8 +160,7 @@ class NodeView:
     spec: Optional[Any]  # the engine's SpecConfig, None when unconfigured
     model_info: Mapping[str, Any]
     configure_error: str = ""
-    backend: Mapping[str, Any] = field(default_factory=dict)  # engine's backend key-values
-    dynamic_ngrams: int = 0  # n-grams in the dynamic (learned) lookup cache
+    backend: Mapping[str, Any] = field(default_factory=dict)  # the engine's status() key-values
 
 
 def hardware_id(configured: str) -> str:
@@ -233,8 +232,7 @@ def spec_status(view: NodeView, log: RequestLog, rolling: Optional[SpecStats]) -
         ("internal errors", log.internal_errors),
         ("last internal error", log.last_internal_error),
         ("RSS MiB", rss_bytes() / 2**20),
-        *view.backend.items(),
-        ("dynamic cache n-grams", view.dynamic_ngrams),
+        *view.backend.items(),  # ends with "dynamic cache n-grams"
     ]
     return DiagnosticStatus(level=level, name=f"{view.node_name}: speculative decoding",
                             message=message, hardware_id=view.hardware_id, values=_kv(pairs))

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Deque, Dict, List, Mapping, Optional, Tuple
 
+from ..engine.api import GenerationEngine
 from ..engine.types import (SPEC_MODES, EngineError, GenerationRequest, SamplingParams)
 
 
@@ -106,7 +107,7 @@ def check_input_bounds(goal: Any, values: Mapping[str, Any]) -> None:
             raise GoalRejected(f"{name} of {size} bytes exceeds limits.max_grammar_bytes={max_grammar}")
 
 
-def check_fits(engine: Any, request: GenerationRequest, max_prompt_tokens: int) -> None:
+def check_fits(engine: GenerationEngine, request: GenerationRequest, max_prompt_tokens: int) -> None:
     """Raise GoalRejected if the request's mode is unusable or its prompt is too long.
 
     Uses the engine's own token count (the templated prompt) and its context check

@@ -10,8 +10,10 @@ Lifecycle (the standard ``~/change_state`` / ``~/get_state`` services):
   load or a vocabulary mismatch returns FAILURE with the reason (naming the files) logged and shown
   in diagnostics; the node stays unconfigured and configures again once the parameter is fixed.
   With ``backend: remote`` configure builds a :class:`~gemma_spec_ros.engine.remote.RemoteEngine`
-  over the server at ``remote.url`` instead (plus the local Engine when ``remote.fallback`` is
-  ``local``); an unreachable server is logged and shown in diagnostics, not a failure.
+  over the server at ``remote.url`` instead (a :class:`~gemma_spec_ros.engine.fallback.FallbackEngine`
+  over it and the local Engine when ``remote.fallback`` is ``local``); an unreachable server is
+  logged and shown in diagnostics, not a failure. Either way the node holds a
+  :class:`~gemma_spec_ros.engine.api.GenerationEngine` and calls nothing else on it.
 - activate: goals are accepted. deactivate: no new goals; the running goal stops at its next step
   (result ``finish_reason`` cancelled, status ABORTED unless its client cancelled it) and waiting
   goals end unstarted the same way.
@@ -36,7 +38,7 @@ import math
 import threading
 import time
 from dataclasses import replace
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple
 
 from diagnostic_msgs.msg import DiagnosticArray
 from gemma_spec_msgs.action import Generate
@@ -53,10 +55,12 @@ from rclpy.parameter import Parameter
 from rclpy.qos import QoSProfile
 from rclpy.timer import Timer
 
+from ..engine.api import GenerationEngine
 from ..engine.engine import Engine
+from ..engine.fallback import FallbackEngine
 from ..engine.remote import RemoteEngine
 from ..engine.stats import SpecStats
-from ..engine.types import EngineError
+from ..engine.types import EngineConfig, EngineError, Step
 from . import NODE_NAME, diagnostics
 from .goals import GoalRejected, Job, JobQueue, check_fits, check_input_bounds, request_from_goal
 from .parameters import (PARAMETERS, PARAMETERS_BY_NAME, as_declared, check_values,
@@ -96,7 +100,7 @@ class GemmaSpecNode(LifecycleNode):
     """
 
     def __init__(self, node_name: str = NODE_NAME, **kwargs: Any) -> None:
-        self._engine: Optional[Union[Engine, RemoteEngine]] = None
+        self._engine: Optional[GenerationEngine] = None
         self._model_info: Dict[str, Any] = {}
         self._action_server: Optional[ActionServer] = None
         self._stats_pub: Optional[LifecyclePublisher] = None
@@ -195,24 +199,20 @@ class GemmaSpecNode(LifecycleNode):
             files = f"server {values['remote.url']}" + (f" (fallback: {files})" if local else "")
         self.get_logger().info(f"configuring: {'loading' if local else 'using'} {files}")
         started = time.monotonic()
-        engine: Optional[Any] = None
         try:
-            engine = Engine(config) if local else None
-            if remote:
-                engine = RemoteEngine(remote_config_from(values), config.spec, fallback=engine)
-            self._engine = engine
+            engine = build_engine(values, config)
         except Exception as exc:  # noqa: BLE001  any failure is a FAILURE with its reason
-            if remote and engine is not None:
-                engine.close()
             return self._configure_failed(f"cannot {'use' if remote else 'load'} {files}: {exc}")
-        for warning in getattr(self._engine, "warnings", ()):  # the local engine's (a cache moved aside)
+        self._engine = engine
+        for warning in engine.warnings:  # the local engine's (a cache moved aside)
             self.get_logger().warning(warning)
-        if remote and engine.backend_status()["server reachable"] is not True:
+        status = engine.status()
+        if remote and status["server reachable"] is not True:
             self.get_logger().warning(
                 f"inference server {values['remote.url']} unreachable at configure "
-                f"({engine.backend_status()['server error']}); goals "
+                f"({status['server error']}); goals "
                 + ("fall back to the local model" if local else "fail until it answers"))
-        self._model_info = dict(self._engine.model_info())
+        self._model_info = dict(engine.model_info())
         self._configure_error = ""
         self._jobs = JobQueue()
         self._dispatcher = threading.Thread(target=self._dispatch, name="gemma_spec_dispatch",
@@ -227,10 +227,9 @@ class GemmaSpecNode(LifecycleNode):
             result_timeout=max(1, round(values["queue.result_timeout"])),
             feedback_pub_qos_profile=QoSProfile(depth=FEEDBACK_DEPTH))
         self._state = "inactive"
-        mode = (f"backend remote ({self._engine.backend_status()['server']})" if remote
-                else f"spec.mode={config.spec.mode}")
+        mode = f"backend remote ({status['server']})" if remote else f"spec.mode={config.spec.mode}"
         self.get_logger().info(
-            f"configured in {time.monotonic() - started:.1f} s: {mode}, n_ctx={self._engine.n_ctx}")
+            f"configured in {time.monotonic() - started:.1f} s: {mode}, n_ctx={engine.n_ctx}")
         return _SUCCESS
 
     def _configure_failed(self, reason: str) -> TransitionCallbackReturn:
@@ -504,7 +503,7 @@ class GemmaSpecNode(LifecycleNode):
         parts: List[str] = []
         unsent: List[str] = []
         last_feedback = -math.inf
-        step = None
+        step: Optional[Step] = None
         try:
             for step in engine.generate(request, cancel=job.cancel):
                 parts.append(step.text)
@@ -545,7 +544,7 @@ class GemmaSpecNode(LifecycleNode):
             result.error = step.detail
         return result, step.stats
 
-    def _failed(self, job: Job, parts: List[str], step: Any, error: str) -> Generate.Result:
+    def _failed(self, job: Job, parts: List[str], step: Optional[Step], error: str) -> Generate.Result:
         self.get_logger().error(f"request failed: {error}")
         result = Generate.Result(text="".join(parts), finish_reason="error", error=error)
         if step is not None:
@@ -592,8 +591,7 @@ class GemmaSpecNode(LifecycleNode):
             queue_max_depth=self._value("queue.max_depth"),
             running=jobs.has_running() if jobs is not None else False,
             spec=engine.spec if engine is not None else None, model_info=self._model_info,
-            configure_error=self._configure_error, backend=_backend_status(engine),
-            dynamic_ngrams=_dynamic_ngrams(engine))
+            configure_error=self._configure_error, backend=engine.status() if engine is not None else {})
 
     def _publish_diagnostics(self) -> None:
         """Timer: /diagnostics (both statuses) and the rolling SpecStats."""
@@ -612,19 +610,19 @@ class GemmaSpecNode(LifecycleNode):
             self.get_logger().warning(f"diagnostics skipped: {exc!r}", throttle_duration_sec=10.0)
 
 
-def _backend_status(engine: Any) -> Dict[str, Any]:
-    """/diagnostics key-values of the backend: the remote engine's own (reachability, RTT, which
-    backend served), or just ``local``."""
-    if engine is None:
-        return {}
-    status = getattr(engine, "backend_status", None)
-    return status() if status is not None else {"backend": "local", "served by": "local"}
-
-
-def _dynamic_ngrams(engine: Any) -> int:
-    """N-grams in the local engine's learned lookup cache (0 without one, e.g. remote only)."""
-    count = getattr(engine, "dynamic_ngrams", None)
-    return count() if count is not None else 0
+def build_engine(values: Dict[str, Any], config: EngineConfig) -> GenerationEngine:
+    """The engine ``backend`` names: the local Engine, a RemoteEngine, or (``remote.fallback:
+    local``) a FallbackEngine over both; a local engine already loaded is closed if the rest fails."""
+    if values["backend"] != "remote":
+        return Engine(config)
+    local = Engine(config) if values["remote.fallback"] == "local" else None
+    try:
+        primary = RemoteEngine(remote_config_from(values), config.spec)
+    except BaseException:
+        if local is not None:
+            local.close()
+        raise
+    return primary if local is None else FallbackEngine(primary, local)
 
 
 def clip(text: str, limit: int = MAX_ECHO) -> str:
@@ -636,7 +634,7 @@ def clip(text: str, limit: int = MAX_ECHO) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
-def _feedback(step: Any, text: str) -> Generate.Feedback:
+def _feedback(step: Step, text: str) -> Generate.Feedback:
     """Feedback for one engine step with the text accumulated since the last feedback."""
     return Generate.Feedback(
         text=text, completion_tokens=step.stats.num_generated_tokens,

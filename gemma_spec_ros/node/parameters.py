@@ -28,9 +28,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from ..engine.grammar import gbnf_of
-from ..engine.remote import RemoteConfig
 from ..engine.types import (SPEC_MODES, VERIFICATIONS, EngineConfig, LookupConfig, ModelConfig,
-                            SamplingParams, SpecConfig)
+                            RemoteConfig, SamplingParams, SpecConfig)
 
 ParamValue = Union[str, int, float, bool]
 

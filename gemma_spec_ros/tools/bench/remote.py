@@ -58,7 +58,7 @@ class RemoteRunner:
                               read_timeout=float(params.get("remote.read_timeout", 600.0) or 600.0),
                               probe_period=0)
         self._engine = RemoteEngine(config, SpecConfig())
-        status = self._engine.backend_status()
+        status = self._engine.status()
         if status["server reachable"] is not True:
             self._engine.close()
             raise RuntimeError(f"server {url} unreachable: {status['server error']}")
@@ -82,7 +82,7 @@ class RemoteRunner:
             last = step
         wall, ttft, n_first = timeline.finish()
         stats = last.stats if last is not None else None
-        self.info["probe_rtt_ms"] = self._engine.backend_status()["server RTT ms"]
+        self.info["probe_rtt_ms"] = self._engine.status()["server RTT ms"]
         return RunResult(text="".join(texts), n_tokens=stats.num_generated_tokens if stats is not None else 0,
                          wall_s=wall, ttft_s=ttft, n_first=n_first,
                          finish_reason=last.finish_reason if last is not None else "error",
