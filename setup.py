@@ -15,6 +15,7 @@ setup(
         ("share/" + PACKAGE + "/launch", glob("launch/*.launch.py")),
         ("share/" + PACKAGE + "/config", glob("config/*.yaml")),
         ("share/" + PACKAGE + "/config/aggregator", glob("config/aggregator/*.yaml")),
+        ("share/" + PACKAGE + "/config/schemas", glob("config/schemas/*.json")),
         ("share/" + PACKAGE + "/prompts", glob("prompts/*.yaml")),
     ],
     install_requires=["setuptools", "numpy", "pyyaml"],

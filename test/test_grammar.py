@@ -26,7 +26,7 @@ SCHEMA = json.loads(SCHEMA_TEXT)
 _SUITE = yaml.safe_load((REPO / "prompts" / "planner.yaml").read_text())
 PLANNER_PROMPT = _SUITE["system"] + "\n\n" + _SUITE["prompts"][0]["text"]  # cup-to-sink
 MODES = ("off", "lookup", "draft", "draft+lookup", "auto")
-MAX_TOKENS = 768  # the schema bounds a plan below this (see its $comment)
+MAX_TOKENS = 512  # the schema bounds a plan below this (see its $comment)
 
 
 def run(engine, mode, max_tokens=MAX_TOKENS, prompt=PLANNER_PROMPT, **kw):
@@ -41,7 +41,7 @@ def run(engine, mode, max_tokens=MAX_TOKENS, prompt=PLANNER_PROMPT, **kw):
 
 def engine_for(target, draft):
     return Engine(EngineConfig(
-        target=ModelConfig(str(target), n_ctx=2304), draft=ModelConfig(str(draft), n_ctx=2304),
+        target=ModelConfig(str(target), n_ctx=2048), draft=ModelConfig(str(draft), n_ctx=2048),
         # fixed K, so that every speculative mode drafts and cuts (the policy could stop drafting)
         spec=SpecConfig(mode="off", draft_max=4, adaptive=False)))
 

@@ -46,6 +46,8 @@ class Suite:
     description: str
     order: int
     prompts: Tuple[Prompt, ...]
+    #: the JSON Schema its answers must follow (``json_schema_file``, relative to the suite file)
+    json_schema_path: Optional[Path] = None
 
 
 def share_dirs() -> List[Path]:
@@ -83,7 +85,12 @@ def load_suite(path: Path) -> Suite:
     ids = [p.id for p in prompts]
     if len(set(ids)) != len(ids):
         raise ValueError(f"{path}: prompt ids must be unique")
-    return Suite(name, str(data.get("description", "")), int(data.get("order", 100)), tuple(prompts))
+    schema = data.get("json_schema_file")
+    schema_path = (path.parent / str(schema)).resolve() if schema else None
+    if schema_path is not None and not schema_path.is_file():
+        raise ValueError(f"{path}: json_schema_file {schema} not found")
+    return Suite(name, str(data.get("description", "")), int(data.get("order", 100)), tuple(prompts),
+                 schema_path)
 
 
 def load_suites(directory: Path) -> List[Suite]:
