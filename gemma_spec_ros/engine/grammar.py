@@ -39,8 +39,12 @@ MAX_GRAMMAR_BYTES = 1 << 20
 #: (A whole-row mask of the planner's plan schema takes 0.03-0.3 s on this CPU.)
 DEFAULT_SECONDS_PER_TOKEN = 10.0
 #: Samples of the vocabulary a whole-row mask checks first, to predict what the row will cost (see
-#: Grammar.mask): a small one, then one large enough to be a fair estimate.
-MASK_PROBES = (16, 128)
+#: Grammar.mask), with the factor of the bound each may predict: a small one that stops only a
+#: clear explosion (one long token can dominate 16), then one large enough to be a fair estimate.
+MASK_PROBES = ((16, 20.0), (128, 1.0))
+#: Candidates a greedy row's masked argmax is looked for among (the best 64, then the best 2,048)
+#: before the whole row is masked.
+ARGMAX_CANDIDATES = (64, 2048)
 
 # llama_token_data as numpy sees it: id (int32), logit (float), p (float)
 _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
@@ -234,14 +238,14 @@ class Grammar:
         data["logit"] = logits
         data["p"] = 0.0
         self.masks += 1
-        for size in MASK_PROBES:  # even samples of the vocabulary (its ids are grouped by kind)
+        for size, margin in MASK_PROBES:  # even samples of the vocabulary (ids are grouped by kind)
             if len(data) <= size:
                 break
             sample = data[::len(data) // size].copy()
             started = time.perf_counter()
             self._apply(sample)
             predicted = (time.perf_counter() - started) * len(data) / len(sample)
-            if predicted > self.seconds_per_token:
+            if predicted > margin * self.seconds_per_token:
                 self._spent(predicted, len(data))  # raises GrammarError
         self._apply(data)
         return data["logit"].copy()
@@ -336,20 +340,47 @@ def _layout_choice(choices: List[str], previous: str) -> Optional[str]:
     return solid[0]
 
 
-def sample_constrained(sample: Callable[[np.ndarray], int], row: np.ndarray, grammar: Grammar) -> int:
+def sample_constrained(sample: Callable[[np.ndarray], int], row: np.ndarray, grammar: Grammar,
+                       greedy: bool = False) -> int:
     """One token of ``row`` under ``grammar``: the unconstrained sample if the grammar allows it,
     else a sample of the masked row (llama.cpp's server rule; for greedy, the masked argmax).
 
     ``sample`` is the request's sampler bound to its random stream, so that plain decoding and
-    every speculative mode draw the same numbers for the same rows."""
+    every speculative mode draw the same numbers for the same rows. ``greedy``: the masked argmax
+    is looked for among the row's best candidates first (:func:`masked_argmax`)."""
     token = sample(row)
     if grammar.allows(token):
         return token
+    if greedy:
+        best = masked_argmax(row, grammar)
+        if best is not None:
+            return best
     masked = grammar.mask(row)
     if not np.isfinite(masked).any():
         raise GrammarError("the grammar admits no token here: the text so far cannot be continued "
                            "(a grammar with a dead end, or a token the model's vocabulary cannot spell)")
     return sample(masked)
+
+
+def masked_argmax(row: np.ndarray, grammar: Grammar) -> Optional[int]:
+    """``argmax(grammar.mask(row))`` at a fraction of the cost: the grammar checks the row's best
+    :data:`ARGMAX_CANDIDATES` tokens only (~0.1-1 ms instead of a whole row's ~80 ms), best first.
+
+    The first allowed one is the masked argmax if its logit is above every token left out (ties with
+    a left-out token, which argmax would break by the lower id, go the long way); None when no
+    candidate is allowed or such a tie makes it unsure, for the caller to mask the whole row."""
+    n = len(row)
+    for k in ARGMAX_CANDIDATES:
+        if k >= n:
+            return None  # the caller's whole-row mask is the same work
+        part = np.argpartition(-row, k - 1)[:k]
+        ids = part[np.lexsort((part, -row[part]))]  # best first, ties by lower id (as argmax)
+        allowed = grammar.allowed(ids.astype(np.int32))
+        if allowed.any():
+            first = int(ids[int(np.argmax(allowed))])
+            # unsure if it could tie with a token left out (argmax would take the lower id)
+            return first if row[first] > row[ids[-1]] else None
+    return None
 
 
 def constrained_distribution(distribution: Callable[[np.ndarray], np.ndarray], row: np.ndarray,

@@ -59,7 +59,7 @@ def verify_exact(rows: Sequence[np.ndarray], draft: Sequence[int], sampler: Samp
         if grammar is None:
             token = sampler.sample(row, rng)
         else:
-            token = sample_constrained(lambda r: sampler.sample(r, rng), row, grammar)
+            token = sample_constrained(lambda r: sampler.sample(r, rng), row, grammar, sampler.greedy)
             grammar.accept(token)
         emitted.append(token)
         if i == len(draft) or token != draft[i]:
