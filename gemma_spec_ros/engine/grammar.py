@@ -51,6 +51,10 @@ _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
 _CAPTURE_LOCK = threading.Lock()
 
 
+DEAD_END = ("the grammar admits no token here: the text so far cannot be continued (a grammar with a "
+            "dead end, or a character no token of the model's vocabulary can spell)")
+
+
 class GrammarError(EngineError):
     """A grammar stopped the request: it admits no token here, or its state grew too costly."""
 
@@ -182,6 +186,11 @@ class GrammarVocab:
 class Grammar:
     """One request's grammar state: a llama.cpp grammar sampler (owned; :meth:`close` frees it)."""
 
+    #: Sample a row as if unconstrained and check only that token first (see the module docstring).
+    #: False masks every row whole: only for measuring what the check saves (the bench's
+    #: ``mask-every-row`` runners); with sampling it also draws other random numbers.
+    check_first = True
+
     def __init__(self, vocab: GrammarVocab, sampler: object,
                  seconds_per_token: float = DEFAULT_SECONDS_PER_TOKEN) -> None:
         self._vocab = vocab
@@ -220,10 +229,11 @@ class Grammar:
         return bool(np.isfinite(one["logit"][0]))
 
     def allowed(self, tokens: np.ndarray) -> np.ndarray:
-        """A boolean mask: which of ``tokens`` may come next (one call for all of them)."""
+        """A boolean mask: which of ``tokens`` may come next (one call for all of them, after the
+        cost check of :meth:`_apply_bounded`)."""
         data = np.zeros(len(tokens), dtype=_TOKEN_DATA)
         data["id"] = tokens
-        self._apply(data)
+        self._apply_bounded(data)
         return np.isfinite(data["logit"])
 
     def mask(self, logits: np.ndarray) -> np.ndarray:
@@ -238,8 +248,14 @@ class Grammar:
         data["logit"] = logits
         data["p"] = 0.0
         self.masks += 1
-        for size, margin in MASK_PROBES:  # even samples of the vocabulary (ids are grouped by kind)
-            if len(data) <= size:
+        self._apply_bounded(data)
+        return data["logit"].copy()
+
+    def _apply_bounded(self, data: np.ndarray) -> None:
+        """:meth:`_apply` over many candidates, after even samples of them (:data:`MASK_PROBES`;
+        token ids are grouped by kind) predicted the whole call to take no longer than the bound."""
+        for size, margin in MASK_PROBES:
+            if len(data) <= 2 * size:
                 break
             sample = data[::len(data) // size].copy()
             started = time.perf_counter()
@@ -248,7 +264,6 @@ class Grammar:
             if predicted > margin * self.seconds_per_token:
                 self._spent(predicted, len(data))  # raises GrammarError
         self._apply(data)
-        return data["logit"].copy()
 
     def accept(self, token: int) -> None:
         """Move on by ``token``, which :meth:`allows` passed; end-of-generation tokens are skipped
@@ -348,17 +363,17 @@ def sample_constrained(sample: Callable[[np.ndarray], int], row: np.ndarray, gra
     ``sample`` is the request's sampler bound to its random stream, so that plain decoding and
     every speculative mode draw the same numbers for the same rows. ``greedy``: the masked argmax
     is looked for among the row's best candidates first (:func:`masked_argmax`)."""
-    token = sample(row)
-    if grammar.allows(token):
-        return token
-    if greedy:
-        best = masked_argmax(row, grammar)
-        if best is not None:
-            return best
+    if grammar.check_first:
+        token = sample(row)
+        if grammar.allows(token):
+            return token
+        if greedy:
+            best = masked_argmax(row, grammar)
+            if best is not None:
+                return best
     masked = grammar.mask(row)
     if not np.isfinite(masked).any():
-        raise GrammarError("the grammar admits no token here: the text so far cannot be continued "
-                           "(a grammar with a dead end, or a token the model's vocabulary cannot spell)")
+        raise GrammarError(DEAD_END)
     return sample(masked)
 
 
@@ -397,7 +412,7 @@ def constrained_distribution(distribution: Callable[[np.ndarray], np.ndarray], r
     p[refused] = 0.0
     masked = grammar.mask(row)
     if not np.isfinite(masked).any():
-        raise GrammarError("the grammar admits no token here: the text so far cannot be continued")
+        raise GrammarError(DEAD_END)
     return p + mass * distribution(masked)
 
 

@@ -7,6 +7,8 @@ Runners, interleaved prompt by prompt (each prompt: every runner once, in a rota
 - ``off``, ``lookup``, ``auto``: our engine (one instance, the embedded model, the node's defaults
   of config/embedded.yaml: adaptive K, prompt reuse), every request with the suite's json_schema;
 - ``off/free``, ``lookup/free``: the same without the schema (what the constraint costs or gains);
+- ``off/mask-every-row``, ``lookup/mask-every-row``: with the schema, every row masked whole instead
+  of checking the row's own choice first (what that check saves);
 - ``llama-server/<spec-type>``: llama.cpp's own server on the same model with the same
   ``json_schema`` in each of its speculative settings (none, and each n-gram spec type with its
   defaults), started here on loopback; the best of them is the one to beat.
@@ -33,13 +35,17 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from ...engine.engine import Engine
+from ...engine.grammar import Grammar
 from ...engine.remote import RemoteConfig, RemoteEngine
 from ...engine.types import EngineConfig, GenerationRequest, LookupConfig, ModelConfig, SpecConfig
 from .config import find_data_dir, load_suite
 
 #: llama-server's speculative settings tried (``--spec-type``; defaults of each type).
 SERVER_SETTINGS = ("none", "ngram-cache", "ngram-simple", "ngram-map-k", "ngram-mod")
-ENGINE_RUNNERS = (("off", True), ("lookup", True), ("auto", True), ("off", False), ("lookup", False))
+#: (mode, variant): ``json`` = with the schema; ``free`` = without it; ``mask-every-row`` = with it,
+#: every row masked whole instead of checking the row's own choice first (what the check saves)
+ENGINE_RUNNERS = (("off", "json"), ("lookup", "json"), ("auto", "json"), ("off", "free"),
+                  ("lookup", "free"), ("off", "mask-every-row"), ("lookup", "mask-every-row"))
 
 
 def validate(text: str, schema: Mapping[str, Any]) -> str:
@@ -229,7 +235,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                            args.threads, setting, out)
             remotes[f"llama-server/{setting}"] = RemoteEngine(
                 RemoteConfig(url=servers[setting].url, probe_period=0), SpecConfig())
-        runners: List[str] = [f"{m}" if c else f"{m}/free" for m, c in ENGINE_RUNNERS] + list(remotes)
+        runners: List[str] = [m if v == "json" else f"{m}/{v}" for m, v in ENGINE_RUNNERS] + list(remotes)
         records: List[Dict[str, Any]] = []
         for repeat in range(args.repeats):
             for i, prompt in enumerate(prompts):
@@ -241,7 +247,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         prompt.text, max_tokens=args.max_tokens, json_schema=schema_text if constrained else "",
                         spec_mode=None if runner in remotes else mode)
                     target = remotes.get(runner, engine)
-                    record = run_one(target, request, schema if constrained else None)
+                    Grammar.check_first = not runner.endswith("/mask-every-row")
+                    try:
+                        record = run_one(target, request, schema if constrained else None)
+                    finally:
+                        Grammar.check_first = True
                     record.update(runner=runner, prompt=prompt.id, repeat=repeat, constrained=constrained)
                     records.append(record)
                     print(f"{prompt.id:>14} {runner:<26} {record['tokens_per_s']:7.1f} tok/s "
