@@ -8,7 +8,7 @@ export AMENT_PREFIX_PATH := $(VENV)
 export ROS_AUTOMATIC_DISCOVERY_RANGE ?= LOCALHOST
 export VENV
 
-.PHONY: setup run test bench bench-smoke screenshots
+.PHONY: setup run test bench bench-constrained bench-smoke screenshots
 setup:
 	bash scripts/setup.sh
 
@@ -23,6 +23,11 @@ test:
 
 bench: setup
 	$(VENV)/bin/gemma-spec-bench --config $(PARAMS) --suites all --modes all --repeats 3 --out bench_out
+
+# the planner suite with its plan schema: our modes vs llama-server's speculative settings
+bench-constrained: setup
+	bash scripts/build_native_tools.sh
+	$(VENV)/bin/gemma-spec-bench-constrained --repeats 2 --out bench_constrained
 
 # PNGs of rqt_runtime_monitor, rqt_robot_monitor and rqt_plot watching a live node, into docs/rqt/:
 # test/test_rqt.py takes them while it checks what those windows show. Needs rqt in the venv

@@ -30,6 +30,7 @@ setup(
             "gemma-spec-serve = gemma_spec_ros.tools.serve:main",
             "gemma-spec-generate = gemma_spec_ros.tools.generate:main",
             "gemma-spec-bench = gemma_spec_ros.tools.bench:main",
+            "gemma-spec-bench-constrained = gemma_spec_ros.tools.bench.constrained:main",
             "gemma-spec-lookup-create = gemma_spec_ros.tools.lookup_create:main",
             "gemma-spec-soak = gemma_spec_ros.tools.soak:main",
             # ros2 run gemma_spec_ros <name>
