@@ -42,6 +42,8 @@ DEFAULT_SECONDS_PER_TOKEN = 10.0
 #: Grammar.mask), with the factor of the bound each may predict: a small one that stops only a
 #: clear explosion (one long token can dominate 16), then one large enough to be a fair estimate.
 MASK_PROBES = ((16, 20.0), (128, 1.0))
+#: Calls over fewer candidates run unchecked (a character probe of ~100, a first argmax tier of 64).
+BOUNDED_FROM = 256
 #: Candidates a greedy row's masked argmax is looked for among (the best 64, then the best 2,048)
 #: before the whole row is masked.
 ARGMAX_CANDIDATES = (64, 2048)
@@ -255,7 +257,7 @@ class Grammar:
         """:meth:`_apply` over many candidates, after even samples of them (:data:`MASK_PROBES`;
         token ids are grouped by kind) predicted the whole call to take no longer than the bound."""
         for size, margin in MASK_PROBES:
-            if len(data) <= 2 * size:
+            if len(data) <= BOUNDED_FROM:
                 break
             sample = data[::len(data) // size].copy()
             started = time.perf_counter()
@@ -319,14 +321,16 @@ class Grammar:
         A draft, not a promise: characters outside printable ASCII are not looked at, and the
         target verifies every drafted token."""
         ids, chars = self._vocab.char_tokens()
+        eog = self._vocab.eog_tokens[:1]
+        candidates = np.concatenate([ids, np.array(eog, dtype=np.int32)])  # + end: may it end here?
         walk = self.clone()
         text = ""
         try:
             while len(text) < max_chars:
-                if walk.complete():
+                allowed = walk.allowed(candidates)
+                if eog and allowed[-1]:
                     break
-                allowed = walk.allowed(ids)
-                choices = [chars[i] for i in np.flatnonzero(allowed)]
+                choices = [chars[i] for i in np.flatnonzero(allowed[:len(ids)])]
                 char = _layout_choice(choices, (previous + text)[-1:])
                 if char is None:
                     break
