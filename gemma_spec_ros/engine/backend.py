@@ -133,6 +133,33 @@ class DecodeInterrupted(Exception):
     """``LlamaBackend.decode`` stopped between two chunks because its ``stop`` callback said so."""
 
 
+class BufferViews:
+    """Numpy views of float buffers that llama.cpp owns, cached by (address, shape).
+
+    ``np.ctypeslib.as_array`` builds a ctypes array type at every call (~5 us); a decode step of a
+    small model costs ~100 us, so a verify pass that made a view per logits row spent a fifth of
+    its time there. llama.cpp moves these buffers only when it reallocates them (a batch that asks
+    for more output rows than any before): a new address is then a new entry.
+    """
+
+    def __init__(self, limit: int = 16) -> None:
+        self._views: dict = {}
+        self._limit = limit
+
+    def get(self, pointer: "ctypes._Pointer", shape: Tuple[int, ...]) -> np.ndarray:
+        """A view of ``shape`` float32s at ``pointer`` (non-NULL), valid while llama.cpp keeps the
+        buffer; whoever holds it past the next decode must copy it."""
+        key = (ctypes.cast(pointer, ctypes.c_void_p).value, shape)
+        view = self._views.get(key)
+        if view is None:
+            if not key[0]:
+                raise ValueError("a NULL buffer from llama.cpp")
+            if len(self._views) >= self._limit:
+                self._views.clear()
+            view = self._views[key] = np.ctypeslib.as_array(pointer, shape=shape)
+        return view
+
+
 @dataclass(frozen=True)
 class VocabIdentity:
     """What must match between a draft and a target model (llama.cpp's rule)."""
@@ -275,6 +302,7 @@ class LlamaBackend:
             self.max_batch_rows = max(1, min(max_batch_rows, self.n_batch))
             self._batch_capacity = self.n_batch
             self._batch = llama_cpp.llama_batch_init(self._batch_capacity, 0, 1)
+            self._init_batch_views()
             self.bos = int(llama_cpp.llama_vocab_bos(self._vocab))
             self.eos = int(llama_cpp.llama_vocab_eos(self._vocab))
             self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
@@ -285,6 +313,7 @@ class LlamaBackend:
             self.close()
             raise
         self.kv_tokens: List[int] = []
+        self._logits_views = BufferViews()
         self._piece_buf = ctypes.create_string_buffer(256)
         self._vocab_identity: Optional[VocabIdentity] = None
         self._eog_cache: dict = {}
@@ -423,6 +452,17 @@ class LlamaBackend:
         }
 
     # -- decoding -------------------------------------------------------------------------------
+    def _init_batch_views(self) -> None:
+        """Numpy views of the batch's token, position and logits-flag arrays (llama_batch_init's,
+        ``_batch_capacity`` entries each); every row belongs to sequence 0, set once here."""
+        capacity, batch = self._batch_capacity, self._batch
+        self._token_in = np.ctypeslib.as_array(batch.token, shape=(capacity,))
+        self._pos_in = np.ctypeslib.as_array(batch.pos, shape=(capacity,))
+        self._logits_flags = np.ctypeslib.as_array(batch.logits, shape=(capacity,))
+        np.ctypeslib.as_array(batch.n_seq_id, shape=(capacity,))[:] = 1
+        for i in range(capacity):
+            batch.seq_id[i][0] = 0
+
     @property
     def n_past(self) -> int:
         return len(self.kv_tokens)
@@ -446,42 +486,48 @@ class LlamaBackend:
         if self.n_past + len(tokens) > self.n_ctx:
             raise KVCacheError(f"context full: {self.n_past} + {len(tokens)} tokens > n_ctx {self.n_ctx}")
         llama_cpp = self._llama_cpp
-        wanted = set(logit_rows)
+        wanted = sorted(set(logit_rows))
+        if wanted and not 0 <= wanted[0] <= wanted[-1] < len(tokens):
+            raise ValueError(f"logit rows {wanted[0]}..{wanted[-1]} outside a batch of {len(tokens)}")
         chunk = self._batch_capacity
+        batch, ctx = self._batch, self._ctx
+        token_in, pos_in, flags = self._token_in, self._pos_in, self._logits_flags
         start = 0
         out: List[np.ndarray] = []
         while start < len(tokens):
             if start and stop is not None and stop():
                 raise DecodeInterrupted(f"stopped after {start} of {len(tokens)} tokens")
             part = tokens[start:start + chunk]
-            batch = self._batch
+            n = len(part)
             base = self.n_past
-            batch.n_tokens = len(part)
-            rows_here = []
-            for i, token in enumerate(part):
-                batch.token[i] = token
-                batch.pos[i] = base + i
-                batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = 0
-                want = (start + i) in wanted
-                batch.logits[i] = 1 if want else 0
-                if want:
-                    rows_here.append(i)
-            rc = llama_cpp.llama_decode(self._ctx, batch)
+            # the batch's arrays are numpy views (see _init_batch_views): a few array stores a
+            # chunk instead of five ctypes stores per row
+            token_in[:n] = part
+            pos_in[:n] = range(base, base + n)
+            flags[:n] = 0
+            rows_here = [r - start for r in wanted if start <= r < start + n]
+            if rows_here:
+                flags[rows_here] = 1
+            batch.n_tokens = n
+            rc = llama_cpp.llama_decode(ctx, batch)
             if rc != 0:
                 # Failed decodes leave the KV in an unknown state past base: drop it.
                 llama_cpp.llama_memory_seq_rm(self._mem, 0, base, -1)
                 raise KVCacheError(f"llama_decode failed with code {rc} at position {base} "
-                                   f"({len(part)} tokens; 1 = no KV slot, <0 = error)")
+                                   f"({n} tokens; 1 = no KV slot, <0 = error)")
             self.kv_tokens.extend(part)
-            last_chunk = start + len(part) >= len(tokens)
-            for i in rows_here:
-                ptr = llama_cpp.llama_get_logits_ith(self._ctx, i)
-                row = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
-                out.append(row if last_chunk else row.copy())
+            last_chunk = start + n >= len(tokens)
+            if rows_here:
+                # llama.cpp stores the rows asked for contiguously, in batch order (llama.h): one
+                # pointer and one cached view cover them all
+                first = llama_cpp.llama_get_logits_ith(ctx, rows_here[0])
+                if not first:
+                    raise KVCacheError(f"llama.cpp returned no logits for row {rows_here[0]} ({self.path})")
+                block = self._logits_views.get(first, (len(rows_here), self.n_vocab))
+                out.extend(block if last_chunk else block.copy())
             if self.after_chunk is not None:
                 self.after_chunk(base, rows_here, last_chunk)
-            start += len(part)
+            start += n
         return out
 
     def rollback(self, n_keep: int) -> None:

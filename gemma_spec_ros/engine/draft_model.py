@@ -14,8 +14,8 @@ _GREEDY = Sampler(SamplingParams())
 
 def _top_probability(logits: np.ndarray, top: int) -> float:
     """Softmax probability of token ``top`` (the draft's confidence in its greedy choice)."""
-    shift = float(logits[top])
-    return 1.0 / float(np.exp(logits.astype(np.float64) - shift).sum())
+    shifted = np.subtract(logits, logits[top], dtype=np.float64)  # one float64 array, exp in place
+    return 1.0 / float(np.exp(shifted, out=shifted).sum())
 
 
 def next_draft_token(logits: np.ndarray, sampler: Optional[Sampler], rng: Optional[np.random.Generator],

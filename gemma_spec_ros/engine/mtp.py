@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .backend import LlamaBackend, _init_backend, _llama
+from .backend import BufferViews, LlamaBackend, _init_backend, _llama
 from .draft_model import DraftModelDrafter, next_draft_token
 from .gguf_header import GGUFHeaderError, architecture
 from .sampling import Sampler
@@ -88,6 +88,8 @@ class TargetHiddenRows:
         model, self._ctx = target.handles
         self._bindings = nextn_bindings()
         self.n_embd = int(_llama().llama_model_n_embd_out(model))
+        self._shape = (self.n_embd,)
+        self._views = BufferViews()
         self._rows: Dict[int, np.ndarray] = {}  # copied rows, by position
         self._in_buffer: Dict[int, int] = {}  # position -> row index in llama.cpp's output buffer
         self._decoding = False  # a chunk came that was not its decode's last
@@ -135,7 +137,7 @@ class TargetHiddenRows:
         pointer = self._bindings.llama_get_embeddings_nextn_ith(self._ctx, index)
         if not pointer:  # NULL: llama.cpp did not export this row (it logs why)
             return None
-        return np.ctypeslib.as_array(pointer, shape=(self.n_embd,)).copy()
+        return self._views.get(pointer, self._shape).copy()
 
     def close(self) -> None:
         if self._target.after_chunk == self._keep:
@@ -210,7 +212,8 @@ class GemmaAssistant:
             raise AssistantMismatchError(f"llama.cpp did not link {self.path} to the target's context")
         bindings.llama_set_embeddings_nextn(self._ctx, True, True)  # its next hidden row
         self._next_hidden = bindings.llama_get_embeddings_nextn_ith
-        self._views: Dict[Tuple[int, int], np.ndarray] = {}
+        self._views = BufferViews()
+        self._logits_shape, self._hidden_shape = (self.n_vocab,), (self.n_embd,)
         # A one-row batch that carries a token and a hidden row. llama_batch_init with embd != 0
         # would allocate no token array; this one has its token array and points embd at a
         # buffer we own (reset before llama_batch_free, which would free it otherwise).
@@ -232,23 +235,12 @@ class GemmaAssistant:
         rc = llama_cpp.llama_decode(self._ctx, batch)
         if rc != 0:
             raise EngineError(f"the assistant's llama_decode failed with code {rc} at position {position}")
-        logits = self._view(llama_cpp.llama_get_logits_ith(self._ctx, 0), self.n_vocab)
+        # views cached by address (BufferViews): np.ctypeslib.as_array costs ~5 us a call
+        logits = self._views.get(llama_cpp.llama_get_logits_ith(self._ctx, 0), self._logits_shape)
         pointer = self._next_hidden(self._ctx, 0)
         if not pointer:
             raise EngineError(f"the assistant {self.path} exported no hidden row")
-        return logits, self._view(pointer, self.n_embd)
-
-    def _view(self, pointer: "ctypes._Pointer", length: int) -> np.ndarray:
-        """A numpy view of ``length`` floats of llama.cpp's buffer at ``pointer``, cached by address
-        (the buffers move only when llama.cpp reallocates them): np.ctypeslib.as_array costs ~5 us
-        a call, three times per draft step; the lookup ~1 us."""
-        key = (ctypes.addressof(pointer.contents), length)
-        view = self._views.get(key)
-        if view is None:
-            if len(self._views) > 16:
-                self._views.clear()
-            view = self._views[key] = np.ctypeslib.as_array(pointer, shape=(length,))
-        return view
+        return logits, self._views.get(pointer, self._hidden_shape)
 
     def model_info(self) -> dict:
         """What the node's ``models`` status shows of the assistant (no n_ctx: it has no cache)."""

@@ -122,15 +122,19 @@ class AcceptanceModel:
         self.prior_mean = prior_acceptance
         self.prior_n = prior_weight
         self.decay = decay
+        self._reached = 0  # positions past this one were never tried: zeros, nothing to decay
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
-        d = self.decay
-        self.tried = [t * d for t in self.tried]
-        self.accepted = [a * d for a in self.accepted]
+        d, reached = self.decay, self._reached
+        tried, accepted = self.tried, self.accepted
+        for i in range(reached):
+            tried[i] *= d
+            accepted[i] *= d
         for i in range(min(num_accepted + 1, num_drafted)):
-            self.tried[i] += 1.0
+            tried[i] += 1.0
             if i < num_accepted:
-                self.accepted[i] += 1.0
+                accepted[i] += 1.0
+        self._reached = max(reached, min(num_accepted + 1, num_drafted, len(tried)))
 
     def conditional(self, k: int) -> List[float]:
         out: List[float] = []
