@@ -21,6 +21,8 @@ Examples::
     gemma-spec-bench --temperature 0.7 --seed 7                        # a seeded sampled run
     gemma-spec-bench --suites none --random-prompts 12 --seed 99       # prompts drawn at run time
     gemma-spec-bench --native-bin ~/.cache/gemma_spec_ros/native/bin   # + llama-lookup et al.
+    gemma-spec-bench --modes lookup --native-bin ~/.cache/gemma_spec_ros/native/bin --native-sweep
+                                                                       # + ours vs the best native setting
     gemma-spec-bench --via-action gemma_spec                           # + through a running node
     gemma-spec-bench --via-remote http://127.0.0.1:8080                # + from an inference server
 """
@@ -148,6 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--native-bin", default="", help="folder with llama-lookup / llama-speculative-simple "
                    "(scripts/build_native_tools.sh)")
     p.add_argument("--native-k", default="3", help="draft lengths of the native tools (default 3)")
+    p.add_argument("--native-sweep", action="store_true",
+                   help="with --native-bin: every n-gram setting of llama.cpp's tools (llama-lookup at "
+                        "K 3, 5, 8 and --native-k; llama-speculative-simple's ngram-cache, ngram-simple, "
+                        "ngram-map-k, ngram-mod with their defaults and short n-grams) and a table of "
+                        "ours against the best of them per prompt (the native oracle)")
     p.add_argument("--via-action", default="", metavar="NODE",
                    help="also send the requests to /NODE/generate of a running node (e.g. gemma_spec)")
     p.add_argument("--via-remote", default="", metavar="URL",
@@ -344,7 +351,8 @@ class Bench:
         self.specs, self.notes = plan_runners(parse_modes(args.modes), parse_ks(args.k), has_draft,
                                               parse_baselines(args.baselines), args.native_bin, native_ks,
                                               args.via_action, args.prompt_reuse,
-                                              assistant=has_draft and is_assistant(draft.resolved_path))
+                                              assistant=has_draft and is_assistant(draft.resolved_path),
+                                              native_sweep=args.native_sweep)
         self.specs += remote_runners(args.via_remote, parse_baselines(args.baselines))
         self.out_dir = Path(expand_path(args.out))
         if args.omp_wait_policy != "inherit":  # every worker and native tool inherits it
@@ -448,6 +456,7 @@ class Bench:
             "modes": self.args.modes, "k": self.args.k, "repeats": self.args.repeats,
             "max_tokens": self.args.max_tokens, "temperature": self.args.temperature, "seed": self.args.seed,
             "baselines": self.args.baselines, "native_bin": self.args.native_bin or None,
+            "native_sweep": self.args.native_sweep,
             "via_action": self.args.via_action or None, "via_remote": self.args.via_remote or None,
             "smoke": self.args.smoke,
             "random_prompts": self.args.random_prompts,

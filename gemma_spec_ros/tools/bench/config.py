@@ -212,6 +212,7 @@ class RunnerSpec:
     draft_max: Optional[int] = None  # K; None = the configured K with the adaptive policy
     reference: str = REFERENCE_RUNNER  # runner whose tokens/s this one's "own baseline" ratio uses
     reuse_prompt: bool = True  # engine: keep the previous request's KV prefix (generation.prompt_cache)
+    native_args: Tuple[str, ...] = ()  # native: extra arguments of the tool (an n-gram --spec-type)
 
     @property
     def k_label(self) -> str:
@@ -271,7 +272,31 @@ def parse_baselines(text: str) -> List[str]:
 
 NATIVE_TOOLS: Dict[str, str] = {"lookup": "llama-lookup", "speculative": "llama-speculative-simple",
                                 # the same tool with --spec-type draft-mtp: a Gemma 4 assistant as -md
-                                "speculative-mtp": "llama-speculative-simple"}
+                                "speculative-mtp": "llama-speculative-simple",
+                                # the same tool with an n-gram --spec-type: no draft model
+                                "speculative-ngram": "llama-speculative-simple"}
+
+#: ``--native-sweep``: the draft lengths of ``llama-lookup`` (besides ``--native-k``).
+NATIVE_SWEEP_LOOKUP_KS: Tuple[int, ...] = (3, 5, 8)
+#: ``--native-sweep``: ``llama-speculative-simple``'s n-gram methods, each with llama.cpp's defaults
+#: (tuned for long repeated contexts: n-gram keys of 12 tokens; ngram-mod 24-token keys and no draft
+#: shorter than 48 tokens) and with short keys that can match in a prompt of a few hundred tokens. Runner name
+#: ``native-<type>[/<variant>]`` -> the tool's arguments. ngram-cache drafts 8 tokens (fixed in the
+#: tool), the others their m-gram / n_max.
+NATIVE_NGRAM_SETTINGS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
+    ("ngram-cache", ("--spec-type", "ngram-cache")),
+    ("ngram-simple", ("--spec-type", "ngram-simple")),
+    ("ngram-simple/n3m8", ("--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
+                           "--spec-ngram-simple-size-m", "8")),
+    ("ngram-simple/n2m16", ("--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "2",
+                            "--spec-ngram-simple-size-m", "16")),
+    ("ngram-map-k", ("--spec-type", "ngram-map-k")),
+    ("ngram-map-k/n3m8", ("--spec-type", "ngram-map-k", "--spec-ngram-map-k-size-n", "3",
+                          "--spec-ngram-map-k-size-m", "8")),
+    ("ngram-mod", ("--spec-type", "ngram-mod")),
+    ("ngram-mod/n4", ("--spec-type", "ngram-mod", "--spec-ngram-mod-n-match", "4",
+                      "--spec-ngram-mod-n-min", "1", "--spec-ngram-mod-n-max", "16")),
+)
 
 
 #: ``--prompt-reuse`` choices: engine runners with prompt reuse, without, or both side by side.
@@ -283,7 +308,7 @@ NO_REUSE_SUFFIX = "/no-reuse"
 def plan_runners(modes: Sequence[str], ks: Sequence[Optional[int]], has_draft: bool,
                  baselines: Sequence[str], native_bin: str, native_ks: Sequence[int],
                  via_action: str, prompt_reuse: str = "on",
-                 assistant: bool = False) -> Tuple[List[RunnerSpec], List[str]]:
+                 assistant: bool = False, native_sweep: bool = False) -> Tuple[List[RunnerSpec], List[str]]:
     """The runners of one bench invocation and notes on what was skipped and why.
 
     ``off`` is always run (every speedup is measured against it). Each other mode runs once per K.
@@ -291,6 +316,7 @@ def plan_runners(modes: Sequence[str], ks: Sequence[Optional[int]], has_draft: b
     ``<name>/no-reuse`` twin of each, whose own baseline is the runner with reuse. ``assistant``: the
     draft model is a Gemma 4 MTP assistant, which drafts in mode ``mtp`` (and for llama.cpp's
     ``llama-speculative-simple --spec-type draft-mtp``), never in the draft-model modes.
+    ``native_sweep``: every n-gram setting of llama.cpp's tools (see :func:`_native_runners`).
     """
     notes: List[str] = []
     specs: List[RunnerSpec] = [RunnerSpec(REFERENCE_RUNNER, "engine", "off", None, "")]
@@ -318,7 +344,9 @@ def plan_runners(modes: Sequence[str], ks: Sequence[Optional[int]], has_draft: b
         specs.append(RunnerSpec("lcp-prompt-lookup", "llama-cpp", "prompt-lookup", PROMPT_LOOKUP_TOKENS,
                                 "lcp-plain" if "plain" in baselines else REFERENCE_RUNNER))
     if native_bin:
-        specs.extend(_native_runners(native_bin, native_ks, has_draft, notes, assistant))
+        specs.extend(_native_runners(native_bin, native_ks, has_draft, notes, assistant, native_sweep))
+    elif native_sweep:
+        notes.append("--native-sweep skipped: no --native-bin")
     if via_action:
         specs.extend(RunnerSpec(f"action:{s.name}", "action", s.mode, None, s.name)
                      for s in list(specs) if s.kind == "engine" and s.draft_max is None)
@@ -326,11 +354,17 @@ def plan_runners(modes: Sequence[str], ks: Sequence[Optional[int]], has_draft: b
 
 
 def _native_runners(native_bin: str, native_ks: Sequence[int], has_draft: bool,
-                    notes: List[str], assistant: bool = False) -> List[RunnerSpec]:
+                    notes: List[str], assistant: bool = False,
+                    sweep: bool = False) -> List[RunnerSpec]:
     """llama-lookup with K=0 (its plain decoding) and each K; llama-speculative-simple with a draft
-    (``--spec-type draft-mtp`` when it is a Gemma 4 assistant: ``native-spec-mtp/K*``)."""
+    (``--spec-type draft-mtp`` when it is a Gemma 4 assistant: ``native-spec-mtp/K*``). ``sweep``
+    adds llama-lookup at :data:`NATIVE_SWEEP_LOOKUP_KS` and llama-speculative-simple with every
+    :data:`NATIVE_NGRAM_SETTINGS` (``native-ngram-*``, no draft model): the settings the per-prompt
+    native oracle picks from (report.versus_native_oracle)."""
     bin_dir = Path(expand_path(native_bin))
     specs: List[RunnerSpec] = []
+    if sweep:
+        native_ks = sorted(set(native_ks) | set(NATIVE_SWEEP_LOOKUP_KS))
     if (bin_dir / NATIVE_TOOLS["lookup"]).is_file():
         specs.append(RunnerSpec("native-plain", "native", "lookup", 0))
         specs.extend(RunnerSpec(f"native-lookup/K{k}", "native", "lookup", k, "native-plain")
@@ -346,11 +380,17 @@ def _native_runners(native_bin: str, native_ks: Sequence[int], has_draft: bool,
         specs.extend(RunnerSpec(f"{name}/K{k}", "native", tool, k, reference) for k in native_ks)
     else:
         notes.append(f"native speculative skipped: {bin_dir / NATIVE_TOOLS['speculative']} not found")
+    if sweep and (bin_dir / NATIVE_TOOLS["speculative-ngram"]).is_file():
+        reference = "native-plain" if specs and specs[0].name == "native-plain" else REFERENCE_RUNNER
+        specs.extend(RunnerSpec(f"native-{name}", "native", "speculative-ngram", None, reference,
+                                native_args=args) for name, args in NATIVE_NGRAM_SETTINGS)
+    elif sweep:
+        notes.append(f"native n-gram sweep skipped: {bin_dir / NATIVE_TOOLS['speculative-ngram']} not found")
     return specs
 
 
 __all__ = [
-    "BASELINES", "DRAFT_MODES", "NATIVE_TOOLS", "PROMPT_LOOKUP_TOKENS", "Prompt",
+    "BASELINES", "DRAFT_MODES", "NATIVE_NGRAM_SETTINGS", "NATIVE_SWEEP_LOOKUP_KS", "NATIVE_TOOLS", "PROMPT_LOOKUP_TOKENS", "Prompt",
     "REFERENCE_RUNNER", "RunnerSpec", "Suite", "apply_overrides", "base_config", "default_params",
     "engine_config",
     "find_data_dir", "flatten", "load_params", "load_suite", "load_suites", "model_config",
