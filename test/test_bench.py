@@ -262,16 +262,24 @@ def test_native_sweep_plan(tmp_path: Path) -> None:
     """--native-sweep adds llama-lookup at K 3, 5, 8 and every n-gram --spec-type setting, no draft model."""
     for tool in ("llama-lookup", "llama-speculative-simple"):
         (tmp_path / tool).write_text("")  # plan_runners only looks for the files
+    sweep = bench_config.parse_native_sweep("all")
     specs, _ = bench_config.plan_runners(["off", "lookup"], [None], False, [], str(tmp_path), [3], "",
-                                         native_sweep=True)
+                                         native_sweep=sweep, adaptive_ks=[8])
     names = [s.name for s in specs]
-    assert names[:5] == ["off", "lookup", "native-plain", "native-lookup/K3", "native-lookup/K5"]
+    assert names[:6] == ["off", "lookup", "lookup/A8", "native-plain", "native-lookup/K3", "native-lookup/K5"]
+    assert specs[2].adaptive_max == 8 and specs[2].draft_max is None and specs[2].k_label == "adaptive<=8"
+    assert bench_config.engine_config({}, "lookup", None, 8).spec.draft_max == 8
     ngram = [s for s in specs if s.mode == "speculative-ngram"]
     assert [s.name for s in ngram] == [f"native-{n}" for n, _ in bench_config.NATIVE_NGRAM_SETTINGS]
     assert all(s.draft_max is None and s.native_args[:1] == ("--spec-type",) and s.reference == "native-plain"
                for s in ngram)
     plain, _ = bench_config.plan_runners(["off"], [None], False, [], str(tmp_path), [3], "")
     assert not any(s.mode == "speculative-ngram" for s in plain)
+    some, _ = bench_config.plan_runners(["off"], [None], False, [], str(tmp_path), [3], "",
+                                        native_sweep=bench_config.parse_native_sweep("ngram-mod/n4"))
+    assert [s.name for s in some if s.mode == "speculative-ngram"] == ["native-ngram-mod/n4"]
+    with pytest.raises(ValueError, match="ngram-bogus"):
+        bench_config.parse_native_sweep("ngram-bogus")
 
 
 @pytest.mark.skipif(not (_native_bin() / "llama-speculative-simple").is_file(),
@@ -294,11 +302,11 @@ def test_native_sweep_run_names_the_oracle_per_prompt(tmp_path: Path) -> None:
                        "--native-bin", str(_native_bin()), "--native-sweep", "--no-progress",
                        "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
-    assert results["config"]["native_sweep"] is True
+    assert results["config"]["native_sweep"] == "all"
     runs = results["runs"]
     ngram = {r["runner"] for r in runs if r["mode"] == "speculative-ngram"}
     assert len(ngram) == len(bench_config.NATIVE_NGRAM_SETTINGS)
-    assert all(r["error"] is None and r["n_tokens"] >= 1 for r in runs), [r["error"] for r in runs if r["error"]]
+    assert all(r["error"] is None and r["n_tokens"] >= 1 for r in runs), [(r["runner"], r["prompt_id"], r["error"]) for r in runs if r["error"]]
     oracle = results["summary"]["vs_native_oracle"]
     natives = set(bench_report.native_drafting_runners(results["runners"]))
     assert set(oracle["winners"]) <= {"rep/a", "rep/b"} and set(oracle["winners"].values()) <= natives
