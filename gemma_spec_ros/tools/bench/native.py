@@ -26,7 +26,7 @@ from .runner import Request, RunResult
 
 _NUMBER = r"([0-9]+(?:\.[0-9]+)?)"
 #: Runs of a tool per request when its log lacks the timings (see NativeRunner.run).
-_ATTEMPTS = 5
+_ATTEMPTS = 10
 _PATTERNS: Dict[str, "re.Pattern[str]"] = {
     "encoded": re.compile(rf"encoded\s+(\d+) tokens in\s+{_NUMBER} seconds"),
     "decoded": re.compile(rf"decoded\s+(\d+) tokens in\s+{_NUMBER} seconds"),
