@@ -248,3 +248,72 @@ def test_smoke_run_writes_tables_and_plots(smoke_results: Dict[str, Any]) -> Non
     (out / "results.md").unlink()
     assert bench.main(["--report-only", str(out)]) == 0
     assert (out / "results.md").read_text() == table
+
+
+# -- the native sweep and its oracle ---------------------------------------------------------------
+def _native_bin() -> Path:
+    """scripts/build_native_tools.sh's binaries (in the cache dir of scripts/setup.sh)."""
+    import os
+    cache = Path(os.environ.get("GEMMA_SPEC_CACHE") or Path.home() / ".cache" / "gemma_spec_ros")
+    return cache / "native" / "bin"
+
+
+def test_native_sweep_plan(tmp_path: Path) -> None:
+    """--native-sweep adds llama-lookup at K 3, 5, 8 and every n-gram --spec-type setting, no draft model."""
+    for tool in ("llama-lookup", "llama-speculative-simple"):
+        (tmp_path / tool).write_text("")  # plan_runners only looks for the files
+    sweep = bench_config.parse_native_sweep("all")
+    specs, _ = bench_config.plan_runners(["off", "lookup"], [None], False, [], str(tmp_path), [3], "",
+                                         native_sweep=sweep, adaptive_ks=[8])
+    names = [s.name for s in specs]
+    assert names[:6] == ["off", "lookup", "lookup/A8", "native-plain", "native-lookup/K3", "native-lookup/K5"]
+    assert specs[2].adaptive_max == 8 and specs[2].draft_max is None and specs[2].k_label == "adaptive<=8"
+    assert bench_config.engine_config({}, "lookup", None, 8).spec.draft_max == 8
+    ngram = [s for s in specs if s.mode == "speculative-ngram"]
+    assert [s.name for s in ngram] == [f"native-{n}" for n, _ in bench_config.NATIVE_NGRAM_SETTINGS]
+    assert all(s.draft_max is None and s.native_args[:1] == ("--spec-type",) and s.reference == "native-plain"
+               for s in ngram)
+    plain, _ = bench_config.plan_runners(["off"], [None], False, [], str(tmp_path), [3], "")
+    assert not any(s.mode == "speculative-ngram" for s in plain)
+    some, _ = bench_config.plan_runners(["off"], [None], False, [], str(tmp_path), [3], "",
+                                        native_sweep=bench_config.parse_native_sweep("ngram-mod/n4"))
+    assert [s.name for s in some if s.mode == "speculative-ngram"] == ["native-ngram-mod/n4"]
+    with pytest.raises(ValueError, match="ngram-bogus"):
+        bench_config.parse_native_sweep("ngram-bogus")
+
+
+@pytest.mark.skipif(not (_native_bin() / "llama-speculative-simple").is_file(),
+                    reason="llama.cpp's tools not built (scripts/build_native_tools.sh)")
+@pytest.mark.timeout(600)
+def test_native_sweep_run_names_the_oracle_per_prompt(tmp_path: Path) -> None:
+    """A real --native-sweep run on a tiny model: every native setting runs, and the oracle table
+    names each prompt's fastest one and our ratio to it."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_gguf import write_tiny_gguf
+    model = write_tiny_gguf(tmp_path / "tiny.gguf", vocab_size=64, arch="gemma3")
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    text = "the cat sat on the mat. the cat sat on the mat. the cat sat on the"
+    (prompts / "rep.yaml").write_text(f"name: rep\nprompts:\n  - id: a\n    text: '{text}'\n"
+                                      f"  - id: b\n    text: 'a b c d a b c d a b c'\n")
+    out = tmp_path / "out"
+    assert bench.main(["--target", str(model), "--prompts-dir", str(prompts), "--modes", "lookup",
+                       "--k", "adaptive", "--baselines", "none", "--max-tokens", "12", "--repeats", "1",
+                       "--native-bin", str(_native_bin()), "--native-sweep", "--no-progress",
+                       "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["native_sweep"] == "all"
+    runs = results["runs"]
+    ngram = {r["runner"] for r in runs if r["mode"] == "speculative-ngram"}
+    assert len(ngram) == len(bench_config.NATIVE_NGRAM_SETTINGS)
+    assert all(r["error"] is None and r["n_tokens"] >= 1 for r in runs), [(r["runner"], r["prompt_id"], r["error"]) for r in runs if r["error"]]
+    oracle = results["summary"]["vs_native_oracle"]
+    natives = set(bench_report.native_drafting_runners(results["runners"]))
+    assert set(oracle["winners"]) <= {"rep/a", "rep/b"} and set(oracle["winners"].values()) <= natives
+    assert oracle["winners"]
+    lookup = oracle["runners"]["lookup"]
+    assert lookup["n"] == len(oracle["winners"]) and lookup["min"] <= lookup["median"]
+    assert 0 < lookup["geomean"] and lookup["worst"] in oracle["winners"]
+    table = (out / "results.md").read_text()
+    assert "## Ours vs the best native setting per prompt" in table
+    assert f"`{oracle['winners'][lookup['worst']]}`" in table

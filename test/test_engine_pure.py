@@ -327,3 +327,28 @@ def test_stats_conventions_worked_example():
 def test_bad_config_is_refused_with_an_actionable_message(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+#: Pass costs of this 2-core CPU (ms by rows; llama.cpp's own step profile of the embedded model in
+#: the issue-25 native sweep): an 8-token draft's 9-row pass costs 2.2x one row, not 9x.
+CPU_PASS_MS = {1: 20.0, 2: 25.0, 3: 27.6, 4: 27.6, 5: 33.0, 6: 35.0, 7: 38.0, 8: 41.0, 9: 43.6}
+
+
+def test_story_case_long_accepted_drafts_are_not_cut_at_four():
+    """The short-story prompt of issue 25 (0.72x the best native setting) lost because our K stopped
+    at 4 (spec.draft_max of config/embedded.yaml): in a replay of its greedy output, 23 of 25 drafts were accepted whole and each time the drafter had a
+    longer correct continuation that the cap cut. With the CPU's measured pass costs and that
+    acceptance, the policy must draft past 4 when allowed (cap 8) and predict it faster; with a text
+    that fails after position 2 it must stay short."""
+    costs = CostModel()
+    for rows, ms in CPU_PASS_MS.items():
+        costs.observe_verify(rows, ms / 1e3)
+    story = DraftLengthPolicy("lookup", costs)
+    for _ in range(20):
+        story.observe(8, 8)  # every position accepted (the story repeats itself)
+    long, short = story.decide(8, adaptive=True), story.decide(4, adaptive=True)
+    assert long.draft_len == 8 and long.predicted_speedup > 1.2 * short.predicted_speedup
+    mixed = DraftLengthPolicy("lookup", costs)
+    for _ in range(20):
+        mixed.observe(8, 2)  # positions 0-1 accepted, position 2 rejected
+    assert 1 <= mixed.decide(8, adaptive=True).draft_len <= 3

@@ -21,6 +21,8 @@ Examples::
     gemma-spec-bench --temperature 0.7 --seed 7                        # a seeded sampled run
     gemma-spec-bench --suites none --random-prompts 12 --seed 99       # prompts drawn at run time
     gemma-spec-bench --native-bin ~/.cache/gemma_spec_ros/native/bin   # + llama-lookup et al.
+    gemma-spec-bench --modes lookup --native-bin ~/.cache/gemma_spec_ros/native/bin --native-sweep
+                                                                       # + ours vs the best native setting
     gemma-spec-bench --via-action gemma_spec                           # + through a running node
     gemma-spec-bench --via-remote http://127.0.0.1:8080                # + from an inference server
 """
@@ -45,7 +47,7 @@ from ...engine.mtp import is_assistant
 from ...engine.types import expand_path
 from .config import (REFERENCE_RUNNER, Prompt, RunnerSpec, Suite, apply_overrides,
                            default_params, find_data_dir, load_params, load_suites, model_config, parse_baselines, parse_ks,
-                           PROMPT_REUSE_CHOICES, parse_modes, plan_runners, select_suites, thread_count)
+                           PROMPT_REUSE_CHOICES, parse_modes, parse_native_sweep, plan_runners, select_suites, thread_count)
 from .corpus import default_corpus, random_suite
 from .metrics import decode_rate, repeated_ngram_share, text_hash, tokens_hash
 from .native import NativeRunner
@@ -139,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "<name>/no-reuse twin of each; the 'Prompt reuse' table compares them)")
     p.add_argument("--k", default="adaptive", help="draft lengths: e.g. 2,3,4,8,adaptive (adaptive = the "
                    "configured K with the policy)")
+    p.add_argument("--adaptive-k", default="", metavar="K,...",
+                   help="more adaptive runners, each with the policy capped at that K instead of the "
+                        "configured spec.draft_max (named e.g. lookup/A8)")
     p.add_argument("--repeats", type=int, default=3, help="repeats of every (prompt, runner)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -148,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--native-bin", default="", help="folder with llama-lookup / llama-speculative-simple "
                    "(scripts/build_native_tools.sh)")
     p.add_argument("--native-k", default="3", help="draft lengths of the native tools (default 3)")
+    p.add_argument("--native-sweep", nargs="?", const="all", default="", metavar="SETTINGS",
+                   help="with --native-bin: every n-gram setting of llama.cpp's tools (llama-lookup at "
+                        "K 3, 5, 8 and --native-k; llama-speculative-simple's ngram-cache, ngram-simple, "
+                        "ngram-map-k, ngram-mod with their defaults and short n-grams) and a table of "
+                        "ours against the best of them per prompt (the native oracle); optionally only "
+                        "the llama-speculative-simple settings named (e.g. ngram-cache,ngram-mod/n4)")
     p.add_argument("--via-action", default="", metavar="NODE",
                    help="also send the requests to /NODE/generate of a running node (e.g. gemma_spec)")
     p.add_argument("--via-remote", default="", metavar="URL",
@@ -344,7 +355,10 @@ class Bench:
         self.specs, self.notes = plan_runners(parse_modes(args.modes), parse_ks(args.k), has_draft,
                                               parse_baselines(args.baselines), args.native_bin, native_ks,
                                               args.via_action, args.prompt_reuse,
-                                              assistant=has_draft and is_assistant(draft.resolved_path))
+                                              assistant=has_draft and is_assistant(draft.resolved_path),
+                                              native_sweep=parse_native_sweep(args.native_sweep),
+                                              adaptive_ks=[k for k in parse_ks(args.adaptive_k or "adaptive")
+                                                           if k is not None])
         self.specs += remote_runners(args.via_remote, parse_baselines(args.baselines))
         self.out_dir = Path(expand_path(args.out))
         if args.omp_wait_policy != "inherit":  # every worker and native tool inherits it
@@ -445,9 +459,10 @@ class Bench:
             "draft_size_bytes": _size(draft.resolved_path if draft else ""),
             "params": self.params, "threads": thread_count(self.params),
             "suites": [s.name for s in self.suites], "prompts_per_suite": {s.name: len(s.prompts) for s in self.suites},
-            "modes": self.args.modes, "k": self.args.k, "repeats": self.args.repeats,
+            "modes": self.args.modes, "k": self.args.k, "adaptive_k": self.args.adaptive_k, "repeats": self.args.repeats,
             "max_tokens": self.args.max_tokens, "temperature": self.args.temperature, "seed": self.args.seed,
             "baselines": self.args.baselines, "native_bin": self.args.native_bin or None,
+            "native_sweep": self.args.native_sweep or None,
             "via_action": self.args.via_action or None, "via_remote": self.args.via_remote or None,
             "smoke": self.args.smoke,
             "random_prompts": self.args.random_prompts,

@@ -169,14 +169,17 @@ def base_config(params: Mapping[str, object]) -> EngineConfig:
     return dataclasses.replace(config, spec=dataclasses.replace(config.spec, mode="off"))
 
 
-def engine_config(params: Mapping[str, object], mode: str, draft_max: Optional[int]) -> EngineConfig:
+def engine_config(params: Mapping[str, object], mode: str, draft_max: Optional[int],
+                  adaptive_max: Optional[int] = None) -> EngineConfig:
     """EngineConfig for one engine runner: the file's settings with the runner's mode and K.
 
-    ``draft_max`` None keeps the configured K and the adaptive policy; a number fixes K (policy off).
-    The dynamic n-gram cache stays in memory (see :func:`base_config`).
+    ``draft_max`` None keeps the configured K (or ``adaptive_max``) and the adaptive policy; a number
+    fixes K (policy off). The dynamic n-gram cache stays in memory (see :func:`base_config`).
     """
     base = base_config(params)
     spec = dataclasses.replace(base.spec, mode=mode)
+    if draft_max is None and adaptive_max is not None:
+        spec = dataclasses.replace(spec, draft_max=adaptive_max, draft_min=min(spec.draft_min, adaptive_max))
     if draft_max is not None:
         spec = dataclasses.replace(spec, draft_max=draft_max, adaptive=False,
                                    draft_min=min(spec.draft_min, draft_max))
@@ -219,10 +222,14 @@ class RunnerSpec:
     draft_max: Optional[int] = None  # K; None = the configured K with the adaptive policy
     reference: str = REFERENCE_RUNNER  # runner whose tokens/s this one's "own baseline" ratio uses
     reuse_prompt: bool = True  # engine: keep the previous request's KV prefix (generation.prompt_cache)
+    native_args: Tuple[str, ...] = ()  # native: extra arguments of the tool (an n-gram --spec-type)
+    adaptive_max: Optional[int] = None  # engine, adaptive: the policy's cap K (None: the configured)
 
     @property
     def k_label(self) -> str:
-        return "adaptive" if self.draft_max is None else str(self.draft_max)
+        if self.draft_max is None:
+            return "adaptive" if self.adaptive_max is None else f"adaptive<={self.adaptive_max}"
+        return str(self.draft_max)
 
 
 def runner_name(mode: str, draft_max: Optional[int]) -> str:
@@ -278,7 +285,31 @@ def parse_baselines(text: str) -> List[str]:
 
 NATIVE_TOOLS: Dict[str, str] = {"lookup": "llama-lookup", "speculative": "llama-speculative-simple",
                                 # the same tool with --spec-type draft-mtp: a Gemma 4 assistant as -md
-                                "speculative-mtp": "llama-speculative-simple"}
+                                "speculative-mtp": "llama-speculative-simple",
+                                # the same tool with an n-gram --spec-type: no draft model
+                                "speculative-ngram": "llama-speculative-simple"}
+
+#: ``--native-sweep``: the draft lengths of ``llama-lookup`` (besides ``--native-k``).
+NATIVE_SWEEP_LOOKUP_KS: Tuple[int, ...] = (3, 5, 8)
+#: ``--native-sweep``: ``llama-speculative-simple``'s n-gram methods, each with llama.cpp's defaults
+#: (tuned for long repeated contexts: n-gram keys of 12 tokens; ngram-mod 24-token keys and no draft
+#: shorter than 48 tokens) and with short keys that can match in a prompt of a few hundred tokens. Runner name
+#: ``native-<type>[/<variant>]`` -> the tool's arguments. ngram-cache drafts 8 tokens (fixed in the
+#: tool), the others their m-gram / n_max.
+NATIVE_NGRAM_SETTINGS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
+    ("ngram-cache", ("--spec-type", "ngram-cache")),
+    ("ngram-simple", ("--spec-type", "ngram-simple")),
+    ("ngram-simple/n3m8", ("--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
+                           "--spec-ngram-simple-size-m", "8")),
+    ("ngram-simple/n2m16", ("--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "2",
+                            "--spec-ngram-simple-size-m", "16")),
+    ("ngram-map-k", ("--spec-type", "ngram-map-k")),
+    ("ngram-map-k/n3m8", ("--spec-type", "ngram-map-k", "--spec-ngram-map-k-size-n", "3",
+                          "--spec-ngram-map-k-size-m", "8")),
+    ("ngram-mod", ("--spec-type", "ngram-mod")),
+    ("ngram-mod/n4", ("--spec-type", "ngram-mod", "--spec-ngram-mod-n-match", "4",
+                      "--spec-ngram-mod-n-min", "1", "--spec-ngram-mod-n-max", "16")),
+)
 
 
 #: ``--prompt-reuse`` choices: engine runners with prompt reuse, without, or both side by side.
@@ -287,10 +318,28 @@ PROMPT_REUSE_CHOICES: Tuple[str, ...] = ("on", "off", "both")
 NO_REUSE_SUFFIX = "/no-reuse"
 
 
+def parse_native_sweep(text: str) -> Tuple[str, ...]:
+    """``--native-sweep``: '' (no sweep), ``all``, or names of :data:`NATIVE_NGRAM_SETTINGS` -> the
+    names of the llama-speculative-simple settings to run (llama-lookup's Ks come with any sweep).
+
+    >>> parse_native_sweep("ngram-cache, ngram-mod/n4")
+    ('ngram-cache', 'ngram-mod/n4')
+    """
+    known = [name for name, _ in NATIVE_NGRAM_SETTINGS]
+    wanted = [t.strip() for t in text.split(",") if t.strip()]
+    if wanted == ["all"]:
+        return tuple(known)
+    unknown = [w for w in wanted if w not in known]
+    if unknown:
+        raise ValueError(f"--native-sweep: unknown setting(s) {', '.join(unknown)}; have all, {', '.join(known)}")
+    return tuple(wanted)
+
+
 def plan_runners(modes: Sequence[str], ks: Sequence[Optional[int]], has_draft: bool,
                  baselines: Sequence[str], native_bin: str, native_ks: Sequence[int],
                  via_action: str, prompt_reuse: str = "on",
-                 assistant: bool = False) -> Tuple[List[RunnerSpec], List[str]]:
+                 assistant: bool = False, native_sweep: Sequence[str] = (),
+                 adaptive_ks: Sequence[int] = ()) -> Tuple[List[RunnerSpec], List[str]]:
     """The runners of one bench invocation and notes on what was skipped and why.
 
     ``off`` is always run (every speedup is measured against it). Each other mode runs once per K.
@@ -298,6 +347,9 @@ def plan_runners(modes: Sequence[str], ks: Sequence[Optional[int]], has_draft: b
     ``<name>/no-reuse`` twin of each, whose own baseline is the runner with reuse. ``assistant``: the
     draft model is a Gemma 4 MTP assistant, which drafts in mode ``mtp`` (and for llama.cpp's
     ``llama-speculative-simple --spec-type draft-mtp``), never in the draft-model modes.
+    ``native_sweep``: the n-gram settings of llama.cpp's tools to sweep, by name (see
+    :func:`_native_runners`; empty: no sweep).
+    ``adaptive_ks``: more adaptive runners per mode, each with that cap on K (``lookup/A8``).
     """
     notes: List[str] = []
     specs: List[RunnerSpec] = [RunnerSpec(REFERENCE_RUNNER, "engine", "off", None, "")]
@@ -312,6 +364,7 @@ def plan_runners(modes: Sequence[str], ks: Sequence[Optional[int]], has_draft: b
                                                      if assistant else "no Gemma 4 assistant configured"))
             continue
         specs.extend(RunnerSpec(runner_name(mode, k), "engine", mode, k) for k in ks)
+        specs.extend(RunnerSpec(f"{mode}/A{k}", "engine", mode, None, adaptive_max=k) for k in adaptive_ks)
     if prompt_reuse not in PROMPT_REUSE_CHOICES:
         raise ValueError(f"--prompt-reuse {prompt_reuse!r}: expected one of {', '.join(PROMPT_REUSE_CHOICES)}")
     if prompt_reuse == "off":
@@ -325,7 +378,9 @@ def plan_runners(modes: Sequence[str], ks: Sequence[Optional[int]], has_draft: b
         specs.append(RunnerSpec("lcp-prompt-lookup", "llama-cpp", "prompt-lookup", PROMPT_LOOKUP_TOKENS,
                                 "lcp-plain" if "plain" in baselines else REFERENCE_RUNNER))
     if native_bin:
-        specs.extend(_native_runners(native_bin, native_ks, has_draft, notes, assistant))
+        specs.extend(_native_runners(native_bin, native_ks, has_draft, notes, assistant, native_sweep))
+    elif native_sweep:
+        notes.append("--native-sweep skipped: no --native-bin")
     if via_action:
         specs.extend(RunnerSpec(f"action:{s.name}", "action", s.mode, None, s.name)
                      for s in list(specs) if s.kind == "engine" and s.draft_max is None)
@@ -333,11 +388,17 @@ def plan_runners(modes: Sequence[str], ks: Sequence[Optional[int]], has_draft: b
 
 
 def _native_runners(native_bin: str, native_ks: Sequence[int], has_draft: bool,
-                    notes: List[str], assistant: bool = False) -> List[RunnerSpec]:
+                    notes: List[str], assistant: bool = False,
+                    sweep: Sequence[str] = ()) -> List[RunnerSpec]:
     """llama-lookup with K=0 (its plain decoding) and each K; llama-speculative-simple with a draft
-    (``--spec-type draft-mtp`` when it is a Gemma 4 assistant: ``native-spec-mtp/K*``)."""
+    (``--spec-type draft-mtp`` when it is a Gemma 4 assistant: ``native-spec-mtp/K*``). ``sweep``
+    (names of :data:`NATIVE_NGRAM_SETTINGS`) adds llama-lookup at :data:`NATIVE_SWEEP_LOOKUP_KS` and
+    llama-speculative-simple with those settings (``native-ngram-*``, no draft model): the settings the per-prompt
+    native oracle picks from (report.versus_native_oracle)."""
     bin_dir = Path(expand_path(native_bin))
     specs: List[RunnerSpec] = []
+    if sweep:
+        native_ks = sorted(set(native_ks) | set(NATIVE_SWEEP_LOOKUP_KS))
     if (bin_dir / NATIVE_TOOLS["lookup"]).is_file():
         specs.append(RunnerSpec("native-plain", "native", "lookup", 0))
         specs.extend(RunnerSpec(f"native-lookup/K{k}", "native", "lookup", k, "native-plain")
@@ -353,14 +414,20 @@ def _native_runners(native_bin: str, native_ks: Sequence[int], has_draft: bool,
         specs.extend(RunnerSpec(f"{name}/K{k}", "native", tool, k, reference) for k in native_ks)
     else:
         notes.append(f"native speculative skipped: {bin_dir / NATIVE_TOOLS['speculative']} not found")
+    if sweep and (bin_dir / NATIVE_TOOLS["speculative-ngram"]).is_file():
+        reference = "native-plain" if specs and specs[0].name == "native-plain" else REFERENCE_RUNNER
+        specs.extend(RunnerSpec(f"native-{name}", "native", "speculative-ngram", None, reference,
+                                native_args=args) for name, args in NATIVE_NGRAM_SETTINGS if name in sweep)
+    elif sweep:
+        notes.append(f"native n-gram sweep skipped: {bin_dir / NATIVE_TOOLS['speculative-ngram']} not found")
     return specs
 
 
 __all__ = [
-    "BASELINES", "DRAFT_MODES", "NATIVE_TOOLS", "PROMPT_LOOKUP_TOKENS", "Prompt",
+    "BASELINES", "DRAFT_MODES", "NATIVE_NGRAM_SETTINGS", "NATIVE_SWEEP_LOOKUP_KS", "NATIVE_TOOLS", "PROMPT_LOOKUP_TOKENS", "Prompt",
     "REFERENCE_RUNNER", "RunnerSpec", "Suite", "apply_overrides", "base_config", "default_params",
     "engine_config",
     "find_data_dir", "flatten", "load_params", "load_suite", "load_suites", "model_config",
-    "parse_baselines", "parse_ks", "parse_modes", "plan_runners", "runner_name", "select_suites",
+    "parse_baselines", "parse_ks", "parse_modes", "parse_native_sweep", "plan_runners", "runner_name", "select_suites",
     "thread_count",
 ]

@@ -5,6 +5,7 @@ Each request starts the tool afresh (model load is outside the timings the tool 
 is the child's own, from ``os.wait4``. ``llama-lookup`` with ``--spec-draft-n-max 0`` drafts nothing
 and is the native plain-decoding reference. A dynamic n-gram cache file per repeat lets
 ``llama-lookup`` learn across the requests of a repeat, as the engine's in-memory dynamic cache does.
+``llama-speculative-simple`` with an n-gram ``--spec-type`` (``--native-sweep``) needs no draft model.
 The binaries come from scripts/build_native_tools.sh (the llama.cpp vendored in llama-cpp-python's
 sdist, so the same llama.cpp as the engine); see docs/native_tools.md.
 """
@@ -25,7 +26,7 @@ from .runner import Request, RunResult
 
 _NUMBER = r"([0-9]+(?:\.[0-9]+)?)"
 #: Runs of a tool per request when its log lacks the timings (see NativeRunner.run).
-_ATTEMPTS = 3
+_ATTEMPTS = 10
 _PATTERNS: Dict[str, "re.Pattern[str]"] = {
     "encoded": re.compile(rf"encoded\s+(\d+) tokens in\s+{_NUMBER} seconds"),
     "decoded": re.compile(rf"decoded\s+(\d+) tokens in\s+{_NUMBER} seconds"),
@@ -94,14 +95,19 @@ class NativeRunner:
         self._exe = Path(expand_path(bin_dir)) / NATIVE_TOOLS[spec.mode]
         self._timeout_s = timeout_s
         self._base: List[str] = [str(self._exe), "-m", target.resolved_path, "-c", str(target.n_ctx),
-                                 "-t", str(thread_count(params)),
-                                 "--spec-draft-n-max", str(spec.draft_max or 0)]
+                                 "-t", str(thread_count(params))]
+        # draft_max None: an n-gram --spec-type, whose own settings (native_args) bound the draft
+        self._drafts = spec.draft_max != 0
+        if spec.draft_max is not None:
+            self._base += ["--spec-draft-n-max", str(spec.draft_max)]
         if spec.mode == "lookup":
             safe = spec.name.replace("/", "_")
             self._base += ["-lcd", str(workdir / f"{safe}-repeat{repeat}.lcd")]
             static = expand_path(str(params.get("lookup.static_path", "") or ""))
             if static and spec.draft_max:
                 self._base += ["-lcs", static]
+        elif spec.mode == "speculative-ngram":  # drafts from the context alone: no draft model
+            self._base += list(spec.native_args)
         else:
             draft = model_config(params, "draft")
             if draft is None:
@@ -137,13 +143,13 @@ class NativeRunner:
         # decode as "eval", so the verify passes' decode time is both, less the prompt's (the
         # "encoded ... in" line). The prompt's pass gives the first token, each later pass its
         # accepted tokens + 1: passes = tokens - 1 - accepted.
-        accepted_tokens = accepted if self.spec.draft_max and not math.isnan(accepted) else 0.0
+        accepted_tokens = accepted if self._drafts and not math.isnan(accepted) else 0.0
         stats: Dict[str, Any] = {
             "num_steps": max(1.0, n_tokens - 1 - accepted_tokens),
             "verify_ms": parsed["eval_ms"] + (parsed["prompt_eval_ms"] - parsed["prompt_s"] * 1e3
                                               if not math.isnan(parsed["prompt_eval_ms"]) else 0.0),
             "decode_ms": parsed["decode_s"] * 1e3}
-        if self.spec.draft_max:
+        if self._drafts:
             stats.update({"num_draft_tokens": drafted, "num_accepted_tokens": accepted,
                           "acceptance_rate": accepted / drafted if drafted else math.nan,
                           "tokens_per_pass": (n_tokens - 1) / stats["num_steps"]})

@@ -88,7 +88,81 @@ def summarize(records: Sequence[Record], runners: Sequence[Mapping[str, Any]],
                         for ours, native in native_pairs(runners)}
     out["vs_best_fixed_k"] = {name: _spreads(ratio_by_suite(ratios, suites))
                               for name, ratios in versus_best_fixed_k(rates, runners).items()}
+    oracle = versus_native_oracle(rates, runners)
+    if oracle:
+        out["vs_native_oracle"] = oracle
     return out
+
+
+def native_drafting_runners(runners: Sequence[Mapping[str, Any]]) -> List[str]:
+    """llama.cpp's runners that draft (every native runner but ``native-plain``)."""
+    return [str(r["name"]) for r in runners if r["kind"] == "native" and r.get("draft_max") != 0]
+
+
+def best_by_prompt(rates: Mapping[str, Mapping[RunKey, float]],
+                   candidates: Sequence[str]) -> Dict[Tuple[str, str], str]:
+    """Per (suite, prompt): the candidate runner with the highest median tokens/s over the repeats
+    (not each repeat's maximum, which would pick noise), among those that have a rate there."""
+    prompts = {(s, p) for c in candidates for (s, p, _) in rates.get(c, {})}
+    best: Dict[Tuple[str, str], str] = {}
+    for prompt in prompts:
+        medians = {c: statistics.median(v for (s, p, _), v in rates.get(c, {}).items() if (s, p) == prompt)
+                   for c in candidates if any((s, p) == prompt for (s, p, _) in rates.get(c, {}))}
+        if medians:
+            best[prompt] = max(medians, key=lambda c: (medians[c], c))
+    return best
+
+
+def versus_native_oracle(rates: Mapping[str, Mapping[RunKey, float]],
+                         runners: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
+    """Each of our lookup runners (``lookup``/``auto``, any K, and ``off``) against the best of
+    llama.cpp's drafting runners *per prompt* (the native oracle of ``--native-sweep``; needs >= 2).
+
+    The oracle of a prompt is the native runner with the highest median tokens/s over the repeats;
+    our ratio on a (prompt, repeat) is ours / that runner's on the same repeat, and a prompt's figure
+    is the median over its repeats. Returns {"winners": {"suite/prompt": runner}, "runners": {ours:
+    {"per_prompt": {"suite/prompt": ratio}, "median", "geomean", "min", "worst", "n"}}}.
+
+    >>> runners = [{"name": "lookup", "kind": "engine", "mode": "lookup", "draft_max": None},
+    ...            {"name": "native-plain", "kind": "native", "mode": "lookup", "draft_max": 0},
+    ...            {"name": "native-lookup/K3", "kind": "native", "mode": "lookup", "draft_max": 3},
+    ...            {"name": "native-ngram-simple", "kind": "native", "mode": "speculative-ngram",
+    ...             "draft_max": None}]
+    >>> rates = {"lookup": {("s", "a", 0): 50.0, ("s", "b", 0): 30.0},
+    ...          "native-plain": {("s", "a", 0): 90.0, ("s", "b", 0): 90.0},
+    ...          "native-lookup/K3": {("s", "a", 0): 40.0, ("s", "b", 0): 40.0},
+    ...          "native-ngram-simple": {("s", "a", 0): 25.0, ("s", "b", 0): 60.0}}
+    >>> result = versus_native_oracle(rates, runners)
+    >>> result["winners"]
+    {'s/a': 'native-lookup/K3', 's/b': 'native-ngram-simple'}
+    >>> mine = result["runners"]["lookup"]
+    >>> mine["per_prompt"], mine["median"], round(mine["geomean"], 3), mine["worst"]
+    ({'s/a': 1.25, 's/b': 0.5}, 0.875, 0.791, 's/b')
+    """
+    natives = native_drafting_runners(runners)
+    if len(natives) < 2:
+        return {}
+    best = best_by_prompt(rates, natives)
+    ours = [str(r["name"]) for r in runners if r["kind"] == "engine"
+            and r["mode"] in ("lookup", "auto", REFERENCE_RUNNER) and not str(r["name"]).endswith(NO_REUSE_SUFFIX)]
+    result: Dict[str, Any] = {"winners": {f"{s}/{p}": best[(s, p)] for s, p in sorted(best)}, "runners": {}}
+    for name in ours:
+        per_prompt: Dict[str, float] = {}
+        for (suite, prompt), oracle in sorted(best.items()):
+            ratios = same_run_ratios({"a": {k: v for k, v in rates.get(name, {}).items() if k[:2] == (suite, prompt)},
+                                      "b": rates.get(oracle, {})}, "a", "b")
+            if ratios:
+                per_prompt[f"{suite}/{prompt}"] = statistics.median(ratios.values())
+        if not per_prompt:
+            continue
+        values = list(per_prompt.values())
+        worst = min(per_prompt, key=lambda k: per_prompt[k])
+        result["runners"][name] = {
+            "per_prompt": per_prompt, "n": len(values), "median": statistics.median(values),
+            "geomean": math.exp(sum(math.log(v) for v in values) / len(values)),
+            "min": per_prompt[worst], "worst": worst,
+            "below_0_85": sum(1 for v in values if v < 0.85)}
+    return result
 
 
 #: Per-run step profile fields (ms per target pass after the first token; see cli.step_profile).
@@ -226,6 +300,7 @@ def markdown(results: Mapping[str, Any]) -> str:
         lines += [_row(["runner", "TTFF ms (action)", "TTFT ms (engine)"]), _row(["---"] * 3)]
         lines += [_row([f"`{n}`", _num(a, 0), _num(b, 0)]) for n, (a, b) in ttff.items()]
     lines += _versus_lines(summary, suites)
+    lines += _oracle_lines(results)
     lines += _step_profile_lines(runners)
     lines += _prompt_reuse_lines(results)
     if results.get("notes"):
@@ -249,6 +324,39 @@ def _versus_lines(summary: Mapping[str, Any], suites: Sequence[str]) -> List[str
         lines += ["", f"## {title}", "", text, "", _row(header), _row(["---"] * len(header))]
         lines += [_row([f"`{name}`"] + [_fmt(by.get(s)) for s in list(suites) + ["all"]])
                   for name, by in table.items()]
+    return lines
+
+
+def _oracle_lines(results: Mapping[str, Any]) -> List[str]:
+    """The "ours vs the best native setting per prompt" tables (``--native-sweep``)."""
+    oracle = results["summary"].get("vs_native_oracle") or {}
+    if not oracle.get("runners"):
+        return []
+    rates = rates_by_runner(results["runs"])
+    names = list(oracle["runners"])
+    lines = ["", "## Ours vs the best native setting per prompt", "",
+             "The oracle of a prompt: the fastest of llama.cpp's drafting runners on it (median tokens/s "
+             "over the repeats); ratio = our tokens/s / the oracle's, same prompt and repeat (median over "
+             "repeats). Summary over prompts: median, geometric mean, worst prompt, prompts below 0.85x.", ""]
+    header = ["runner", "prompts", "median", "geomean", "worst", "below 0.85x"]
+    lines += [_row(header), _row(["---"] * len(header))]
+    for name in names:
+        e = oracle["runners"][name]
+        lines.append(_row([f"`{name}`", str(e["n"]), f"{e['median']:.2f}x", f"{e['geomean']:.2f}x",
+                           f"{e['min']:.2f}x ({e['worst']})", str(e["below_0_85"])]))
+    header = ["prompt", "winner", "winner tok/s"] + [f"`{n}`" for n in names]
+    lines += ["", _row(header), _row(["---"] * len(header))]
+    for prompt, winner in oracle["winners"].items():
+        suite, prompt_id = prompt.split("/", 1)
+        values = [v for (s, p, _), v in rates.get(winner, {}).items() if (s, p) == (suite, prompt_id)]
+        cells = [_num(oracle["runners"][n]["per_prompt"].get(prompt), 2, "x") for n in names]
+        lines.append(_row([prompt, f"`{winner}`", _num(statistics.median(values) if values else None, 1)]
+                          + cells))
+    counts: Dict[str, int] = defaultdict(int)
+    for winner in oracle["winners"].values():
+        counts[winner] += 1
+    lines += ["", "Wins per native setting: " + ", ".join(
+        f"`{w}` {n}" for w, n in sorted(counts.items(), key=lambda item: -item[1])) + "."]
     return lines
 
 

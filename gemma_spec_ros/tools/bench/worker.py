@@ -78,7 +78,7 @@ class EngineRunner:
 
         self._mode = spec.mode
         self._reuse_prompt = spec.reuse_prompt
-        self._engine = Engine(engine_config(params, spec.mode, spec.draft_max))
+        self._engine = Engine(engine_config(params, spec.mode, spec.draft_max, spec.adaptive_max))
         self.info = {"model_info": self._engine.model_info(), "spec": repr(self._engine.spec)}
 
     def run(self, request: Request) -> RunResult:

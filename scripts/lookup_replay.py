@@ -1,0 +1,92 @@
+"""Replay lookup drafting strategies on greedy reference outputs: no timing, so a busy host cannot
+skew it (issue 25, docs/benchmarks.md "every n-gram method of llama.cpp").
+
+Greedy decoding makes the accepted tokens a function of the drafts: each step the real LookupDrafter
+proposes (its length chosen by the real DraftLengthPolicy, or fixed), the draft is accepted up to its
+first mismatch with `off`'s output, and the pass is charged PASS_MS[rows]. Prints the modelled
+speedup over plain decoding per prompt and strategy.
+
+    .venv/bin/python scripts/lookup_replay.py --random-prompts 10 --seed 20261202
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+from typing import Dict, List, Sequence, Tuple
+
+from gemma_spec_ros.engine.engine import Engine
+from gemma_spec_ros.engine.lookup import LookupDrafter
+from gemma_spec_ros.engine.policy import CostModel, DraftLengthPolicy
+from gemma_spec_ros.engine.types import GenerationRequest, LookupConfig, SamplingParams
+from gemma_spec_ros.tools.bench.config import default_params, engine_config, find_data_dir, load_suites
+from gemma_spec_ros.tools.bench.corpus import default_corpus, random_suite
+
+#: ms per target pass by rows: llama.cpp's own step profile of the embedded model on the 2-core CPU.
+PASS_MS: Dict[int, float] = {1: 20.0, 2: 25.0, 3: 27.6, 4: 27.6, 5: 33.0, 6: 35.0, 7: 38.0, 8: 41.0, 9: 43.6,
+                             **{n: 43.6 + 4.9 * (n - 9) for n in range(10, 18)}}
+#: name -> (cap on K, adaptive)
+STRATEGIES: Dict[str, Tuple[int, bool]] = {"A4": (4, True), "A8": (8, True), "A16": (16, True),
+                                           "K3": (3, False), "K4": (4, False), "K5": (5, False),
+                                           "K8": (8, False)}
+
+
+def replay(prompt: Sequence[int], out: Sequence[int], cap: int, adaptive: bool) -> float:
+    """Modelled speedup of one strategy on one reference output (the first token is the prompt's)."""
+    costs = CostModel()
+    for rows, ms in sorted(PASS_MS.items()):
+        costs.observe_verify(rows, ms / 1e3)
+    policy, drafter = DraftLengthPolicy("lookup", costs), LookupDrafter(LookupConfig())
+    drafter.begin(prompt)
+    context, i, seconds = list(prompt) + list(out[:1]), 1, 0.0
+    while i < len(out):
+        k_cap = min(cap, len(out) - i - 1)
+        k = policy.decide(k_cap, adaptive).draft_len if k_cap > 0 else 0
+        draft = drafter.propose(context, k).tokens if k else ()
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == out[i + accepted]:
+            accepted += 1
+        if draft:
+            policy.observe(len(draft), accepted)
+        seconds += PASS_MS[1 + len(draft)] / 1e3
+        n = min(accepted + 1, len(out) - i)
+        context.extend(out[i:i + n])
+        i += n
+    return (len(out) - 1) * PASS_MS[1] / 1e3 / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts-per-suite", type=int, default=2)
+    parser.add_argument("--random-prompts", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=20261202)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    args = parser.parse_args()
+    prompts_dir = find_data_dir("prompts")
+    prompts = [(f"{s.name}/{p.id}", p.text) for s in load_suites(prompts_dir) for p in s.prompts[:args.prompts_per_suite]]
+    if args.random_prompts:
+        suite = random_suite(args.random_prompts, default_corpus(), args.seed, exclude=[prompts_dir])
+        prompts += [(f"random/{p.id}", p.text) for p in suite.prompts]
+    rows: List[Tuple[str, Dict[str, float]]] = []
+    with Engine(engine_config(default_params(), "off", None), calibrate=False) as engine:
+        for name, text in prompts:
+            request = GenerationRequest(prompt=text, max_tokens=args.max_tokens, spec_mode="off",
+                                        sampling=SamplingParams(temperature=0.0))
+            out = [t for step in engine.generate(request) for t in step.tokens]
+            if len(out) >= 8:
+                prompt = engine.prompt_tokens(request)
+                rows.append((name, {s: replay(prompt, out, *STRATEGIES[s]) for s in STRATEGIES}))
+    print("prompt".ljust(48) + "".join(s.rjust(7) for s in STRATEGIES))
+    for name, figures in rows:
+        print(name[:48].ljust(48) + "".join(f"{figures[s]:7.2f}" for s in STRATEGIES))
+    fixed = [s for s, (_, adaptive) in STRATEGIES.items() if not adaptive]
+    for s in STRATEGIES:
+        values = [f[s] for _, f in rows]
+        best = [f[s] / max(f[k] for k in fixed) for _, f in rows]
+        print(f"{s}: median {statistics.median(values):.3f}, geomean "
+              f"{math.exp(statistics.fmean(map(math.log, values))):.3f}, vs best fixed K median "
+              f"{statistics.median(best):.3f} min {min(best):.3f}")
+
+
+if __name__ == "__main__":
+    main()
