@@ -135,11 +135,11 @@ class GemmaSpecNode(LifecycleNode):
 
     # -- parameters --------------------------------------------------------------------------------
     def _value(self, name: str) -> Any:
-        return as_declared(name, self.get_parameter(name).value)
+        return self._values()[name]
 
     def _values(self) -> Dict[str, Any]:
         """Every table parameter's current value, by name."""
-        return {spec.name: self._value(spec.name) for spec in PARAMETERS}
+        return as_declared({spec.name: self.get_parameter(spec.name).value for spec in PARAMETERS})
 
     def _on_set_parameters(self, params: List[Parameter]) -> SetParametersResult:
         """Validate a set of parameter changes (refused, logged and on /diagnostics if the check
@@ -157,7 +157,7 @@ class GemmaSpecNode(LifecycleNode):
         Humble there is no post-set callback), so the engine is updated here, after every check;
         ``engine.update_spec`` itself refuses a spec the engine cannot use (e.g. no draft model).
         """
-        changes = {p.name: as_declared(p.name, p.value) for p in params if p.name in PARAMETERS_BY_NAME}
+        changes = as_declared({p.name: p.value for p in params if p.name in PARAMETERS_BY_NAME})
         reason = self._check_changes(changes)
         if not reason and self._engine is not None and any(n.startswith("spec.") for n in changes):
             try:
