@@ -228,7 +228,7 @@ def test_finished_goals_are_not_retained_for_15_minutes(serve: Any) -> None:
     assert client.transition("configure") and client.transition("activate")
     run = client.send(prompt="ab ab", max_tokens=2, temperature=0.0)
     assert run.accepted and run.wait_result().finish_reason in ("stop", "length")
-    server = served.node._action_server
+    server = served.node._goals._action_server
     wait_until(lambda: not server._goal_handles, 30, "the finished goal's handle to expire")
 
 
