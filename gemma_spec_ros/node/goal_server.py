@@ -39,6 +39,7 @@ import time
 from dataclasses import replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from builtin_interfaces.msg import Time
 from gemma_spec_msgs.action import Generate
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
 from rclpy.action.server import ServerGoalHandle
@@ -338,7 +339,7 @@ class GoalServer:
         self._node.get_logger().error(f"request failed: {error}")
         return messages.result("".join(parts), "error", error, step, self._stamp())
 
-    def _stamp(self) -> Any:
+    def _stamp(self) -> Time:
         return self._node.get_clock().now().to_msg()
 
     @staticmethod
