@@ -352,7 +352,7 @@ def test_engine_error_aborts_the_goal_and_the_node_keeps_serving(client: Client,
     demand) aborts that goal with the error text and turns diagnostics ERROR; the next goal works."""
     engine = node._engine
 
-    def failing_generate(request, cancel=None):  # noqa: ANN001  the engine's signature
+    def failing_generate(request, cancel=None, prompt=None):  # noqa: ANN001  the engine's signature
         raise KVCacheError("llama_memory_seq_rm refused to remove cells (test)")
         yield  # pragma: no cover  (a generator, like the real one)
 

@@ -45,9 +45,9 @@ def client(node: GemmaSpecNode) -> Iterator[Client]:
 @pytest.fixture
 def idle(node: GemmaSpecNode, client: Client) -> Iterator[Client]:
     """The node's queue is empty before and after the test."""
-    wait_until(lambda: not node._jobs.busy(), 120, "an idle queue")
+    wait_until(lambda: not node._goals.busy(), 120, "an idle queue")
     yield client
-    wait_until(lambda: not node._jobs.busy(), 120, "an idle queue after the test")
+    wait_until(lambda: not node._goals.busy(), 120, "an idle queue after the test")
 
 
 def running(run: GoalRun) -> GoalRun:

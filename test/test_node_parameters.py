@@ -21,8 +21,8 @@ from gemma_spec_msgs.action import Generate
 
 from gemma_spec_ros.engine.stats import SpecStats
 from gemma_spec_ros.engine.types import SpecConfig
-from gemma_spec_ros.node import diagnostics, goals
-from gemma_spec_ros.node.goals import GoalRejected, request_from_goal
+from gemma_spec_ros.node import diagnostics, goals, messages
+from gemma_spec_ros.node.messages import GoalRejected, request_from_goal
 from gemma_spec_ros.node.parameters import (PARAMETERS, check_values, defaults, engine_config_from,
                                             render_markdown)
 from gemma_spec_ros.tools import serve
@@ -144,7 +144,7 @@ def stats(**fields: Any) -> SpecStats:
 
 def test_spec_stats_message_is_the_dataclass_formatted() -> None:
     s = stats()
-    msg = diagnostics.spec_stats_msg(s, Time(sec=5))
+    msg = messages.spec_stats_msg(s, Time(sec=5))
     assert msg.header.stamp.sec == 5 and msg.spec_mode == "lookup" and msg.draft_max == 3
     assert (msg.num_drafts, msg.num_draft_tokens, msg.num_accepted_tokens) == (2, 6, 2)
     assert msg.mean_acceptance_length == s.mean_acceptance_length == 2.0
@@ -152,7 +152,7 @@ def test_spec_stats_message_is_the_dataclass_formatted() -> None:
     assert list(msg.acceptance_per_position) == s.acceptance_per_position
     assert msg.time_to_first_token_ms == pytest.approx(50.0)
     assert msg.measured_speedup == pytest.approx(s.measured_speedup)
-    assert math.isnan(diagnostics.spec_stats_msg(SpecStats(), Time()).mean_acceptance_length)
+    assert math.isnan(messages.spec_stats_msg(SpecStats(), Time()).mean_acceptance_length)
 
 
 def view(**fields: Any) -> diagnostics.NodeView:
@@ -246,7 +246,7 @@ def test_a_goal_queued_after_a_transition_stopped_goals_is_dropped_until_resumed
     assert not served.drop_reason and queue.next_to_start() is served and queue.is_running(served)
 
 
-@pytest.mark.parametrize("module", [goals, diagnostics, serve])  # parameters.py has no examples
+@pytest.mark.parametrize("module", [messages, diagnostics, serve])  # parameters.py has no examples
 def test_docstring_examples(module: Any) -> None:
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0

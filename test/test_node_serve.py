@@ -23,7 +23,7 @@ from gemma_spec_msgs.action import Generate
 
 from gemma_spec_ros.engine.engine import Engine
 from gemma_spec_ros.engine import learned_cache
-from gemma_spec_ros.node.goals import request_from_goal
+from gemma_spec_ros.node.messages import request_from_goal
 from gemma_spec_ros.node.parameters import defaults, engine_config_from
 from gemma_spec_ros.tools import generate
 from gemma_spec_ros.tools.generate import EXIT_OK, EXIT_REJECTED, EXIT_UNAVAILABLE

@@ -130,7 +130,7 @@ def test_an_exception_in_a_callback_is_logged_and_shown(serve: Any) -> None:
     served = serve()
     client = served.client
     assert client.transition("configure") and client.transition("activate")
-    jobs = served.node._jobs
+    jobs = served.node._goals._jobs
     real_push = jobs.push
 
     def failing_push(job: Any) -> None:
@@ -228,7 +228,7 @@ def test_finished_goals_are_not_retained_for_15_minutes(serve: Any) -> None:
     assert client.transition("configure") and client.transition("activate")
     run = client.send(prompt="ab ab", max_tokens=2, temperature=0.0)
     assert run.accepted and run.wait_result().finish_reason in ("stop", "length")
-    server = served.node._action_server
+    server = served.node._goals._action_server
     wait_until(lambda: not server._goal_handles, 30, "the finished goal's handle to expire")
 
 
@@ -339,13 +339,13 @@ def test_queue_positions_published_from_two_threads_never_end_stale(serve: Any) 
     for job in (running, slow, last):
         jobs.push(job)
     assert jobs.next_to_start() is running  # running; slow is 1st in line, last 2nd
-    first = threading.Thread(target=node._publish_queue_positions, args=(jobs,))
+    first = threading.Thread(target=node._goals._publish_queue_positions, args=(jobs,))
     first.start()  # publishes slow:1 (0.3 s), then last:2
     time.sleep(0.1)
     slow.goal_handle.is_cancel_requested = True
     slow.cancel.set()
     assert jobs.next_to_start() is slow  # slow left the queue: last is now 1st
-    node._publish_queue_positions(jobs)
+    node._goals._publish_queue_positions(jobs)
     first.join()
     assert [p for name, p in published if name == "last"][-1] == 1, published
 

@@ -12,16 +12,16 @@ import threading
 from typing import Any, Dict, Iterator, List, Optional, Protocol, runtime_checkable
 
 from .stats import SpecStats
-from .types import GenerationRequest, SpecConfig, Step
+from .types import CountedPrompt, GenerationRequest, SpecConfig, Step
 
 
 @runtime_checkable
 class GenerationEngine(Protocol):
     """What the node asks of an engine; see :mod:`gemma_spec_ros.engine.engine` for the semantics.
 
-    Thread use: ``count_prompt_tokens`` and ``check_request`` run in the node's goal callback (they
-    must answer quickly: cancels wait behind them); ``generate`` runs one request at a time (the
-    node serialises); ``status`` and ``rolling_stats`` run on the diagnostics timer.
+    Thread use: ``count_prompt`` and ``check_request`` run in the node's goal callback (they must
+    answer quickly: cancels wait behind them); ``generate`` runs one request at a time (the node
+    serialises); ``status`` and ``rolling_stats`` run on the diagnostics timer.
     """
 
     @property
@@ -45,13 +45,20 @@ class GenerationEngine(Protocol):
     def count_prompt_tokens(self, request: GenerationRequest) -> int:
         """The request's prompt tokens (an engine without a tokenizer at hand may estimate low)."""
 
+    def count_prompt(self, request: GenerationRequest) -> CountedPrompt:
+        """The request's prompt counted (as ``count_prompt_tokens``), with the tokens where this
+        engine tokenizes locally, for ``check_request`` and then ``generate``."""
+
     def check_request(self, request: GenerationRequest, n_prompt_tokens: Optional[int] = None) -> None:
         """PromptTooLongError if the prompt and max_tokens exceed the context; ValueError if the
         request's spec_mode cannot be used here. ``n_prompt_tokens`` saves counting again."""
 
-    def generate(self, request: GenerationRequest,
-                 cancel: Optional[threading.Event] = None) -> Iterator[Step]:
-        """Steps of one request; the last has ``finish_reason`` set. Raises EngineError."""
+    def generate(self, request: GenerationRequest, cancel: Optional[threading.Event] = None,
+                 prompt: Optional[CountedPrompt] = None) -> Iterator[Step]:
+        """Steps of one request; the last has ``finish_reason`` set. Raises EngineError.
+
+        ``prompt``: this engine's ``count_prompt`` of the request, whose count ``check_request``
+        has passed; an engine that tokenizes here then neither tokenizes nor checks it again."""
 
     def take_faults(self) -> List[str]:
         """Problems outside any request since the last call (e.g. a failed cache save)."""

@@ -8,11 +8,13 @@ Public API (the node and the bench use only this):
     engine.check_spec(spec) -> str           # '' if usable, else the reason (e.g. no draft model)
     engine.update_spec(spec)                 # thread-safe; raises ValueError(reason); next step uses it
     engine.count_prompt_tokens(request)      # tokens of the (templated) prompt; thread-safe, ~ms
+    engine.count_prompt(request)             # the same as a CountedPrompt, with the tokens
     engine.check_request(request[, n_prompt_tokens])  # raises PromptTooLongError if prompt +
                                              # max_tokens > n_ctx, ValueError if its spec_mode cannot
                                              # be used here (pass the count if you have it)
     engine.n_ctx                             # target context length (tokens)
-    for step in engine.generate(request, cancel=threading.Event()):
+    for step in engine.generate(request, cancel=threading.Event()[, prompt=counted]):
+        # prompt: count_prompt's result, checked by check_request: not tokenized nor checked again
         step.text, step.tokens, step.stats   # new text (whole UTF-8 chars), new tokens, stats so far
         step.spec_mode, step.draft_max       # what was in effect at this step
         step.finish_reason                   # None until the last step: stop | length | timeout |
@@ -46,8 +48,8 @@ from .policy import PLAIN_STEP, CostModel, Decision, DraftLengthPolicy
 from .sampling import Sampler, make_rng
 from .stats import SpecStats, timed
 from .text import TextAssembler
-from .types import (DRAFT_MODES, EMPTY_DRAFT, Draft, Drafter, EngineConfig, EngineError,
-                    GenerationRequest, PromptTooLongError, SpecConfig, Step)
+from .types import (DRAFT_MODES, EMPTY_DRAFT, CountedPrompt, Draft, Drafter, EngineConfig,
+                    EngineError, GenerationRequest, PromptTooLongError, SpecConfig, Step)
 from .verify import Verdict, verify_exact, verify_rejection
 
 
@@ -252,6 +254,10 @@ class Engine:
     def count_prompt_tokens(self, request: GenerationRequest) -> int:
         return len(self.prompt_tokens(request))
 
+    def count_prompt(self, request: GenerationRequest) -> CountedPrompt:
+        tokens = self.prompt_tokens(request)
+        return CountedPrompt(len(tokens), tuple(tokens))
+
     def check_request(self, request: GenerationRequest, n_prompt_tokens: Optional[int] = None) -> None:
         """Raise PromptTooLongError or ValueError (see the module docstring); ``n_prompt_tokens``
         saves tokenizing the prompt again."""
@@ -292,14 +298,14 @@ class Engine:
                 "draft": draft.model_info() if draft is not None else None}
 
     # -- the loop -------------------------------------------------------------------------------
-    def generate(self, request: GenerationRequest,
-                 cancel: Optional[threading.Event] = None) -> Iterator[Step]:
+    def generate(self, request: GenerationRequest, cancel: Optional[threading.Event] = None,
+                 prompt: Optional[CountedPrompt] = None) -> Iterator[Step]:
         """Yield one Step per target pass; see the module docstring."""
         with self._lock:
             if self._closing.is_set():
                 raise EngineError("the engine is closed")
             try:
-                yield from self._generate(request, cancel)
+                yield from self._generate(request, cancel, prompt)
             finally:
                 if self._closing.is_set():  # close() gave up waiting: free the models here
                     try:
@@ -316,9 +322,13 @@ class Engine:
         budget = run.request.time_budget
         return bool(budget) and time.perf_counter() - run.started >= budget
 
-    def _generate(self, request: GenerationRequest, cancel: Optional[threading.Event]) -> Iterator[Step]:
-        prompt = self.prompt_tokens(request)
-        self.check_request(request, len(prompt))
+    def _generate(self, request: GenerationRequest, cancel: Optional[threading.Event],
+                  counted: Optional[CountedPrompt]) -> Iterator[Step]:
+        if counted is not None and counted.tokens is not None:  # the caller checked the request
+            prompt = list(counted.tokens)
+        else:
+            prompt = self.prompt_tokens(request)
+            self.check_request(request, len(prompt))
         run = self._new_run(request, prompt)
         try:
             try:

@@ -21,7 +21,7 @@ from .api import GenerationEngine
 from .remote.engine import RemoteEngine
 from .remote.http import ServerUnreachableError
 from .stats import SpecStats
-from .types import GenerationRequest, SpecConfig, Step
+from .types import CountedPrompt, GenerationRequest, SpecConfig, Step
 
 
 class FallbackEngine:
@@ -56,17 +56,22 @@ class FallbackEngine:
     def count_prompt_tokens(self, request: GenerationRequest) -> int:
         return self.primary.count_prompt_tokens(request)
 
+    def count_prompt(self, request: GenerationRequest) -> CountedPrompt:
+        return self.primary.count_prompt(request)
+
     def check_request(self, request: GenerationRequest, n_prompt_tokens: Optional[int] = None) -> None:
         self.primary.check_request(request, n_prompt_tokens)
 
     # -- routing -------------------------------------------------------------------------------------
-    def generate(self, request: GenerationRequest,
-                 cancel: Optional[threading.Event] = None) -> Iterator[Step]:
+    def generate(self, request: GenerationRequest, cancel: Optional[threading.Event] = None,
+                 prompt: Optional[CountedPrompt] = None) -> Iterator[Step]:
+        """The primary's steps, or the local engine's (which counts the prompt itself: ``prompt``
+        is the primary's)."""
         down = self.primary.known_down()
         if down:
             yield from self._locally(request, cancel, down)
             return
-        steps = self.primary.generate(request, cancel)
+        steps = self.primary.generate(request, cancel, prompt)
         try:
             try:
                 first = next(steps)

@@ -271,6 +271,19 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True)
+class CountedPrompt:
+    """A request's prompt as one engine counted it (``count_prompt``).
+
+    ``tokens`` are the token ids from an engine that tokenizes here (None from one that sends text,
+    whose ``n_tokens`` may be an estimate). Handed back to that engine's ``generate`` after its
+    ``check_request`` passed, they spare tokenizing and checking the request a second time.
+    """
+
+    n_tokens: int
+    tokens: Optional[Tuple[int, ...]] = None
+
+
+@dataclass(frozen=True)
 class Draft:
     """Tokens a drafter proposes to follow the context. ``()`` = nothing to propose.
 

@@ -1,4 +1,5 @@
-"""Formatting of the engine's statistics for ROS: SpecStats messages and /diagnostics statuses.
+"""Formatting of the engine's statistics for ROS: the /diagnostics statuses (the SpecStats
+message is :func:`gemma_spec_ros.node.messages.spec_stats_msg`).
 
 The node formats the engine's stats; it never recomputes them. The only arithmetic here is over
 things the node itself measures (request latency percentiles, counters) and
@@ -27,7 +28,6 @@ from typing import Any, Deque, Dict, Iterable, List, Mapping, Optional, Sequence
 
 from builtin_interfaces.msg import Time
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
-from gemma_spec_msgs.msg import SpecStats as SpecStatsMsg
 
 from ..engine.stats import SpecStats
 
@@ -39,26 +39,6 @@ WINDOW = 50
 
 OK, WARN, ERROR, STALE = (DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.ERROR,
                           DiagnosticStatus.STALE)
-
-
-def spec_stats_msg(stats: SpecStats, stamp: Time) -> SpecStatsMsg:
-    """The one conversion SpecStats dataclass -> gemma_spec_msgs/SpecStats (from ``as_dict``)."""
-    values = stats.as_dict()
-    msg = SpecStatsMsg()
-    msg.header.stamp = stamp
-    for name, ros_type in msg.get_fields_and_field_types().items():
-        if name == "header":
-            continue
-        value = values[name]
-        if ros_type == "string":
-            setattr(msg, name, str(value))
-        elif ros_type.startswith("sequence<"):
-            setattr(msg, name, [float(v) for v in value])
-        elif ros_type.startswith(("uint", "int")):
-            setattr(msg, name, int(value))
-        else:
-            setattr(msg, name, float(value))
-    return msg
 
 
 def percentile(values: Sequence[float], q: float) -> float:

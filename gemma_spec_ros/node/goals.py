@@ -1,7 +1,8 @@
-"""Goals of the Generate action: validation into engine requests, and the FIFO they wait in.
+"""Goals of the Generate action once they are requests: the engine's checks, and the queue.
 
 Nothing here blocks or touches the model except :func:`check_fits`, which asks the engine to count
-prompt tokens (thread-safe, about a millisecond).
+prompt tokens (thread-safe, about a millisecond). No rclpy: a goal handle is only held and asked
+``goal_id`` and ``is_cancel_requested``.
 """
 from __future__ import annotations
 
@@ -9,134 +10,49 @@ import collections
 import math
 import threading
 import time
-from dataclasses import dataclass, field, replace
-from typing import Any, Deque, Dict, List, Mapping, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Deque, Dict, List, Optional, Tuple
 
 from ..engine.api import GenerationEngine
-from ..engine.types import (SPEC_MODES, EngineError, GenerationRequest, SamplingParams)
+from ..engine.types import CountedPrompt, EngineError, GenerationRequest, Step
+from .messages import GoalRejected
+
+if TYPE_CHECKING:
+    from rclpy.action.server import ServerGoalHandle
 
 
-class GoalRejected(ValueError):
-    """A goal cannot be served; the message says why (it is logged and kept for diagnostics)."""
+def check_fits(engine: GenerationEngine, request: GenerationRequest,
+               max_prompt_tokens: int) -> CountedPrompt:
+    """The request's prompt as the engine counted it, or GoalRejected if the prompt is too long or
+    the engine cannot serve the request (its spec_mode, its grammar).
 
-
-def request_from_goal(goal: Any, values: Mapping[str, Any]) -> GenerationRequest:
-    """A Generate goal + the node's parameter values -> GenerationRequest, or GoalRejected.
-
-    Goal conventions (see Generate.action): ``max_tokens`` 0 = ``generation.max_tokens``; ``top_p`` 0
-    = ``generation.top_p``; ``temperature`` -1 = ``generation.temperature``; ``top_k`` -1 =
-    ``generation.top_k``; ``seed`` -1 = ``generation.seed`` (itself -1 = random by default); empty
-    ``spec_mode`` = the node's ``spec.mode``; ``time_budget`` 0 = ``generation.time_budget``;
-    ``grammar`` and ``json_schema`` both empty = the node's ``generation.grammar`` /
-    ``generation.json_schema`` (a goal that sets one replaces both defaults). A zero-initialised goal
-    is greedy whatever the node's defaults: 0 is a real temperature, so "use the default" needs its
-    own value.
-
-    >>> from types import SimpleNamespace as G
-    >>> v = {"generation.max_tokens": 64, "generation.top_p": 0.9, "generation.seed": -1,
-    ...      "limits.max_tokens": 256, "generation.time_budget": 0.0, "generation.prompt_cache": True,
-    ...      "generation.grammar": "", "generation.json_schema": ""}
-    >>> goal = G(prompt="Hi", system_prompt="", use_chat_template=False, max_tokens=0,
-    ...          temperature=0.0, top_p=0.0, top_k=0, seed=7, stop=[], spec_mode="", time_budget=0.0,
-    ...          grammar="", json_schema="")
-    >>> r = request_from_goal(goal, v); (r.max_tokens, r.sampling.top_p, r.spec_mode)
-    (64, 0.9, None)
+    The prompt is tokenized here, once: :meth:`~GenerationEngine.generate` takes the result back.
+    ``check_request`` is the one check of the request's spec_mode (the goal field's spelling was
+    checked by :func:`~gemma_spec_ros.node.messages.request_from_goal`).
     """
-    if not goal.prompt:
-        raise GoalRejected("prompt is empty")
-    if not math.isfinite(goal.temperature) or (goal.temperature < 0 and goal.temperature != -1):
-        raise GoalRejected(f"temperature={goal.temperature}: must be finite and >= 0, "
-                           "or -1 for the node's generation.temperature")
-    if not math.isfinite(goal.top_p) or not 0.0 <= goal.top_p <= 1.0:
-        raise GoalRejected(f"top_p={goal.top_p}: must be in (0, 1], or 0 for the node's default")
-    if goal.top_k < -1:
-        raise GoalRejected(f"top_k={goal.top_k}: must be >= 0 (0 = no limit), "
-                           "or -1 for the node's generation.top_k")
-    if goal.spec_mode and goal.spec_mode not in SPEC_MODES:
-        raise GoalRejected(f"spec_mode {goal.spec_mode[:32]!r}: expected one of {', '.join(SPEC_MODES)} "
-                           "or empty for the node's spec.mode")
-    if goal.seed < -1:
-        raise GoalRejected(f"seed={goal.seed}: must be >= 0, or -1 for a random seed")
-    if not math.isfinite(goal.time_budget) or goal.time_budget < 0:
-        raise GoalRejected(f"time_budget={goal.time_budget}: must be >= 0 seconds "
-                           "(0 = the node's generation.time_budget)")
-    if goal.grammar and goal.json_schema:
-        raise GoalRejected("grammar and json_schema are both set: give at most one of the two")
-    grammar, json_schema = goal.grammar, goal.json_schema
-    if not grammar and not json_schema:
-        grammar, json_schema = values["generation.grammar"], values["generation.json_schema"]
-    max_tokens = goal.max_tokens or values["generation.max_tokens"]
-    if max_tokens > values["limits.max_tokens"]:
-        raise GoalRejected(f"max_tokens={max_tokens} exceeds limits.max_tokens={values['limits.max_tokens']}")
-    try:
-        temperature = values["generation.temperature"] if goal.temperature == -1 else goal.temperature
-        top_k = values["generation.top_k"] if goal.top_k == -1 else goal.top_k
-        sampling = SamplingParams(temperature=float(temperature), top_k=int(top_k),
-                                  top_p=float(goal.top_p or values["generation.top_p"]),
-                                  seed=int(values["generation.seed"] if goal.seed == -1 else goal.seed))
-        return GenerationRequest(prompt=goal.prompt, max_tokens=int(max_tokens), sampling=sampling,
-                                 system_prompt=goal.system_prompt,
-                                 use_chat_template=bool(goal.use_chat_template),
-                                 stop=tuple(goal.stop), spec_mode=goal.spec_mode or None,
-                                 time_budget=float(goal.time_budget or values["generation.time_budget"]),
-                                 reuse_prompt=bool(values["generation.prompt_cache"]),
-                                 grammar=grammar, json_schema=json_schema)
-    except ValueError as exc:
-        raise GoalRejected(str(exc)) from exc
-
-
-def check_input_bounds(goal: Any, values: Mapping[str, Any]) -> None:
-    """Raise GoalRejected if the goal's strings exceed the ``limits.*`` size bounds; cheap, and
-    done before anything tokenizes or copies them (an unauthenticated client sets their size)."""
-    max_bytes = values["limits.max_prompt_bytes"]
-    size = len(goal.prompt.encode("utf-8", "replace")) + len(goal.system_prompt.encode("utf-8", "replace"))
-    if size > max_bytes:
-        raise GoalRejected(f"prompt + system prompt of {size} bytes exceed "
-                           f"limits.max_prompt_bytes={max_bytes}")
-    max_stops, max_length = values["limits.max_stop_strings"], values["limits.max_stop_length"]
-    if len(goal.stop) > max_stops:
-        raise GoalRejected(f"{len(goal.stop)} stop strings: more than limits.max_stop_strings={max_stops}")
-    longest = max((len(stop) for stop in goal.stop), default=0)
-    if longest > max_length:
-        raise GoalRejected(f"a stop string of {longest} characters: longer than "
-                           f"limits.max_stop_length={max_length}")
-    max_grammar = values["limits.max_grammar_bytes"]
-    for name in ("grammar", "json_schema"):
-        size = len(getattr(goal, name).encode("utf-8", "replace"))
-        if size > max_grammar:
-            raise GoalRejected(f"{name} of {size} bytes exceeds limits.max_grammar_bytes={max_grammar}")
-
-
-def check_fits(engine: GenerationEngine, request: GenerationRequest, max_prompt_tokens: int) -> None:
-    """Raise GoalRejected if the request's mode is unusable or its prompt is too long.
-
-    Uses the engine's own token count (the templated prompt) and its context check
-    (prompt + max_tokens <= n_ctx).
-    """
-    if request.spec_mode is not None:
-        reason = engine.check_spec(replace(engine.spec, mode=request.spec_mode))
-        if reason:
-            raise GoalRejected(f"spec_mode {request.spec_mode!r}: {reason}")
     try:  # e.g. use_chat_template on a model without a chat template (ValueError)
-        prompt_tokens = engine.count_prompt_tokens(request)
+        prompt = engine.count_prompt(request)
     except (EngineError, ValueError) as exc:
         raise GoalRejected(str(exc)) from exc
-    if prompt_tokens > max_prompt_tokens:
+    if prompt.n_tokens > max_prompt_tokens:
         raise GoalRejected(
-            f"prompt has {prompt_tokens} tokens, more than limits.max_prompt_tokens={max_prompt_tokens}")
+            f"prompt has {prompt.n_tokens} tokens, more than limits.max_prompt_tokens={max_prompt_tokens}")
     try:
-        engine.check_request(request, prompt_tokens)  # the count is the engine's: no second tokenization
+        engine.check_request(request, prompt.n_tokens)
     except (EngineError, ValueError) as exc:
         raise GoalRejected(str(exc)) from exc
+    return prompt
 
 
 @dataclass(eq=False)
 class Job:
-    """An accepted goal. ``cancel`` is handed to ``engine.generate``; setting it stops the request
-    at the next step. ``drop_reason`` set = finish without generating (the node was deactivated)."""
+    """An accepted goal with the request and prompt its goal check made. ``cancel`` is handed to
+    ``engine.generate``; setting it stops the request at the next step. ``drop_reason`` set = finish
+    without generating (the node was deactivated)."""
 
-    goal_handle: Any  # rclpy.action.server.ServerGoalHandle
+    goal_handle: "ServerGoalHandle"
     request: Optional[GenerationRequest]  # None: the goal ends unstarted with drop_reason
+    prompt: Optional[CountedPrompt] = None  # the engine's count_prompt of the request
     accepted_at: float = field(default_factory=time.monotonic)
     cancel: threading.Event = field(default_factory=threading.Event)
     drop_reason: str = ""
@@ -158,6 +74,20 @@ class Job:
 
     def budget_spent(self, now: Optional[float] = None) -> bool:
         return (time.monotonic() if now is None else now) >= self.deadline
+
+    def outcome(self, last: Step) -> Tuple[str, str]:
+        """The goal's (finish_reason, error) from its last step: a cancel the node made reads
+        ``preempted`` (an urgent goal) or carries the drop reason (a transition)."""
+        finish_reason = last.finish_reason or "length"
+        if finish_reason == "cancelled" and self.preempted_by and not self.drop_reason:
+            finish_reason = "preempted"
+        if finish_reason == "cancelled" and self.drop_reason:
+            return finish_reason, self.drop_reason
+        if finish_reason == "preempted":
+            return finish_reason, self.preempted_by
+        if finish_reason == "timeout" and self.request is not None:
+            return finish_reason, f"time_budget of {self.request.time_budget:g} s ran out"
+        return finish_reason, last.detail  # e.g. max_tokens ran out before the grammar was complete
 
 
 class JobQueue:
@@ -292,8 +222,8 @@ class JobQueue:
         """The next goal to execute, or None once closed.
 
         A goal whose cancel was requested while waiting is returned only once its goal handle
-        reports the cancel (rclpy updates the goal state just *after* the cancel callback), so that
-        the execute callback can end it as CANCELED; until then this polls every ``poll`` seconds.
+        reports the cancel, so that the execute callback can end it as CANCELED; until then this
+        polls every ``poll`` seconds (why: the rclpy timing notes in goal_server.py).
         """
         with self._cond:
             while not self._closed:

@@ -255,6 +255,7 @@ PARAMETERS: Tuple[ParamSpec, ...] = (
 )
 
 PARAMETERS_BY_NAME: Dict[str, ParamSpec] = {p.name: p for p in PARAMETERS}
+_YAML_FALSE: Dict[str, str] = {p.name: p.yaml_false for p in PARAMETERS if p.yaml_false}
 
 
 def defaults() -> Dict[str, ParamValue]:
@@ -262,29 +263,31 @@ def defaults() -> Dict[str, ParamValue]:
     return {p.name: p.default for p in PARAMETERS}
 
 
-def as_declared(name: str, value: Any) -> Any:
-    """``value`` as the table declares it: YAML's boolean false -> the row's ``yaml_false`` choice.
+def as_declared(values: Mapping[str, Any]) -> Dict[str, Any]:
+    """``values`` as the table declares them: YAML's boolean false -> the row's ``yaml_false`` choice.
 
-    >>> as_declared("spec.mode", False), as_declared("spec.mode", "lookup"), as_declared("spec.mode", True)
-    ('off', 'lookup', True)
+    The one place YAML's ``off`` quirk is undone, where values enter: the node's parameters and
+    their changes, a parameters file a tool reads. Everything after trusts them.
+
+    >>> as_declared({"spec.mode": False, "spec.adaptive": False, "backend": "local"})
+    {'spec.mode': 'off', 'spec.adaptive': False, 'backend': 'local'}
     """
-    spec = PARAMETERS_BY_NAME.get(name)
-    if spec is not None and spec.yaml_false and value is False:
-        return spec.yaml_false
-    return value
+    return {name: _YAML_FALSE.get(name, value) if value is False else value
+            for name, value in values.items()}
 
 
 def check_choices(values: Mapping[str, Any]) -> str:
     """'' if every string parameter in ``values`` is one of its choices, else the reason.
 
-    >>> check_choices({"spec.mode": False}), check_choices({"spec.mode": True})[:38]
+    Expects :func:`as_declared` values (an unquoted ``off`` already the string).
+
+    >>> check_choices({"spec.mode": "off"}), check_choices({"spec.mode": True})[:38]
     ('', 'spec.mode=True: YAML read an unquoted ')
     """
     for name, value in values.items():
         spec = PARAMETERS_BY_NAME.get(name)
         if spec is None or not spec.choices:
             continue
-        value = as_declared(name, value)
         if isinstance(value, bool):
             return (f"{name}={value}: YAML read an unquoted on/yes/true as a boolean; "
                     f"expected one of {', '.join(spec.choices)}")
@@ -295,7 +298,7 @@ def check_choices(values: Mapping[str, Any]) -> str:
 
 def spec_config_from(values: Mapping[str, Any]) -> SpecConfig:
     """``spec.*`` parameters -> SpecConfig; raises ValueError with a user-facing reason."""
-    return SpecConfig(mode=as_declared("spec.mode", values["spec.mode"]),
+    return SpecConfig(mode=values["spec.mode"],
                       draft_max=values["spec.draft_max"],
                       draft_min=values["spec.draft_min"], p_min=values["spec.p_min"],
                       adaptive=values["spec.adaptive"], verification=values["spec.verification"])

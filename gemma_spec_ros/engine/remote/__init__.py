@@ -23,6 +23,7 @@ Public API (what the node uses; :class:`~gemma_spec_ros.engine.api.GenerationEng
     engine = RemoteEngine(RemoteConfig(url="http://gpu-box:8080"), spec)
     engine.spec, engine.check_spec(spec), engine.update_spec(spec)   # refused: the server decides
     engine.count_prompt_tokens(request)      # an estimate, no round trip (see below)
+    engine.count_prompt(request)             # the same estimate as a CountedPrompt (no tokens)
     engine.check_request(request)            # PromptTooLongError when the server's n_ctx is known
     engine.n_ctx                             # the server's context length, 0 if unknown
     for step in engine.generate(request, cancel):   # one Step per streamed chunk

@@ -11,7 +11,7 @@ from functools import partial
 from typing import Any, Dict, Iterator, List, Mapping, Optional
 
 from ..stats import SpecStats
-from ..types import GenerationRequest, PromptTooLongError, RemoteConfig, SpecConfig, Step
+from ..types import CountedPrompt, GenerationRequest, PromptTooLongError, RemoteConfig, SpecConfig, Step
 from .http import HttpClient, ServerUnreachableError
 from .metrics import Counters, TauAttribution, fill_stats
 from .payload import completion_request, parse_json_schema
@@ -83,6 +83,10 @@ class RemoteEngine:
         count = -(-len(request.plain_prompt.encode("utf-8")) // ESTIMATE_BYTES_PER_TOKEN) + 1
         return count + _template_tokens(request)
 
+    def count_prompt(self, request: GenerationRequest) -> CountedPrompt:
+        """The estimate, without tokens: :meth:`generate` sends text and counts exactly."""
+        return CountedPrompt(self.count_prompt_tokens(request))
+
     def check_request(self, request: GenerationRequest, n_prompt_tokens: Optional[int] = None) -> None:
         """PromptTooLongError when the server's n_ctx is known and exceeded; ValueError for a
         spec_mode (the server decides) or a json_schema that is not a JSON object."""
@@ -103,11 +107,12 @@ class RemoteEngine:
         """Why the server is down, if the prober found it so just now; '' otherwise."""
         return self.server.known_down()
 
-    def generate(self, request: GenerationRequest,
-                 cancel: Optional[threading.Event] = None) -> Iterator[Step]:
+    def generate(self, request: GenerationRequest, cancel: Optional[threading.Event] = None,
+                 prompt: Optional[CountedPrompt] = None) -> Iterator[Step]:
         """One Step per streamed chunk with text, then a last Step with the finish reason. Raises
         ValueError (a bad json_schema) before anything is sent, ServerUnreachableError when no
-        connection can be made, RemoteError for the rest."""
+        connection can be made, RemoteError for the rest. ``prompt`` (an estimate) is not used:
+        the server's tokenizer counts exactly here."""
         cancel = cancel if cancel is not None else threading.Event()
         parse_json_schema(request.json_schema)
         budget_ends = time.monotonic() + request.time_budget if request.time_budget else math.inf

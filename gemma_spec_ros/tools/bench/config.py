@@ -134,14 +134,15 @@ def flatten(tree: Mapping[str, object], prefix: str = "") -> Dict[str, object]:
 
 def load_params(path: str) -> Dict[str, object]:
     """The parameters of a node params file (``/**: ros__parameters: ...`` or ``<node>: ...``),
-    flattened to dotted keys. The first node section with ``ros__parameters`` is used."""
+    flattened to dotted keys, as the node declares them (an unquoted ``off``: the string). The
+    first node section with ``ros__parameters`` is used."""
     with open(expand_path(path), encoding="utf-8") as f:
         data = yaml.safe_load(f) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: not a ROS 2 parameters file (expected a mapping)")
     for section in data.values():
         if isinstance(section, dict) and isinstance(section.get("ros__parameters"), dict):
-            return flatten(section["ros__parameters"])
+            return node_parameters.as_declared(flatten(section["ros__parameters"]))
     raise ValueError(f"{path}: no 'ros__parameters' section (expected '/**: ros__parameters: ...')")
 
 

@@ -1,0 +1,377 @@
+"""``GoalServer``: the node's ``~/generate`` action server, from a goal's arrival to its result.
+
+One goal's trip, on three threads:
+
+1. goal callback (executor): size bounds, goal -> request (once), room in the queue, the engine's
+   checks (the prompt tokenized once) -> accept, or reject with the reason logged and kept;
+2. accepted callback (executor, right after): the checked request becomes a
+   :class:`~gemma_spec_ros.node.goals.Job` in the :class:`~gemma_spec_ros.node.goals.JobQueue`;
+3. dispatcher thread: starts the next job, one at a time, so waiting goals hold no executor thread;
+4. execute callback (an executor task): the engine's steps as feedback, then the result.
+
+The action server sits in its own mutually exclusive callback group, so that "is the queue full?"
+and "enqueue" of one goal cannot interleave with another goal's. A cancel still reaches a running
+goal although that group is exclusive: rclpy runs ``execute`` as a separate executor task outside
+the group, so the group is free while a goal generates.
+
+rclpy timing. rclpy's action server orders a few things differently from what a goal's client
+sees, and these are the waits and retries that make up for it (all of them live in this file):
+
+- The goal callback gets the goal but no handle; the accepted callback that follows gets the handle,
+  whose ``request`` is that same goal object. Both run in one task of the exclusive group, so the
+  checked request passes from one to the other in a single slot (:attr:`GoalServer._checked`).
+- rclpy marks a goal CANCELING only after the cancel callback returned. A goal whose client's cancel
+  was accepted therefore waits (:data:`CANCELING_GRACE`, polling) for that mark before it ends, so
+  that it ends CANCELED rather than ABORTED; a waiting goal is handed out by
+  ``JobQueue.next_to_start`` only once its handle reports the cancel (polling every
+  :data:`CANCEL_POLL`).
+- A cancel accepted between rclpy's cancel check and its EXECUTE transition makes ``execute()``
+  fail (CANCELING -> EXECUTING is invalid): it is tried again, and then ends the goal CANCELED.
+- rclpy sets a goal's result after the execute callback returned: before destroying the action
+  server, :meth:`GoalServer.close` waits for rclpy's result futures (a private attribute; a fixed
+  grace period where it is missing).
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import replace
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from builtin_interfaces.msg import Time
+from gemma_spec_msgs.action import Generate
+from rclpy.action import ActionServer, CancelResponse, GoalResponse
+from rclpy.action.server import ServerGoalHandle
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
+from rclpy.lifecycle import Node as LifecycleNode
+from rclpy.qos import QoSProfile
+
+from ..engine.api import GenerationEngine
+from ..engine.stats import SpecStats
+from ..engine.types import CountedPrompt, EngineError, GenerationRequest, Step
+from . import messages
+from .goals import Job, JobQueue, check_fits
+from .messages import GoalRejected, check_input_bounds, clip, request_from_goal
+
+#: Seconds a transition waits for the running goal to stop (it stops at its next step).
+STOP_TIMEOUT = 30.0
+#: Seconds close() waits for rclpy to hand the last results to the action server before
+#: destroying it (the goals themselves have ended by then).
+RESULT_GRACE = 2.0
+#: Feedback messages the action server keeps per writer (rclpy's default, 10, lets a burst of
+#: one-token steps overwrite messages a busy client has not read: streamed text != result text).
+FEEDBACK_DEPTH = 1000
+#: Seconds the end of a client-cancelled goal waits for rclpy to mark it CANCELING.
+CANCELING_GRACE = 1.0
+#: Seconds between the dispatcher's looks at a waiting goal whose cancel rclpy has not marked yet.
+CANCEL_POLL = 0.01
+
+#: A goal ended: its result, seconds since it was accepted, the engine's stats (None: no step made).
+Ended = Callable[[Generate.Result, float, Optional[SpecStats]], None]
+
+
+class GoalServer:
+    """Serves Generate goals over one engine between :meth:`open` and :meth:`close`.
+
+    The node hands in what the goals need of it: ``values`` (the current parameter values),
+    ``state`` (its lifecycle state, for the "not active" rejection), ``report_fault`` (an internal
+    error: logged, on /diagnostics), ``rejected`` (a goal's rejection reason) and ``ended`` (a goal's
+    result, its latency from acceptance and its stats).
+    """
+
+    def __init__(self, node: LifecycleNode, *, values: Callable[[], Dict[str, Any]],
+                 state: Callable[[], str], report_fault: Callable[[str], None],
+                 rejected: Callable[[str], None], ended: Ended) -> None:
+        self._node = node
+        self._values, self._state, self._report_fault = values, state, report_fault
+        self._rejected, self._ended = rejected, ended
+        self._group = MutuallyExclusiveCallbackGroup()
+        self._engine: Optional[GenerationEngine] = None
+        self._jobs: Optional[JobQueue] = None
+        self._dispatcher: Optional[threading.Thread] = None
+        self._action_server: Optional[ActionServer] = None
+        self._accepting = False
+        self._stop_reason = ""  # why goals stopped being accepted (deactivate, cleanup, ...)
+        # the goal the goal callback accepted last, with its request and prompt (see rclpy timing)
+        self._checked: Optional[Tuple[Generate.Goal, GenerationRequest, CountedPrompt]] = None
+        self._orphans: Dict[bytes, str] = {}  # accepted goals that could not be queued -> why
+        # queue-position feedback comes from the executor (a goal queued) and the dispatcher (a
+        # goal started): one at a time, so a stale position is never published last
+        self._positions_lock = threading.Lock()
+
+    # -- the node's transitions --------------------------------------------------------------------
+    def open(self, engine: GenerationEngine, result_timeout: float) -> None:
+        """Create the action server over ``engine`` (configure); goals are refused until
+        :meth:`activate`."""
+        self._engine = engine
+        self._jobs = JobQueue()
+        self._dispatcher = threading.Thread(target=self._dispatch, name="gemma_spec_dispatch",
+                                            daemon=True)
+        self._dispatcher.start()
+        self._action_server = ActionServer(
+            self._node, Generate, "~/generate", execute_callback=self._execute,
+            goal_callback=self._on_goal, handle_accepted_callback=self._on_accepted,
+            cancel_callback=self._on_cancel, callback_group=self._group,
+            result_timeout=max(1, round(result_timeout)),
+            feedback_pub_qos_profile=QoSProfile(depth=FEEDBACK_DEPTH))
+
+    def activate(self) -> None:
+        """Accept goals from now on."""
+        if self._jobs is not None:
+            self._jobs.resume()
+        self._accepting = True
+
+    def stop(self, reason: str) -> None:
+        """Refuse new goals; stop the running one at its next step; end the waiting ones unstarted
+        (waits up to :data:`STOP_TIMEOUT` for that)."""
+        self._stop_reason = reason
+        self._accepting = False
+        jobs = self._jobs
+        if jobs is None:
+            return
+        jobs.drop_all(reason)
+        if not jobs.wait_idle(STOP_TIMEOUT):
+            self._node.get_logger().error(f"goals still running {STOP_TIMEOUT:.0f} s after: {reason}")
+
+    def close(self, reason: str) -> None:
+        """:meth:`stop`, then end the dispatcher and destroy the action server (cleanup)."""
+        self.stop(reason)
+        if self._jobs is not None:
+            self._jobs.close()
+        if self._dispatcher is not None:
+            self._dispatcher.join(timeout=STOP_TIMEOUT)
+        if self._action_server is not None:
+            self._wait_results_sent(self._action_server, RESULT_GRACE)
+            self._action_server.destroy()
+        self._engine = self._jobs = self._dispatcher = self._action_server = None
+
+    # -- what diagnostics shows ---------------------------------------------------------------------
+    def depth(self) -> int:
+        """Goals waiting behind the running one."""
+        jobs = self._jobs
+        return jobs.depth() if jobs is not None else 0
+
+    def running(self) -> bool:
+        jobs = self._jobs
+        return jobs.has_running() if jobs is not None else False
+
+    def busy(self) -> bool:
+        """True if a goal runs or waits."""
+        jobs = self._jobs
+        return jobs.busy() if jobs is not None else False
+
+    # -- goal, accepted and cancel callbacks (executor) ---------------------------------------------
+    def _on_goal(self, goal: Generate.Goal) -> GoalResponse:
+        """Accept or reject a goal without blocking; a rejection's reason is logged and kept."""
+        self._checked = None
+        try:
+            request, prompt = self._check_goal(goal)
+        except Exception as exc:  # noqa: BLE001  any failure to validate a goal is a rejection
+            reason = str(exc)
+            if not isinstance(exc, GoalRejected):
+                reason = f"internal error while checking the goal: {exc!r}"
+                self._report_fault(reason)
+            reason = clip(reason)
+            self._rejected(reason)
+            self._node.get_logger().warning(f"goal rejected: {reason}")
+            return GoalResponse.REJECT
+        self._checked = (goal, request, prompt)
+        return GoalResponse.ACCEPT
+
+    def _check_goal(self, goal: Generate.Goal) -> Tuple[GenerationRequest, CountedPrompt]:
+        engine, jobs = self._engine, self._jobs
+        if not self._accepting or engine is None or jobs is None:
+            raise GoalRejected(f"the node is {self._state()}, not active")
+        values = self._values()
+        check_input_bounds(goal, values)
+        request = request_from_goal(goal, values)
+        max_depth = values["queue.max_depth"]
+        if jobs.busy() and jobs.depth() >= max_depth:
+            raise GoalRejected(f"queue full: {jobs.depth()} goals waiting (queue.max_depth={max_depth})")
+        return request, check_fits(engine, request, values["limits.max_prompt_tokens"])
+
+    def _on_accepted(self, goal_handle: ServerGoalHandle) -> None:
+        """Queue an accepted goal; if that fails, the goal still ends (ABORTED with the reason)."""
+        try:
+            self._queue_accepted(goal_handle)
+        except Exception as exc:  # noqa: BLE001
+            reason = f"internal error while queueing the goal: {exc!r}"
+            self._report_fault(reason)
+            self._orphans[bytes(goal_handle.goal_id.uuid)] = reason
+            try:
+                goal_handle.execute(self._execute)
+            except Exception as again:  # noqa: BLE001
+                self._report_fault(f"cannot end the goal: {again!r}")
+
+    def _queue_accepted(self, goal_handle: ServerGoalHandle) -> None:
+        """Queue an accepted goal with the request its goal check made; the dispatcher starts it."""
+        checked, self._checked = self._checked, None
+        jobs = self._jobs
+        if jobs is None:  # cleaned up between accept and here
+            goal_handle.execute(self._execute)
+            return
+        goal = goal_handle.request
+        if checked is None or checked[0] is not goal:
+            raise RuntimeError("the accepted goal is not the one the goal callback checked")
+        job = Job(goal_handle, checked[1], checked[2], priority=goal.priority, preempt=goal.preempt)
+        if not self._accepting:  # a transition stopped goals after this one passed the goal callback
+            job.drop_reason = self._stop_reason
+        jobs.push(job)
+        self._publish_queue_positions(jobs)
+
+    def _publish_queue_positions(self, jobs: JobQueue) -> None:
+        """Feedback to every waiting goal whose queue position changed (1 = starts next)."""
+        with self._positions_lock:
+            for job, position in jobs.positions():
+                if position != job.queue_position:
+                    job.queue_position = position
+                    try:
+                        job.goal_handle.publish_feedback(messages.queue_feedback(position))
+                    except Exception as exc:  # noqa: BLE001  the goal ended meanwhile
+                        self._node.get_logger().debug(f"queue position feedback skipped: {exc!r}")
+
+    def _on_cancel(self, goal_handle: ServerGoalHandle) -> CancelResponse:
+        """Accept a cancel for a known goal; it stops at its next step (or before it starts)."""
+        try:
+            jobs = self._jobs
+            if jobs is not None and jobs.cancel(bytes(goal_handle.goal_id.uuid)):
+                return CancelResponse.ACCEPT
+        except Exception as exc:  # noqa: BLE001
+            self._report_fault(f"cancel callback failed: {exc!r}")
+        return CancelResponse.REJECT
+
+    # -- the dispatcher thread ----------------------------------------------------------------------
+    def _dispatch(self) -> None:
+        """Execute goals one at a time, in queue order (see JobQueue)."""
+        jobs = self._jobs
+        while jobs is not None:
+            job = jobs.next_to_start(poll=CANCEL_POLL)
+            if job is None:
+                return
+            self._publish_queue_positions(jobs)
+            try:
+                self._start(job.goal_handle)
+            except Exception as exc:  # noqa: BLE001  the context went away; nothing to serve
+                self._report_fault(f"cannot start a goal: {exc!r}")
+                jobs.finished(job)
+
+    @staticmethod
+    def _start(goal_handle: ServerGoalHandle) -> None:
+        """``execute()`` the goal, once more if a cancel raced it (see rclpy timing)."""
+        try:
+            goal_handle.execute()
+        except Exception:  # noqa: BLE001
+            if not goal_handle.is_cancel_requested:
+                raise
+            goal_handle.execute()
+
+    # -- the execute callback (an executor task) ----------------------------------------------------
+    def _execute(self, goal_handle: ServerGoalHandle) -> Generate.Result:
+        """Run the goal if it is the running one, else end it unstarted."""
+        jobs = self._jobs
+        job = jobs.get(bytes(goal_handle.goal_id.uuid)) if jobs is not None else None
+        if job is None:
+            error = self._orphans.pop(bytes(goal_handle.goal_id.uuid), "the node was cleaned up")
+            result = Generate.Result(finish_reason="cancelled", error=error)
+            self._end_goal(goal_handle, result)
+            return result
+        try:
+            unstopped = not (job.drop_reason or job.cancel.is_set())
+            if unstopped and job.budget_spent():  # ran out while waiting (ended at once, out of turn)
+                result = Generate.Result(
+                    finish_reason="timeout",
+                    error=f"time_budget of {job.request.time_budget:g} s ran out while waiting")
+                stats = None
+            elif jobs.is_running(job) and job.request is not None:
+                result, stats = self._generate(job, job.request)
+            else:
+                reason = job.drop_reason or "cancelled before it started"
+                result, stats = Generate.Result(finish_reason="cancelled", error=reason), None
+            if job.client_cancelled and result.finish_reason in ("cancelled", "preempted"):
+                self._await_canceling(goal_handle)
+            self._end_goal(goal_handle, result)
+            self._ended(result, time.monotonic() - job.accepted_at, stats)
+            return result
+        finally:
+            jobs.finished(job)
+
+    def _generate(self, job: Job, request: GenerationRequest) -> Tuple[Generate.Result, Optional[SpecStats]]:
+        """Stream one request through the engine; never raises."""
+        engine = self._engine
+        if engine is None:
+            return self._failed([], None, "the node was cleaned up"), None
+        goal_handle = job.goal_handle
+        min_period = self._values()["feedback.min_period"]
+        queue_wait = time.monotonic() - job.accepted_at
+        if request.time_budget:  # the budget counts from acceptance: the wait is spent
+            request = replace(request, time_budget=max(1e-3, request.time_budget - queue_wait))
+        parts: List[str] = []
+        unsent: List[str] = []
+        last_feedback = -math.inf
+        step: Optional[Step] = None
+        try:
+            for step in engine.generate(request, cancel=job.cancel, prompt=job.prompt):
+                parts.append(step.text)
+                unsent.append(step.text)
+                if goal_handle.is_cancel_requested:
+                    job.cancel.set()
+                now = time.monotonic()
+                if step.finish_reason is not None or now - last_feedback >= min_period:
+                    goal_handle.publish_feedback(messages.step_feedback(step, "".join(unsent)))
+                    unsent.clear()
+                    last_feedback = now
+        except EngineError as exc:
+            return self._failed(parts, step, str(exc)), None
+        except Exception as exc:  # noqa: BLE001  a bug in one request must not stop the node
+            self._node.get_logger().error(f"unexpected error in the engine: {exc!r}")
+            return self._failed(parts, step, f"internal error: {exc!r}"), None
+        finally:  # a failed cache save or deferred close is the node's fault, not this goal's
+            for fault in engine.take_faults():
+                self._report_fault(fault)
+        if step is None:
+            return self._failed(parts, step, "the engine produced no step"), None
+        step.stats.queue_wait = queue_wait
+        finish_reason, error = job.outcome(step)
+        return messages.result("".join(parts), finish_reason, error, step, self._stamp()), step.stats
+
+    def _failed(self, parts: List[str], step: Optional[Step], error: str) -> Generate.Result:
+        self._node.get_logger().error(f"request failed: {error}")
+        return messages.result("".join(parts), "error", error, step, self._stamp())
+
+    def _stamp(self) -> Time:
+        return self._node.get_clock().now().to_msg()
+
+    @staticmethod
+    def _await_canceling(goal_handle: ServerGoalHandle) -> None:
+        """Wait for rclpy to mark a client-cancelled goal CANCELING (see rclpy timing)."""
+        deadline = time.monotonic() + CANCELING_GRACE
+        while not goal_handle.is_cancel_requested and time.monotonic() < deadline:
+            time.sleep(0.002)
+
+    def _end_goal(self, goal_handle: ServerGoalHandle, result: Generate.Result) -> None:
+        """Set the goal's terminal state from the result's finish_reason."""
+        try:
+            if result.finish_reason in ("stop", "length"):
+                goal_handle.succeed()
+            elif result.finish_reason in ("cancelled", "preempted") and goal_handle.is_cancel_requested:
+                goal_handle.canceled()
+            else:  # timeout, preempted, engine error, or stopped by a transition, not by its client
+                goal_handle.abort()
+        except Exception as exc:  # noqa: BLE001  the context is shutting down
+            self._node.get_logger().warning(f"cannot set the goal's final state: {exc}")
+
+    @staticmethod
+    def _wait_results_sent(server: ActionServer, timeout: float) -> None:
+        """Wait until rclpy has handed every finished goal's result to the action server (see
+        rclpy timing): ``jobs.finished`` runs inside the execute callback, before rclpy sets the
+        goal's result, and destroying the server at once lost the running goal's result."""
+        futures = getattr(server, "_result_futures", None)
+        if futures is None:  # another rclpy: a fixed grace period instead
+            time.sleep(min(timeout, 0.5))
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not all(f.done() for f in list(futures.values())):
+            time.sleep(0.01)
+        if futures:  # a done future sends its result from a task the executor runs next
+            time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))

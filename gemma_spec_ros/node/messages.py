@@ -1,0 +1,168 @@
+"""The Generate action's messages <-> the engine's types: pure mapping, no rclpy node, no state.
+
+In: a goal -> :class:`~gemma_spec_ros.engine.types.GenerationRequest` (:func:`request_from_goal`,
+after the cheap size checks of :func:`check_input_bounds`). Out: a ``Step`` -> feedback, the last
+``Step`` -> the result, ``SpecStats`` -> ``gemma_spec_msgs/SpecStats``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Optional
+
+from builtin_interfaces.msg import Time
+from gemma_spec_msgs.action import Generate
+from gemma_spec_msgs.msg import SpecStats as SpecStatsMsg
+
+from ..engine.stats import SpecStats
+from ..engine.types import SPEC_MODES, GenerationRequest, SamplingParams, Step
+
+#: Characters of a client's string (or a reason quoting one) kept in logs and /diagnostics.
+MAX_ECHO = 256
+
+
+class GoalRejected(ValueError):
+    """A goal cannot be served; the message says why (it is logged and kept for diagnostics)."""
+
+
+# -- in: goal -> request ---------------------------------------------------------------------------
+def check_input_bounds(goal: Any, values: Mapping[str, Any]) -> None:
+    """Raise GoalRejected if the goal's strings exceed the ``limits.*`` size bounds; cheap, and
+    done before anything tokenizes or copies them (an unauthenticated client sets their size)."""
+    max_bytes = values["limits.max_prompt_bytes"]
+    size = len(goal.prompt.encode("utf-8", "replace")) + len(goal.system_prompt.encode("utf-8", "replace"))
+    if size > max_bytes:
+        raise GoalRejected(f"prompt + system prompt of {size} bytes exceed "
+                           f"limits.max_prompt_bytes={max_bytes}")
+    max_stops, max_length = values["limits.max_stop_strings"], values["limits.max_stop_length"]
+    if len(goal.stop) > max_stops:
+        raise GoalRejected(f"{len(goal.stop)} stop strings: more than limits.max_stop_strings={max_stops}")
+    longest = max((len(stop) for stop in goal.stop), default=0)
+    if longest > max_length:
+        raise GoalRejected(f"a stop string of {longest} characters: longer than "
+                           f"limits.max_stop_length={max_length}")
+    max_grammar = values["limits.max_grammar_bytes"]
+    for name in ("grammar", "json_schema"):
+        size = len(getattr(goal, name).encode("utf-8", "replace"))
+        if size > max_grammar:
+            raise GoalRejected(f"{name} of {size} bytes exceeds limits.max_grammar_bytes={max_grammar}")
+
+
+def request_from_goal(goal: Any, values: Mapping[str, Any]) -> GenerationRequest:
+    """A Generate goal + the node's parameter values -> GenerationRequest, or GoalRejected.
+
+    Goal conventions (see Generate.action): ``max_tokens`` 0 = ``generation.max_tokens``; ``top_p`` 0
+    = ``generation.top_p``; ``temperature`` -1 = ``generation.temperature``; ``top_k`` -1 =
+    ``generation.top_k``; ``seed`` -1 = ``generation.seed`` (itself -1 = random by default); empty
+    ``spec_mode`` = the node's ``spec.mode``; ``time_budget`` 0 = ``generation.time_budget``;
+    ``grammar`` and ``json_schema`` both empty = the node's ``generation.grammar`` /
+    ``generation.json_schema`` (a goal that sets one replaces both defaults). A zero-initialised goal
+    is greedy whatever the node's defaults: 0 is a real temperature, so "use the default" needs its
+    own value.
+
+    >>> from types import SimpleNamespace as G
+    >>> v = {"generation.max_tokens": 64, "generation.top_p": 0.9, "generation.seed": -1,
+    ...      "limits.max_tokens": 256, "generation.time_budget": 0.0, "generation.prompt_cache": True,
+    ...      "generation.grammar": "", "generation.json_schema": ""}
+    >>> goal = G(prompt="Hi", system_prompt="", use_chat_template=False, max_tokens=0,
+    ...          temperature=0.0, top_p=0.0, top_k=0, seed=7, stop=[], spec_mode="", time_budget=0.0,
+    ...          grammar="", json_schema="")
+    >>> r = request_from_goal(goal, v); (r.max_tokens, r.sampling.top_p, r.spec_mode)
+    (64, 0.9, None)
+    """
+    if not goal.prompt:
+        raise GoalRejected("prompt is empty")
+    if not math.isfinite(goal.temperature) or (goal.temperature < 0 and goal.temperature != -1):
+        raise GoalRejected(f"temperature={goal.temperature}: must be finite and >= 0, "
+                           "or -1 for the node's generation.temperature")
+    if not math.isfinite(goal.top_p) or not 0.0 <= goal.top_p <= 1.0:
+        raise GoalRejected(f"top_p={goal.top_p}: must be in (0, 1], or 0 for the node's default")
+    if goal.top_k < -1:
+        raise GoalRejected(f"top_k={goal.top_k}: must be >= 0 (0 = no limit), "
+                           "or -1 for the node's generation.top_k")
+    if goal.spec_mode and goal.spec_mode not in SPEC_MODES:
+        raise GoalRejected(f"spec_mode {goal.spec_mode[:32]!r}: expected one of {', '.join(SPEC_MODES)} "
+                           "or empty for the node's spec.mode")
+    if goal.seed < -1:
+        raise GoalRejected(f"seed={goal.seed}: must be >= 0, or -1 for a random seed")
+    if not math.isfinite(goal.time_budget) or goal.time_budget < 0:
+        raise GoalRejected(f"time_budget={goal.time_budget}: must be >= 0 seconds "
+                           "(0 = the node's generation.time_budget)")
+    if goal.grammar and goal.json_schema:
+        raise GoalRejected("grammar and json_schema are both set: give at most one of the two")
+    grammar, json_schema = goal.grammar, goal.json_schema
+    if not grammar and not json_schema:
+        grammar, json_schema = values["generation.grammar"], values["generation.json_schema"]
+    max_tokens = goal.max_tokens or values["generation.max_tokens"]
+    if max_tokens > values["limits.max_tokens"]:
+        raise GoalRejected(f"max_tokens={max_tokens} exceeds limits.max_tokens={values['limits.max_tokens']}")
+    try:
+        temperature = values["generation.temperature"] if goal.temperature == -1 else goal.temperature
+        top_k = values["generation.top_k"] if goal.top_k == -1 else goal.top_k
+        sampling = SamplingParams(temperature=float(temperature), top_k=int(top_k),
+                                  top_p=float(goal.top_p or values["generation.top_p"]),
+                                  seed=int(values["generation.seed"] if goal.seed == -1 else goal.seed))
+        return GenerationRequest(prompt=goal.prompt, max_tokens=int(max_tokens), sampling=sampling,
+                                 system_prompt=goal.system_prompt,
+                                 use_chat_template=bool(goal.use_chat_template),
+                                 stop=tuple(goal.stop), spec_mode=goal.spec_mode or None,
+                                 time_budget=float(goal.time_budget or values["generation.time_budget"]),
+                                 reuse_prompt=bool(values["generation.prompt_cache"]),
+                                 grammar=grammar, json_schema=json_schema)
+    except ValueError as exc:
+        raise GoalRejected(str(exc)) from exc
+
+
+# -- out: steps -> feedback and result -------------------------------------------------------------
+def queue_feedback(position: int) -> Generate.Feedback:
+    """Feedback to a waiting goal: its place in the queue (1 = starts next)."""
+    return Generate.Feedback(queue_position=position)
+
+
+def step_feedback(step: Step, text: str) -> Generate.Feedback:
+    """Feedback for one engine step with the text accumulated since the last feedback."""
+    return Generate.Feedback(
+        text=text, completion_tokens=step.stats.num_generated_tokens,
+        mean_acceptance_length=step.stats.mean_acceptance_length,
+        tokens_per_second=step.stats.tokens_per_second, spec_mode=step.spec_mode,
+        draft_max=step.draft_max)
+
+
+def result(text: str, finish_reason: str, error: str, last: Optional[Step], stamp: Time) -> Generate.Result:
+    """The goal's result: its text, how it ended and, if a step was made, the last step's counts
+    and stats (``last`` None: the goal ended before the engine made a step)."""
+    msg = Generate.Result(text=text, finish_reason=finish_reason, error=error)
+    if last is not None:
+        msg.spec_mode = last.spec_mode
+        msg.prompt_tokens = last.stats.num_prompt_tokens
+        msg.completion_tokens = last.stats.num_generated_tokens
+        msg.stats = spec_stats_msg(last.stats, stamp)
+    return msg
+
+
+def spec_stats_msg(stats: SpecStats, stamp: Time) -> SpecStatsMsg:
+    """The one conversion SpecStats dataclass -> gemma_spec_msgs/SpecStats (from ``as_dict``)."""
+    values = stats.as_dict()
+    msg = SpecStatsMsg()
+    msg.header.stamp = stamp
+    for name, ros_type in msg.get_fields_and_field_types().items():
+        if name == "header":
+            continue
+        value = values[name]
+        if ros_type == "string":
+            setattr(msg, name, str(value))
+        elif ros_type.startswith("sequence<"):
+            setattr(msg, name, [float(v) for v in value])
+        elif ros_type.startswith(("uint", "int")):
+            setattr(msg, name, int(value))
+        else:
+            setattr(msg, name, float(value))
+    return msg
+
+
+def clip(text: str, limit: int = MAX_ECHO) -> str:
+    """``text`` cut to ``limit`` characters (with a note of how many were cut).
+
+    >>> clip("x" * 300, 10)
+    'xxxxxxxxxx... (290 more characters)'
+    """
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
