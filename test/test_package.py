@@ -28,6 +28,7 @@ ROSDEP_KEY_OF_MODULE: Dict[str, str] = {
     "psutil": "python3-psutil",
     "matplotlib": "python3-matplotlib",
     "tqdm": "python3-tqdm",
+    "jsonschema": "python3-jsonschema",
 }
 #: Imported but installed with pip on every machine, so not a rosdep key (reason given).
 PIP_ONLY: Dict[str, str] = {
