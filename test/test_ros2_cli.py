@@ -16,7 +16,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional
@@ -209,9 +208,10 @@ ACTION_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["
 
 
 def printed_result(out: str) -> dict:
-    """The Result block `ros2 action send_goal` prints (YAML), as a dict."""
+    """The Result block `ros2 action send_goal` prints (YAML; only its first line is indented), as a
+    dict."""
     block = out.split("Result:", 1)[1].split("Goal finished with status", 1)[0]
-    return yaml.safe_load(textwrap.dedent(block))
+    return yaml.safe_load(block.strip())
 
 
 @pytest.mark.timeout(300)
