@@ -10,7 +10,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Dict, List, Tuple
 
-from gemma_spec_ros.engine.engine import DRAFTERS_BY_MODE, Drafting, drafting_order
+from gemma_spec_ros.engine.drafting import DRAFTERS_BY_MODE, Drafting, drafting_order
 from gemma_spec_ros.engine.policy import CostModel, DraftLengthPolicy
 from gemma_spec_ros.engine.types import DRAFT_MODES, SPEC_MODES
 

@@ -41,72 +41,23 @@ import numpy as np
 
 from .backend import DecodeInterrupted, LlamaBackend, return_freed_memory
 from .draft_model import DraftModelDrafter
+from .drafting import DRAFTERS_BY_MODE, GRAMMAR_DRAFT_MAX, GRAMMAR_K, Drafting, propose
 from .grammar import Grammar, GrammarVocab, gbnf_of
 from .lookup import LookupDrafter
 from .mtp import export_hidden_for, model_drafter, mtp_drafter, mtp_spec_problem
-from .policy import PLAIN_STEP, CostModel, Decision, DraftLengthPolicy
+from .policy import CostModel, DraftLengthPolicy
 from .sampling import Sampler, make_rng
 from .stats import SpecStats, timed
 from .text import TextAssembler
-from .types import (DRAFT_MODES, EMPTY_DRAFT, CountedPrompt, Draft, Drafter, EngineConfig,
+from .types import (DRAFT_MODES, CountedPrompt, Draft, Drafter, EngineConfig,
                     EngineError, GenerationRequest, PromptTooLongError, SpecConfig, Step)
 from .verify import Verdict, verify_exact, verify_rejection
 
-
-#: The drafters (by ``Drafter.name``) each mode may use, in the order a step tries them: the first
-#: non-empty draft is verified. ``auto`` reorders them at every step (see :func:`drafting_order`).
-DRAFTERS_BY_MODE: Dict[str, Tuple[str, ...]] = {
-    "off": (),
-    "draft": ("draft",),
-    "lookup": ("lookup",),
-    "draft+lookup": ("lookup", "draft"),
-    "auto": ("lookup", "draft", "mtp"),
-    "mtp": ("mtp",),  # Gemma 4's assistant (engine/mtp.py); "draft" is a standalone model
-}
-
-
-#: Draft.source of a draft the grammar forced whole (no drafter continued it)
-GRAMMAR_SOURCE = "grammar"
-#: Characters of forced text looked at per drafted token (JSON's keys and punctuation run ~3-4).
-FORCED_CHARS_PER_TOKEN = 8
 
 #: calibrate() measures every pass size up to this one (then only K + 1; others interpolated).
 CALIBRATE_ALL_UP_TO = 9
 #: The largest verify pass: pending token + a draft of SpecConfig.draft_max <= 64 tokens.
 MAX_VERIFY_ROWS = 65
-
-
-@dataclass
-class Drafting:
-    """One drafter with its draft-length policy (acceptance is measured per drafter)."""
-
-    drafter: Drafter
-    policy: DraftLengthPolicy
-
-
-def drafting_order(mode: str, drafters: Dict[str, Drafting], k_cap: int,
-                   adaptive: bool) -> Iterator[Tuple[Drafting, Decision]]:
-    """The drafters one step tries, in order, each with its policy's decision (draft length > 0).
-
-    ``draft+lookup`` (and the one-drafter modes) is a fixed chain in table order that honours
-    ``adaptive`` (``spec.adaptive``); a policy is asked only when its drafter's turn comes.
-    ``auto`` is always adaptive: it asks every policy first and tries the best predicted speedup
-    first (not measured yet counts as best; ties keep table order), or drafts nothing.
-    """
-    chain = [drafters[name] for name in DRAFTERS_BY_MODE[mode] if name in drafters]
-    if mode != "auto":
-        for drafting in chain:
-            decision = drafting.policy.decide(k_cap, adaptive)
-            if decision.draft_len > 0:
-                yield drafting, decision
-        return
-    decided = [(drafting, drafting.policy.decide(k_cap, True)) for drafting in chain]
-    decided.sort(key=lambda pair: -_rank(pair[1].predicted_speedup))
-    yield from ((drafting, decision) for drafting, decision in decided if decision.draft_len > 0)
-
-
-def _rank(speedup: float) -> float:
-    return math.inf if math.isnan(speedup) else speedup
 
 
 @dataclass
@@ -405,11 +356,15 @@ class Engine:
         target, stats, spec = self.target, run.stats, self._spec
         mode = run.request.spec_mode or spec.mode
         room = self.n_ctx - target.n_past - 1
-        k_cap = max(0, min(spec.draft_max, run.request.max_tokens - len(run.generated) - 1, room))
+        hard_cap = max(0, min(run.request.max_tokens - len(run.generated) - 1, room))
+        # constrained text is more predictable: its drafts may run longer than K (drafting.py)
+        k_cap = min(spec.draft_max if run.grammar is None else max(spec.draft_max, GRAMMAR_K), hard_cap)
         run.context.append(run.pending)
         export_hidden_for(self.drafters, DRAFTERS_BY_MODE[mode])  # for this step's verify pass
         with timed(stats, "draft_time"):
-            draft, decision, n_forced = self._propose(mode, spec, run.context, k_cap, run.grammar, stats)
+            draft, decision, n_forced = propose(self.drafters, self.costs, mode, spec, run.context,
+                                                k_cap, run.grammar, stats,
+                                                min(GRAMMAR_DRAFT_MAX, hard_cap))
         batch = [run.pending, *draft.tokens]
         n_keep = target.n_past
         with timed(stats, "verify_time"):
@@ -428,63 +383,6 @@ class Engine:
         stats.predicted_speedup = decision.predicted_speedup
         stats.generation_time += time.perf_counter() - started
         return verdict.tokens, self._mode_label(run, draft.source or None, mode), spec.draft_max
-
-    def _propose(self, mode: str, spec: SpecConfig, context: List[int], k_cap: int,
-                 grammar: Optional[Grammar] = None,
-                 stats: Optional[SpecStats] = None) -> Tuple[Draft, Decision, int]:
-        """The first non-empty draft in this step's drafting order, with its policy's decision, and
-        how many of its first tokens the grammar forced (0 without a grammar).
-
-        Under a grammar (any mode but ``off``), the text it forces from here (keys, punctuation,
-        the rest of an enum literal) comes first, drafted without a model; a drafter continues from
-        there, and its draft is cut before the first token the grammar refuses (that token could
-        never be accepted, and would cost a verify row)."""
-        if k_cap <= 0:
-            return EMPTY_DRAFT, PLAIN_STEP, 0
-        forced: List[int] = []
-        after = grammar
-        if grammar is not None and mode != "off":
-            forced, after = self._forced_tokens(grammar, context, k_cap)
-        try:
-            room = k_cap - len(forced)
-            for drafting, decision in drafting_order(mode, self.drafters, k_cap, spec.adaptive):
-                if room <= 0:
-                    break
-                started = time.perf_counter()
-                draft = drafting.drafter.propose(context + forced if forced else context,
-                                                 min(decision.draft_len, room), spec)
-                if draft.tokens and after is not None:
-                    keep = after.allowed_prefix(draft.tokens)
-                    if stats is not None:
-                        stats.num_grammar_cut_tokens += len(draft) - keep
-                    draft = _cut(draft, keep)
-                if draft.tokens:
-                    self.costs.observe_draft_time(draft.source, len(draft), time.perf_counter() - started)
-                    if forced:
-                        probs = None if draft.probs is None else (None,) * len(forced) + draft.probs
-                        draft = Draft(tuple(forced) + draft.tokens, probs, draft.source)
-                    return draft, decision, len(forced)
-        finally:
-            if after is not grammar and after is not None:
-                after.close()
-        if forced:
-            return Draft(tuple(forced), None, GRAMMAR_SOURCE), PLAIN_STEP, len(forced)
-        return EMPTY_DRAFT, PLAIN_STEP, 0
-
-    def _forced_tokens(self, grammar: Grammar, context: Sequence[int], limit: int) -> Tuple[List[int], Grammar]:
-        """The tokens of the text ``grammar`` forces after ``context`` (at most ``limit``), and the
-        grammar state after them (a clone: the caller closes it)."""
-        previous = self.target.token_bytes(context[-1]).decode("utf-8", "replace")[-1:] if context else ""
-        text = grammar.forced_text(FORCED_CHARS_PER_TOKEN * limit, previous)
-        tokens = self._grammar_vocab.tokenize(text)[:limit] if text else []
-        walk = grammar.clone()
-        kept: List[int] = []
-        for token in tokens:
-            if self.target.is_eog(token) or not walk.allows(token):
-                break
-            walk.accept(token)
-            kept.append(token)
-        return kept, walk
 
     def _observe(self, stats: SpecStats, draft: Draft, verdict: Verdict, n_forced: int = 0) -> None:
         """Feed one verify pass to the request's stats and to the drafter's policy (a drafter's
@@ -637,12 +535,3 @@ class Engine:
         if errors:
             raise errors[0]
 
-
-def _cut(draft: Draft, keep: int) -> Draft:
-    """``draft`` cut to its first ``keep`` tokens."""
-    if keep >= len(draft):
-        return draft
-    if keep == 0:
-        return EMPTY_DRAFT
-    probs = None if draft.probs is None else draft.probs[:keep]
-    return Draft(draft.tokens[:keep], probs, draft.source)

@@ -44,6 +44,8 @@ DEFAULT_SECONDS_PER_TOKEN = 10.0
 MASK_PROBES = ((16, 20.0), (128, 1.0))
 #: Calls over fewer candidates run unchecked (a character probe of ~100, a first argmax tier of 64).
 BOUNDED_FROM = 256
+#: Characters of forced text looked at per drafted token (JSON's keys and punctuation run ~3-4).
+FORCED_CHARS_PER_TOKEN = 8
 #: Candidates a greedy row's masked argmax is looked for among (the best 64, then the best 2,048)
 #: before the whole row is masked.
 ARGMAX_CANDIDATES = (64, 2048)
@@ -141,7 +143,7 @@ class GrammarVocab:
         self.n_vocab = n_vocab
         self.is_eog = is_eog
         self.tokenize = tokenize
-        self._token_bytes = token_bytes
+        self.token_bytes = token_bytes
         self._chars: Optional[Tuple[np.ndarray, List[str]]] = None
         self.eog_tokens = [t for t in range(min(n_vocab, 4096)) if is_eog(t)]
 
@@ -164,7 +166,7 @@ class GrammarVocab:
         if self._chars is None:
             ids, chars = [], []
             for token in range(self.n_vocab):
-                piece = self._token_bytes(token)
+                piece = self.token_bytes(token)
                 if len(piece) == 1 and (32 <= piece[0] < 127 or piece in (b"\n", b"\t")):
                     if not self.is_eog(token) and piece.decode() not in chars:
                         ids.append(token)
@@ -340,6 +342,23 @@ class Grammar:
             walk.close()
         return text
 
+
+    def forced_tokens(self, last_token: Optional[int], limit: int) -> Tuple[List[int], "Grammar"]:
+        """The tokens of :meth:`forced_text` after ``last_token`` (the text so far ends with it),
+        at most ``limit``, as the model's tokenizer spells that text; and the grammar state after
+        them (a clone: the caller closes it)."""
+        vocab = self._vocab
+        previous = "" if last_token is None else vocab.token_bytes(last_token).decode("utf-8", "replace")[-1:]
+        text = self.forced_text(FORCED_CHARS_PER_TOKEN * limit, previous)
+        tokens = vocab.tokenize(text)[:limit] if text else []
+        walk = self.clone()
+        kept: List[int] = []
+        for token in tokens:
+            if vocab.is_eog(token) or not walk.allows(token):
+                break
+            walk.accept(token)
+            kept.append(token)
+        return kept, walk
 
 def _layout_choice(choices: List[str], previous: str) -> Optional[str]:
     """The one character to draft among ``choices`` (None: the text is free here).

@@ -1,0 +1,124 @@
+"""Which drafter drafts a step: the table of the drafters each mode may use, the order a step tries
+them in, and the draft one verify pass checks (under a grammar: the text it forces first, then a
+drafter's continuation, cut before the first token the grammar refuses)."""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Tuple
+
+from .grammar import Grammar
+from .policy import PLAIN_STEP, CostModel, Decision, DraftLengthPolicy
+from .stats import SpecStats
+from .types import EMPTY_DRAFT, Draft, Drafter, SpecConfig
+
+#: The drafters (by ``Drafter.name``) each mode may use, in the order a step tries them: the first
+#: non-empty draft is verified. ``auto`` reorders them at every step (see :func:`drafting_order`).
+DRAFTERS_BY_MODE: Dict[str, Tuple[str, ...]] = {
+    "off": (),
+    "draft": ("draft",),
+    "lookup": ("lookup",),
+    "draft+lookup": ("lookup", "draft"),
+    "auto": ("lookup", "draft", "mtp"),
+    "mtp": ("mtp",),  # Gemma 4's assistant (engine/mtp.py); "draft" is a standalone model
+}
+
+
+#: Draft.source of a draft the grammar forced whole (no drafter continued it)
+GRAMMAR_SOURCE = "grammar"
+#: Most tokens of forced text one step drafts, whatever K (see :func:`propose`).
+GRAMMAR_DRAFT_MAX = 12
+#: Under a grammar a drafter's draft may run to max(K, GRAMMAR_K): constrained text is the most
+#: predictable there is. Planner suite, constrained, 4 prompts x 2, same run (docs/benchmarks.md):
+#: lookup at K 4 with forced text capped at 4 / 12 tokens 1.34x / 1.44x constrained off; K 8 with
+#: 12: 1.60x. Unconstrained requests keep K (there an adaptive cap of 8 measured 1.45x against
+#: 1.56x at 4 over the suites).
+GRAMMAR_K = 8
+
+
+@dataclass
+class Drafting:
+    """One drafter with its draft-length policy (acceptance is measured per drafter)."""
+
+    drafter: Drafter
+    policy: DraftLengthPolicy
+
+
+def drafting_order(mode: str, drafters: Dict[str, Drafting], k_cap: int,
+                   adaptive: bool) -> Iterator[Tuple[Drafting, Decision]]:
+    """The drafters one step tries, in order, each with its policy's decision (draft length > 0).
+
+    ``draft+lookup`` (and the one-drafter modes) is a fixed chain in table order that honours
+    ``adaptive`` (``spec.adaptive``); a policy is asked only when its drafter's turn comes.
+    ``auto`` is always adaptive: it asks every policy first and tries the best predicted speedup
+    first (not measured yet counts as best; ties keep table order), or drafts nothing.
+    """
+    chain = [drafters[name] for name in DRAFTERS_BY_MODE[mode] if name in drafters]
+    if mode != "auto":
+        for drafting in chain:
+            decision = drafting.policy.decide(k_cap, adaptive)
+            if decision.draft_len > 0:
+                yield drafting, decision
+        return
+    decided = [(drafting, drafting.policy.decide(k_cap, True)) for drafting in chain]
+    decided.sort(key=lambda pair: -_rank(pair[1].predicted_speedup))
+    yield from ((drafting, decision) for drafting, decision in decided if decision.draft_len > 0)
+
+
+def _rank(speedup: float) -> float:
+    return math.inf if math.isnan(speedup) else speedup
+
+
+def propose(drafters: Dict[str, Drafting], costs: CostModel, mode: str, spec: SpecConfig,
+            context: List[int], k_cap: int, grammar: Optional[Grammar] = None,
+            stats: Optional[SpecStats] = None, forced_cap: int = 0) -> Tuple[Draft, Decision, int]:
+    """The first non-empty draft in this step's drafting order, with its policy's decision, and
+    how many of its first tokens the grammar forced (0 without a grammar).
+
+    Under a grammar (any mode but ``off``), the text it forces from here (keys, punctuation,
+    the rest of an enum literal) comes first, drafted without a model, up to ``forced_cap`` tokens
+    (which may exceed K: such tokens cost no drafting and are nearly always accepted); a drafter
+    continues from there within K, and its draft is cut before the first token the grammar refuses
+    (that token could never be accepted, and would cost a verify row)."""
+    if k_cap <= 0:
+        return EMPTY_DRAFT, PLAIN_STEP, 0
+    forced: List[int] = []
+    after = grammar
+    if grammar is not None and mode != "off":
+        forced, after = grammar.forced_tokens(context[-1] if context else None, max(k_cap, forced_cap))
+    try:
+        room = k_cap - len(forced)
+        for drafting, decision in drafting_order(mode, drafters, k_cap, spec.adaptive):
+            if room <= 0:
+                break
+            started = time.perf_counter()
+            draft = drafting.drafter.propose(context + forced if forced else context,
+                                             min(decision.draft_len, room), spec)
+            if draft.tokens and after is not None:
+                keep = after.allowed_prefix(draft.tokens)
+                if stats is not None:
+                    stats.num_grammar_cut_tokens += len(draft) - keep
+                draft = _cut(draft, keep)
+            if draft.tokens:
+                costs.observe_draft_time(draft.source, len(draft), time.perf_counter() - started)
+                if forced:
+                    probs = None if draft.probs is None else (None,) * len(forced) + draft.probs
+                    draft = Draft(tuple(forced) + draft.tokens, probs, draft.source)
+                return draft, decision, len(forced)
+    finally:
+        if after is not grammar and after is not None:
+            after.close()
+    if forced:
+        return Draft(tuple(forced), None, GRAMMAR_SOURCE), PLAIN_STEP, len(forced)
+    return EMPTY_DRAFT, PLAIN_STEP, 0
+
+
+def _cut(draft: Draft, keep: int) -> Draft:
+    """``draft`` cut to its first ``keep`` tokens."""
+    if keep >= len(draft):
+        return draft
+    if keep == 0:
+        return EMPTY_DRAFT
+    probs = None if draft.probs is None else draft.probs[:keep]
+    return Draft(draft.tokens[:keep], probs, draft.source)
