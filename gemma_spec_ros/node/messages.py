@@ -87,8 +87,6 @@ def request_from_goal(goal: Any, values: Mapping[str, Any]) -> GenerationRequest
     if not math.isfinite(goal.time_budget) or goal.time_budget < 0:
         raise GoalRejected(f"time_budget={goal.time_budget}: must be >= 0 seconds "
                            "(0 = the node's generation.time_budget)")
-    if goal.grammar and goal.json_schema:
-        raise GoalRejected("grammar and json_schema are both set: give at most one of the two")
     grammar, json_schema = goal.grammar, goal.json_schema
     if not grammar and not json_schema:
         grammar, json_schema = values["generation.grammar"], values["generation.json_schema"]
