@@ -30,6 +30,7 @@ from builtin_interfaces.msg import Time
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 
 from ..engine.stats import SpecStats
+from . import spec_status_name
 
 #: Below this measured speedup the status warns. 5% under 1.0 so that timing noise of a policy that
 #: has switched speculation off (speedup ~1) does not flap the level.
@@ -214,7 +215,7 @@ def spec_status(view: NodeView, log: RequestLog, rolling: Optional[SpecStats]) -
         ("RSS MiB", rss_bytes() / 2**20),
         *view.backend.items(),  # ends with "dynamic cache n-grams"
     ]
-    return DiagnosticStatus(level=level, name=f"{view.node_name}: speculative decoding",
+    return DiagnosticStatus(level=level, name=spec_status_name(view.node_name),
                             message=message, hardware_id=view.hardware_id, values=_kv(pairs))
 
 
