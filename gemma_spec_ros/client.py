@@ -25,7 +25,7 @@ from rclpy.executors import MultiThreadedExecutor
 from rclpy.parameter import Parameter
 from rclpy.qos import QoSDurabilityPolicy, QoSProfile, QoSReliabilityPolicy
 
-from .node import action_name, spec_status_name  # noqa: F401  (re-exported for clients)
+from .node import action_name, spec_status_name  # noqa: F401  spec_status_name: for the client's users
 
 TRANSITIONS = {"configure": Transition.TRANSITION_CONFIGURE,
                "activate": Transition.TRANSITION_ACTIVATE,

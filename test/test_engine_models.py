@@ -83,7 +83,7 @@ def test_f16_logits_do_not_depend_on_the_batch(f16_engine):
     """What exact parity rests on: the setup's default build (no llamafile sgemm) gives the same
     logits for a position whether it is decoded alone or inside a verify batch; the ``fast`` build
     (llamafile sgemm) only within 0.05 (measured up to 0.019), which this checks under that build."""
-    from gemma_spec_ros.engine.backend import batch_invariant_build
+    from gemma_spec_ros.engine.llama_process import batch_invariant_build
     exact = batch_invariant_build()
     target = f16_engine.target
     tokens = f16_engine.prompt_tokens(GenerationRequest(PROMPTS["technical"]))

@@ -20,7 +20,7 @@ from typing import Iterator, List, Tuple
 import numpy as np
 import pytest
 
-from gemma_spec_ros.engine.backend import batch_invariant_build
+from gemma_spec_ros.engine.llama_process import batch_invariant_build
 from gemma_spec_ros.engine.engine import Engine
 from gemma_spec_ros.engine.sampling import Sampler
 from gemma_spec_ros.engine.types import (EngineConfig, GenerationRequest, ModelConfig, SamplingParams,

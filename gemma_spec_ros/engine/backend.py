@@ -13,116 +13,17 @@ from __future__ import annotations
 
 import ctypes
 import os
-import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from . import learned_cache
-from .types import KVCacheError, ModelConfig, ModelLoadError, VocabMismatchError
-
-_BACKEND_LOCK = threading.Lock()
-_BACKEND_READY = False
-
-
-def _llama():  # imported lazily so that importing the engine package never needs llama_cpp
-    import llama_cpp  # noqa: WPS433
-
-    return llama_cpp
-
-
-def _init_backend() -> None:
-    global _BACKEND_READY
-    with _BACKEND_LOCK:
-        if not _BACKEND_READY:
-            llama_cpp = _llama()
-            llama_cpp.llama_backend_init()
-            if not os.environ.get("GEMMA_SPEC_LLAMA_LOG"):
-                # llama.cpp logs every load at INFO on stderr; keep errors only.
-                _install_quiet_logger(llama_cpp)
-            _BACKEND_READY = True
-
-
-#: glibc's mallopt parameter for the most malloc arenas (malloc.h: M_ARENA_MAX = -8).
-_M_ARENA_MAX = -8
-
-
-def limit_malloc_arenas(count: int = 2) -> bool:
-    """Cap glibc's malloc arenas at ``count`` (call it before starting threads); False where there
-    is no glibc or ``MALLOC_ARENA_MAX`` is set (the user's choice wins).
-
-    A node loads and frees its models from whichever executor thread runs the transition, and glibc
-    gives each thread its own arena (up to 8 per core): a model's allocations then land in a new
-    arena at each cleanup/configure cycle and the freed ones stay fragmented. Measured on the
-    embedded model: anonymous RSS +2.6 MiB per cycle without the cap (after ``malloc_trim``), flat
-    with 2 arenas (40 cycles). The generation runs in one thread, so the cap costs no speed.
-    """
-    if os.environ.get("MALLOC_ARENA_MAX"):
-        return False
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(_M_ARENA_MAX, count))
-
-
-def batch_invariant_build() -> bool:
-    """Whether this llama.cpp build gives a position the same logits whatever the batch around it,
-    for F16/F32 weights on the CPU: built without llamafile's sgemm (``GEMMA_SPEC_LLAMA_BUILD=exact``,
-    the default of scripts/setup.sh). With it (``fast``) multi-row products sum in another order
-    (up to ~0.02 of a logit, measured on F16): speculative output then equals plain output except
-    at near-ties, which is not a promise."""
-    _init_backend()
-    return b"LLAMAFILE = 1" not in _llama().llama_print_system_info()
-
-
-def exact_output_expected(ftype: int) -> bool:
-    """Whether output of a model with llama.cpp file type ``ftype`` is promised bit-identical
-    whatever the batch shapes and rollbacks: under the exact build (every batch size gives the same
-    F16/F32 logits), or with unquantized weights (prompt reuse is promised bit-identical there)."""
-    llama_cpp = _llama()
-    unquantized = ftype in (llama_cpp.LLAMA_FTYPE_ALL_F32, llama_cpp.LLAMA_FTYPE_MOSTLY_F16,
-                            llama_cpp.LLAMA_FTYPE_MOSTLY_BF16)
-    return unquantized or batch_invariant_build()
-
-
-def return_freed_memory() -> bool:
-    """Give the heap pages freed so far back to the OS (glibc ``malloc_trim``); False where there is
-    no glibc. Freeing a model and its context (KV cache, compute buffers: hundreds of MiB) leaves
-    the pages in glibc's arenas, so without this each cleanup/configure cycle of a long-running
-    node added tens of MiB of resident memory, ~180 MiB after 5 cycles (measured)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return False
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    trim(0)
-    return True
-
+from .llama_process import _init_backend, _llama, exact_output_expected
+from .types import KVCacheError, ModelConfig, ModelLoadError
+from .vocab import VocabIdentity, token_texts_digest
 
 _BUILTIN_TEMPLATES = {"gemma": b"gemma"}  # model family (architecture less its version) -> llama.cpp name
-_LOG_CALLBACK = None  # keep a reference: llama.cpp holds the C pointer
-_GGML_LOG_LEVEL_ERROR = 4  # ggml_log_level: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5
-
-
-def _install_quiet_logger(llama_cpp) -> None:
-    global _LOG_CALLBACK
-
-    @llama_cpp.llama_log_callback
-    def _quiet(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-        if level == _GGML_LOG_LEVEL_ERROR:
-            try:
-                os.write(2, text)
-            except OSError:
-                pass
-
-    _LOG_CALLBACK = _quiet
-    llama_cpp.llama_log_set(_quiet, ctypes.c_void_p(0))
-
 
 class WindowLostError(KVCacheError):
     """A rollback went back past what a window-sized sliding cache still holds; the cache was
@@ -158,64 +59,6 @@ class BufferViews:
                 self._views.clear()
             view = self._views[key] = np.ctypeslib.as_array(pointer, shape=shape)
         return view
-
-
-@dataclass(frozen=True)
-class VocabIdentity:
-    """What must match between a draft and a target model (llama.cpp's rule)."""
-
-    vocab_type: int
-    n_vocab: int
-    bos: int
-    eos: int
-    add_bos: bool
-    token_texts_digest: str  # digest of all token texts, to compare without holding both lists
-
-
-def token_texts_digest(vocab: object) -> str:
-    """A digest of every token text of a llama.cpp vocabulary (``llama_model_get_vocab``)."""
-    import hashlib
-
-    llama_cpp = _llama()
-    digest = hashlib.sha1()
-    for token in range(int(llama_cpp.llama_vocab_n_tokens(vocab))):
-        digest.update(llama_cpp.llama_vocab_get_text(vocab, token) or b"")
-        digest.update(b"\0")
-    return digest.hexdigest()
-
-
-def vocab_tag_of(vocab: object) -> str:
-    """The tag learned n-gram cache files of a llama.cpp vocabulary carry (learned_cache.vocab_tag)."""
-    llama_cpp = _llama()
-    return learned_cache.vocab_tag(int(llama_cpp.llama_vocab_type(vocab)),
-                                   int(llama_cpp.llama_vocab_n_tokens(vocab)), token_texts_digest(vocab))
-
-
-def check_vocab_compatible(target: "LlamaBackend", draft: "LlamaBackend") -> None:
-    """Raise VocabMismatchError unless ``draft`` can draft for ``target``.
-
-    llama.cpp's rule (common/speculative): same vocab type, same BOS/EOS (and add-BOS), sizes within
-    128 of each other, identical token texts over the common range (we compare all tokens after
-    the first 5 control ids like llama.cpp does, over the shared range).
-    """
-    t, d = target.vocab_identity, draft.vocab_identity
-    problems = []
-    if t.vocab_type != d.vocab_type:
-        problems.append(f"vocab type {d.vocab_type} != target's {t.vocab_type}")
-    if abs(t.n_vocab - d.n_vocab) > 128:
-        problems.append(f"vocab size {d.n_vocab} differs from target's {t.n_vocab} by more than 128")
-    if (t.bos, t.eos, t.add_bos) != (d.bos, d.eos, d.add_bos):
-        problems.append(f"BOS/EOS {d.bos}/{d.eos} != target's {t.bos}/{t.eos}")
-    if not problems:
-        n_common = min(t.n_vocab, d.n_vocab)
-        for token in range(5, n_common):
-            if target.token_text(token) != draft.token_text(token):
-                problems.append(f"token {token} is {draft.token_text(token)!r} in the draft but "
-                                f"{target.token_text(token)!r} in the target")
-                break
-    if problems:
-        raise VocabMismatchError(
-            f"draft model {draft.path} cannot draft for target {target.path}: " + "; ".join(problems))
 
 
 class LlamaBackend:

@@ -5,7 +5,8 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from .backend import LlamaBackend, check_vocab_compatible
+from .backend import LlamaBackend
+from .vocab import check_vocab_compatible
 from .sampling import Sampler, inverse_cdf
 from .types import Draft, ModelConfig, SamplingParams, SpecConfig
 

@@ -31,21 +31,22 @@ Public API (the node and the bench use only this):
 """
 from __future__ import annotations
 
-import math
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-import numpy as np
 
-from .backend import DecodeInterrupted, LlamaBackend, return_freed_memory
+from .backend import DecodeInterrupted, LlamaBackend
+from .llama_process import return_freed_memory
 from .draft_model import DraftModelDrafter
 from .drafting import DRAFTERS_BY_MODE, GRAMMAR_DRAFT_MAX, GRAMMAR_K, Drafting, propose
 from .grammar import Grammar, GrammarVocab, gbnf_of
 from .lookup import LookupDrafter
 from .mtp import export_hidden_for, model_drafter, mtp_drafter, mtp_spec_problem
+from .calibration import calibrate
 from .policy import CostModel, DraftLengthPolicy
+from .run import Run
 from .sampling import Sampler, make_rng
 from .stats import SpecStats, timed
 from .text import TextAssembler
@@ -54,30 +55,8 @@ from .types import (DRAFT_MODES, CountedPrompt, Draft, Drafter, EngineConfig,
 from .verify import Verdict, verify_exact, verify_rejection
 
 
-#: calibrate() measures every pass size up to this one (then only K + 1; others interpolated).
-CALIBRATE_ALL_UP_TO = 9
 #: The largest verify pass: pending token + a draft of SpecConfig.draft_max <= 64 tokens.
 MAX_VERIFY_ROWS = 65
-
-
-@dataclass
-class _Run:
-    """One request's state between steps."""
-
-    request: GenerationRequest
-    sampler: Sampler
-    rng: np.random.Generator
-    stats: SpecStats
-    text: TextAssembler
-    prompt: List[int]
-    # spec.verification at the start, kept for the whole request (a change applies to the next one)
-    verification: str
-    use_rejection: bool  # rejection verification, and the request samples (greedy is exact)
-    grammar: Optional[Grammar] = None  # the request's constraint (grammar or json_schema), if any
-    context: List[int] = field(default_factory=list)  # tokens the target has decoded
-    pending: int = -1  # the last emitted token: sampled, not yet decoded by the target
-    generated: List[int] = field(default_factory=list)  # tokens emitted so far
-    started: float = field(default_factory=time.perf_counter)  # when generate() took the request
 
 
 class Engine:
@@ -268,11 +247,6 @@ class Engine:
     def _stop_requested(self, cancel: Optional[threading.Event]) -> bool:
         return self._closing.is_set() or (cancel is not None and cancel.is_set())
 
-    @staticmethod
-    def _over_budget(run: _Run) -> bool:
-        budget = run.request.time_budget
-        return bool(budget) and time.perf_counter() - run.started >= budget
-
     def _generate(self, request: GenerationRequest, cancel: Optional[threading.Event],
                   counted: Optional[CountedPrompt]) -> Iterator[Step]:
         if counted is not None and counted.tokens is not None:  # the caller checked the request
@@ -286,10 +260,10 @@ class Engine:
                 first = self._prompt_pass(run, cancel)
             except DecodeInterrupted:  # cancelled, closing or out of time between two prompt chunks
                 reason = "cancelled" if self._stop_requested(cancel) else "timeout"
-                yield Step((), run.text.flush(), run.stats.snapshot(), self._mode_label(run, None),
+                yield Step((), run.text.flush(), run.stats.snapshot(), run.mode_label(self._spec.mode),
                            self._spec.draft_max, reason)
                 return
-            step = self._emit(run, (first,), self._mode_label(run, None), self._spec.draft_max, cancel)
+            step = self._emit(run, (first,), run.mode_label(self._spec.mode), self._spec.draft_max, cancel)
             yield step
             while step.finish_reason is None:
                 if self._stop_requested(cancel):  # set while the consumer held the step
@@ -305,15 +279,15 @@ class Engine:
         finally:
             self._end_run(run)
 
-    def _new_run(self, request: GenerationRequest, prompt: List[int]) -> _Run:
+    def _new_run(self, request: GenerationRequest, prompt: List[int]) -> Run:
         sampler = Sampler(request.sampling)
         verification = self._spec.verification
-        return _Run(request, sampler, make_rng(request.sampling.seed),
+        return Run(request, sampler, make_rng(request.sampling.seed),
                     SpecStats(num_prompt_tokens=len(prompt)), TextAssembler(self.target, request.stop),
                     prompt, verification, verification == "rejection" and not sampler.greedy,
                     grammar=self.compile_constraint(request))
 
-    def _prompt_pass(self, run: _Run, cancel: Optional[threading.Event] = None) -> int:
+    def _prompt_pass(self, run: Run, cancel: Optional[threading.Event] = None) -> int:
         """Decode the prompt, sample the first token, start the drafters and their policies.
 
         Raises DecodeInterrupted if ``cancel``, close() or the request's time budget stops it
@@ -323,7 +297,7 @@ class Engine:
             export_hidden_for(self.drafters, DRAFTERS_BY_MODE[run.request.spec_mode or self._spec.mode])
             rest = run.prompt[reused:]
             rows = self.target.decode(
-                rest, [len(rest) - 1], stop=lambda: self._stop_requested(cancel) or self._over_budget(run))
+                rest, [len(rest) - 1], stop=lambda: self._stop_requested(cancel) or run.over_budget())
             first = verify_exact(rows, (), run.sampler, run.rng, run.grammar).tokens[0]
         run.stats.num_prompt_tokens_reused = reused
         run.stats.time_to_first_token = time.perf_counter() - run.started
@@ -348,7 +322,7 @@ class Engine:
             return 0
         return self.target.reuse_prefix(prompt, keep_last=1)
 
-    def _speculative_step(self, run: _Run) -> Tuple[Tuple[int, ...], str, int]:
+    def _speculative_step(self, run: Run) -> Tuple[Tuple[int, ...], str, int]:
         """One target pass: propose a draft -> decode pending + draft -> accept -> roll back the
         rejected tokens' KV cells -> observe. Returns the tokens the pass emits (the accepted draft
         prefix + the recovered or bonus token), the mode label and K in effect."""
@@ -382,7 +356,7 @@ class Engine:
         run.pending = verdict.tokens[-1]
         stats.predicted_speedup = decision.predicted_speedup
         stats.generation_time += time.perf_counter() - started
-        return verdict.tokens, self._mode_label(run, draft.source or None, mode), spec.draft_max
+        return verdict.tokens, run.mode_label(spec.mode, draft.source or None), spec.draft_max
 
     def _observe(self, stats: SpecStats, draft: Draft, verdict: Verdict, n_forced: int = 0) -> None:
         """Feed one verify pass to the request's stats and to the drafter's policy (a drafter's
@@ -397,49 +371,15 @@ class Engine:
             if own > 0 and verdict.num_accepted >= n_forced:  # the drafter's part was reached
                 self.drafters[draft.source].policy.observe(own, verdict.num_accepted - n_forced)
 
-    def _emit(self, run: _Run, tokens: Sequence[int], mode_label: str, draft_max: int,
+    def _emit(self, run: Run, tokens: Sequence[int], mode_label: str, draft_max: int,
               cancel: Optional[threading.Event]) -> Step:
-        """The Step of tokens a pass produced: cut at max_tokens and at end-of-generation, text cut
-        at stop strings, ``finish_reason`` set when the generation ends here."""
-        target, stats, max_tokens = self.target, run.stats, run.request.max_tokens
-        emitted: List[int] = []
-        eos_hit = False
-        for token in tokens:
-            if len(run.generated) >= max_tokens:
-                break
-            if target.is_eog(token):
-                eos_hit = True
-                break
-            emitted.append(token)
-            run.generated.append(token)
-        new_text = run.text.push(emitted)
-        finish = None
-        if run.text.stopped or eos_hit:
-            finish = "stop"
-        elif len(run.generated) >= max_tokens or target.n_past + 1 >= self.n_ctx:
-            finish = "length"
-        elif self._stop_requested(cancel):
-            finish = "cancelled"
-        elif self._over_budget(run):
-            finish = "timeout"
-        detail = ""
-        if finish is not None:
-            new_text += run.text.flush()
-            if finish == "length" and run.grammar is not None and not run.grammar.complete():
-                detail = ("max_tokens ran out before the grammar was complete: the text is not a whole "
-                          "match of the grammar / json_schema (raise max_tokens)")
-        stats.num_generated_tokens = len(run.generated)
-        stats.spec_mode, stats.draft_max, stats.verification = mode_label, draft_max, run.verification
-        stats.plain_token_time = self.costs.plain_token_time
-        if run.grammar is not None:
-            stats.num_grammar_masks, stats.grammar_time = run.grammar.masks, run.grammar.seconds
-        return Step(tuple(emitted), new_text, stats.snapshot(), mode_label, draft_max, finish, detail)
+        target = self.target
+        return run.emit(tokens, mode_label, draft_max, is_eog=target.is_eog,
+                        context_full=lambda: target.n_past + 1 >= self.n_ctx,
+                        stop_requested=lambda: self._stop_requested(cancel),
+                        plain_token_time=self.costs.plain_token_time)
 
-    def _mode_label(self, run: _Run, source: Optional[str], mode: Optional[str] = None) -> str:
-        mode = mode or run.request.spec_mode or self._spec.mode
-        return f"auto:{source or 'off'}" if mode == "auto" else mode
-
-    def _end_run(self, run: _Run) -> None:
+    def _end_run(self, run: Run) -> None:
         """The request ended (finished, cancelled, or failed): drafters learn, stats roll up."""
         run.stats.plain_token_time = self.costs.plain_token_time
         if run.grammar is not None:
@@ -457,47 +397,10 @@ class Engine:
     # -- calibration and teardown ---------------------------------------------------------------
     def calibrate(self, sizes: Sequence[int] = (), context_len: int = 64, repeats: int = 2,
                   warmup: int = 2) -> Dict[int, float]:
-        """Measure the target's pass cost per batch size on this device (seeds the cost model).
-
-        Every size first runs ``warmup`` untimed passes: the first passes of a batch shape are slower
-        than the steady state (page faults of the memory-mapped weights on a CPU; kernel selection and
-        CUDA-graph capture on a GPU, where a cold V(1) came out ~3x the steady one on an H200). A V(1)
-        that is too high makes every draft look profitable, and in a speculative mode plain steps are
-        rare, so the estimate would not be corrected by later measurements. The draft model, if any,
-        is warmed up the same way (its cost is measured while drafting).
-
-        By default every size from 1 to K + 1 (up to 9, then K + 1): pass costs are far from linear
-        in the rows. On a 2-core CPU with the embedded Q4_K_M model, 3 rows cost as much as 4 (the
-        repacked Q4_K kernels take 4 columns at a time) and 5 rows jump again; interpolating 3 from
-        2 and 4 made a 2-token draft look cheaper than it is.
-        """
-        target = self.target
-        k_rows = self._spec.draft_max + 1
-        sizes = sorted(set(sizes or (*range(1, min(k_rows, CALIBRATE_ALL_UP_TO) + 1), k_rows)))
-        context_len = max(1, min(context_len, self.n_ctx - max(sizes) - 1))
-        def token(i: int) -> int:  # ordinary tokens of any vocabulary, past the first control ids
-            return 3 + (997 + i) % max(1, target.n_vocab - 3)
-
-        filler = [target.bos if target.bos >= 0 else token(0)] + [token(i) for i in range(context_len - 1)]
-        for drafting in self.drafters.values():
-            drafting.drafter.warm_up(filler, max(sizes), warmup)
-        target.clear()
-        target.decode(filler, [])
-        measured: Dict[int, float] = {}
-        for n in sizes:
-            batch = [token(context_len + i) for i in range(n)]
-            for _ in range(warmup):
-                target.decode(batch, range(n))
-                target.rollback(context_len)
-            best = math.inf
-            for _ in range(repeats):
-                _, seconds = target.timed_decode(batch, range(n))
-                target.rollback(context_len)
-                best = min(best, seconds)
-            measured[n] = best
-            self.costs.observe_verify(n, best)
-        target.clear()
-        return measured
+        """Measure the target's pass cost per batch size on this device (seeds the cost model);
+        see calibration.calibrate."""
+        return calibrate(self.target, [d.drafter for d in self.drafters.values()], self.costs,
+                         self._spec.draft_max, sizes, context_len, repeats, warmup)
 
     def close(self, timeout: Optional[float] = None) -> bool:
         """Free models and persist the dynamic n-gram cache (idempotent). Never frees a model while

@@ -28,7 +28,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .backend import BufferViews, LlamaBackend, _init_backend, _llama
+from .backend import BufferViews, LlamaBackend
+from .llama_process import _init_backend, _llama
 from .draft_model import DraftModelDrafter, next_draft_token
 from .gguf_header import GGUFHeaderError, architecture
 from .sampling import Sampler

@@ -27,7 +27,7 @@ from typing import List, Optional, Sequence
 from tqdm import tqdm
 
 from ..engine import learned_cache
-from ..engine.backend import vocab_tag_of
+from ..engine.vocab import vocab_tag_of
 from ..engine.ngram_cache import NGRAM_MAX, NGRAM_STATIC, NgramCache
 from ..engine.types import CacheFormatError, ModelLoadError
 

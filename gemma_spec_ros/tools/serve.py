@@ -35,7 +35,7 @@ from rclpy.lifecycle import TransitionCallbackReturn
 from rclpy.signals import SignalHandlerOptions
 from rclpy.utilities import remove_ros_args
 
-from ..engine.backend import limit_malloc_arenas
+from ..engine.llama_process import limit_malloc_arenas
 from ..node import NODE_NAME
 from ..node.node import MIN_EXECUTOR_THREADS, GemmaSpecNode
 

@@ -1,0 +1,62 @@
+"""Calibration: what one target pass costs per batch size on this device, measured at load.
+
+The cost model (policy.CostModel) decides every draft length from these figures until real passes
+replace them, so they are measured, not guessed: on a CPU the cost per row is far from linear.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Iterable, Sequence
+
+from .backend import LlamaBackend
+from .policy import CostModel
+from .types import Drafter
+
+#: calibrate() measures every pass size up to this one (then only K + 1; others interpolated).
+CALIBRATE_ALL_UP_TO = 9
+
+
+def calibrate(target: LlamaBackend, drafters: Iterable[Drafter], costs: CostModel, draft_max: int,
+              sizes: Sequence[int] = (), context_len: int = 64, repeats: int = 2,
+              warmup: int = 2) -> Dict[int, float]:
+    """Measure the target's pass cost per batch size on this device (seeds the cost model).
+
+    Every size first runs ``warmup`` untimed passes: the first passes of a batch shape are slower
+    than the steady state (page faults of the memory-mapped weights on a CPU; kernel selection and
+    CUDA-graph capture on a GPU, where a cold V(1) came out ~3x the steady one on an H200). A V(1)
+    that is too high makes every draft look profitable, and in a speculative mode plain steps are
+    rare, so the estimate would not be corrected by later measurements. The draft model, if any,
+    is warmed up the same way (its cost is measured while drafting).
+
+    By default every size from 1 to K + 1 (up to 9, then K + 1): pass costs are far from linear
+    in the rows. On a 2-core CPU with the embedded Q4_K_M model, 3 rows cost as much as 4 (the
+    repacked Q4_K kernels take 4 columns at a time) and 5 rows jump again; interpolating 3 from
+    2 and 4 made a 2-token draft look cheaper than it is.
+    """
+    k_rows = draft_max + 1
+    sizes = sorted(set(sizes or (*range(1, min(k_rows, CALIBRATE_ALL_UP_TO) + 1), k_rows)))
+    context_len = max(1, min(context_len, target.n_ctx - max(sizes) - 1))
+
+    def token(i: int) -> int:  # ordinary tokens of any vocabulary, past the first control ids
+        return 3 + (997 + i) % max(1, target.n_vocab - 3)
+
+    filler = [target.bos if target.bos >= 0 else token(0)] + [token(i) for i in range(context_len - 1)]
+    for drafter in drafters:
+        drafter.warm_up(filler, max(sizes), warmup)
+    target.clear()
+    target.decode(filler, [])
+    measured: Dict[int, float] = {}
+    for n in sizes:
+        batch = [token(context_len + i) for i in range(n)]
+        for _ in range(warmup):
+            target.decode(batch, range(n))
+            target.rollback(context_len)
+        best = math.inf
+        for _ in range(repeats):
+            _, seconds = target.timed_decode(batch, range(n))
+            target.rollback(context_len)
+            best = min(best, seconds)
+        measured[n] = best
+        costs.observe_verify(n, best)
+    target.clear()
+    return measured
