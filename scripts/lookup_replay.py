@@ -18,6 +18,7 @@ from typing import Dict, List, Sequence, Tuple
 from gemma_spec_ros.engine.engine import Engine
 from gemma_spec_ros.engine.lookup import LookupDrafter
 from gemma_spec_ros.engine.policy import CostModel, DraftLengthPolicy
+from gemma_spec_ros.engine.shadow import ShadowDrafts
 from gemma_spec_ros.engine.types import GenerationRequest, LookupConfig, SamplingParams
 from gemma_spec_ros.tools.bench.config import default_params, engine_config, find_data_dir, load_suites
 from gemma_spec_ros.tools.bench.corpus import default_corpus, random_suite
@@ -25,13 +26,13 @@ from gemma_spec_ros.tools.bench.corpus import default_corpus, random_suite
 #: ms per target pass by rows: llama.cpp's own step profile of the embedded model on the 2-core CPU.
 PASS_MS: Dict[int, float] = {1: 20.0, 2: 25.0, 3: 27.6, 4: 27.6, 5: 33.0, 6: 35.0, 7: 38.0, 8: 41.0, 9: 43.6,
                              **{n: 43.6 + 4.9 * (n - 9) for n in range(10, 18)}}
-#: name -> (cap on K, adaptive)
-STRATEGIES: Dict[str, Tuple[int, bool]] = {"A4": (4, True), "A8": (8, True), "A16": (16, True),
-                                           "K3": (3, False), "K4": (4, False), "K5": (5, False),
-                                           "K8": (8, False)}
+#: name -> (cap on K, adaptive[, shadow drafts while off])
+STRATEGIES: Dict[str, Tuple] = {"A4": (4, True), "A8": (8, True), "A16": (16, True),
+                                "A4s": (4, True, True), "A8s": (8, True, True),
+                                "K3": (3, False), "K4": (4, False), "K5": (5, False), "K8": (8, False)}
 
 
-def replay(prompt: Sequence[int], out: Sequence[int], cap: int, adaptive: bool) -> float:
+def replay(prompt: Sequence[int], out: Sequence[int], cap: int, adaptive: bool, shadow: bool = False) -> float:
     """Modelled speedup of one strategy on one reference output (the first token is the prompt's)."""
     costs = CostModel()
     for rows, ms in sorted(PASS_MS.items()):
@@ -39,10 +40,14 @@ def replay(prompt: Sequence[int], out: Sequence[int], cap: int, adaptive: bool) 
     policy, drafter = DraftLengthPolicy("lookup", costs), LookupDrafter(LookupConfig())
     drafter.begin(prompt)
     context, i, seconds = list(prompt) + list(out[:1]), 1, 0.0
+    shadows = ShadowDrafts() if shadow else None
     while i < len(out):
         k_cap = min(cap, len(out) - i - 1)
         k = policy.decide(k_cap, adaptive).draft_len if k_cap > 0 else 0
         draft = drafter.propose(context, k).tokens if k else ()
+        if shadows is not None and k_cap > 0:  # as the engine does (engine/shadow.py)
+            shadows.settle(out[:i], {"lookup": policy})
+            shadows.draft([(drafter, policy)], "lookup" if draft else "", context, i, k_cap)
         accepted = 0
         while accepted < len(draft) and draft[accepted] == out[i + accepted]:
             accepted += 1
@@ -55,13 +60,37 @@ def replay(prompt: Sequence[int], out: Sequence[int], cap: int, adaptive: bool) 
     return (len(out) - 1) * PASS_MS[1] / 1e3 / seconds
 
 
+def pass_costs(spec: str, max_rows: int) -> Dict[int, float]:
+    """``"1:18.9,4:39"`` -> ms for every pass size 1..max_rows: linear between the sizes given, and
+    past the last along the slope of the last two."""
+    given = sorted((int(rows), float(ms)) for rows, ms in (item.split(":") for item in spec.split(",")))
+    costs: Dict[int, float] = {}
+    for rows in range(1, max_rows + 1):
+        lower = max((g for g in given if g[0] <= rows), default=given[0])
+        upper = min((g for g in given if g[0] >= rows), default=None)
+        if upper is None:  # past the last: the last two's slope
+            (r0, m0), (r1, m1) = given[-2] if len(given) > 1 else given[-1], given[-1]
+            costs[rows] = m1 + (rows - r1) * ((m1 - m0) / (r1 - r0) if r1 != r0 else 0.0)
+        elif upper[0] == lower[0]:
+            costs[rows] = lower[1]
+        else:
+            costs[rows] = lower[1] + (rows - lower[0]) * (upper[1] - lower[1]) / (upper[0] - lower[0])
+    return costs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts-per-suite", type=int, default=2)
     parser.add_argument("--random-prompts", type=int, default=10)
     parser.add_argument("--seed", type=int, default=20261202)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--pass-ms", default="",
+                        help="pass costs to charge, e.g. 1:18.9,2:29,4:39 (ms by rows; sizes not given "
+                             "are interpolated, past the last extrapolated): default PASS_MS")
     args = parser.parse_args()
+    if args.pass_ms:
+        PASS_MS.clear()
+        PASS_MS.update(pass_costs(args.pass_ms, max_rows=max(v[0] for v in STRATEGIES.values()) + 1))
     prompts_dir = find_data_dir("prompts")
     prompts = [(f"{s.name}/{p.id}", p.text) for s in load_suites(prompts_dir) for p in s.prompts[:args.prompts_per_suite]]
     if args.random_prompts:
@@ -79,7 +108,7 @@ def main() -> None:
     print("prompt".ljust(48) + "".join(s.rjust(7) for s in STRATEGIES))
     for name, figures in rows:
         print(name[:48].ljust(48) + "".join(f"{figures[s]:7.2f}" for s in STRATEGIES))
-    fixed = [s for s, (_, adaptive) in STRATEGIES.items() if not adaptive]
+    fixed = [s for s, v in STRATEGIES.items() if not v[1]]
     for s in STRATEGIES:
         values = [f[s] for _, f in rows]
         best = [f[s] / max(f[k] for k in fixed) for _, f in rows]

@@ -339,6 +339,8 @@ class Engine:
             draft, decision, n_forced = propose(self.drafters, self.costs, mode, spec, run.context,
                                                 k_cap, run.grammar, stats,
                                                 min(GRAMMAR_DRAFT_MAX, hard_cap))
+            if run.grammar is None and k_cap > 0:
+                self._shadow_drafts(run, mode, draft, k_cap)
         batch = [run.pending, *draft.tokens]
         n_keep = target.n_past
         with timed(stats, "verify_time"):
@@ -357,6 +359,14 @@ class Engine:
         stats.predicted_speedup = decision.predicted_speedup
         stats.generation_time += time.perf_counter() - started
         return verdict.tokens, run.mode_label(spec.mode, draft.source or None), spec.draft_max
+
+    def _shadow_drafts(self, run: Run, mode: str, draft: Draft, k_cap: int) -> None:
+        """Settle the request's shadow drafts against what was emitted, and make new ones for the
+        drafters of this mode that draft for free while their policy is off (engine/shadow.py)."""
+        run.shadows.settle(run.generated, {name: d.policy for name, d in self.drafters.items()})
+        chain = [self.drafters[name] for name in DRAFTERS_BY_MODE[mode] if name in self.drafters]
+        run.shadows.draft(((d.drafter, d.policy) for d in chain), draft.source if draft.tokens else "",
+                          run.context, len(run.generated), k_cap)
 
     def _observe(self, stats: SpecStats, draft: Draft, verdict: Verdict, n_forced: int = 0) -> None:
         """Feed one verify pass to the request's stats and to the drafter's policy (a drafter's

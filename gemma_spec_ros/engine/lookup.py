@@ -193,6 +193,7 @@ class LookupDrafter:
 
     name = "lookup"
     cheap_to_probe = True  # a probe is a few dictionary lookups
+    free_drafts = True  # so a plain step can make a shadow draft (engine/shadow.py)
 
     def __init__(self, config: LookupConfig, static_cache: Optional[NgramCache] = None,
                  dynamic_cache: Optional[NgramCache] = None, vocab_tag: str = "") -> None:

@@ -242,6 +242,11 @@ class DraftLengthPolicy:
             self._steps_off = 0
             self._probe_interval = min(self.probe_max, self._probe_interval * 2)
 
+    def observe_shadow(self, num_drafted: int, num_accepted: int) -> None:
+        """A draft that was made but not verified (the policy was off), checked against the tokens
+        the plain steps after it emitted: acceptance learned at no cost (see engine/shadow.py)."""
+        self.acceptance.observe(num_drafted, num_accepted)
+
     def new_request(self) -> None:
         """A new prompt starts: if off, probe at its first draftable step, then every probe_min."""
         if not self.enabled and self.probe_new_requests:

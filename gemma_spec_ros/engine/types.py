@@ -327,6 +327,9 @@ class Drafter(Protocol):
 
     name: str  # "lookup" | "draft": the key of the mode table and Draft.source
     cheap_to_probe: bool  # a probe costs ~nothing (n-gram lookup); a model first catches up on the context
+    #: its drafts run no model (n-gram lookup): while its policy is off, a plain step may still
+    #: draft, to check the draft against the tokens emitted (engine/shadow.py)
+    free_drafts: bool
 
     def begin(self, prompt_tokens: Sequence[int], sampling: Optional[SamplingParams] = None,
               rng: Optional["np.random.Generator"] = None) -> None:
