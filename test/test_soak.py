@@ -17,8 +17,8 @@ from typing import Any, Dict, List, Tuple
 
 import pytest
 
-from gemma_spec_ros.tools.soak import Soak, cycle_plan, percentiles, render_svg, slope
-from gemma_spec_ros.tools.soak_remote import DEFAULT_LLAMA_SERVER
+from gemma_spec_dev.soak.driver import Soak, cycle_plan, percentiles, render_svg, slope
+from gemma_spec_dev.soak.remote_phase import DEFAULT_LLAMA_SERVER
 
 
 def test_helpers() -> None:
@@ -71,7 +71,7 @@ def run_soak(repo_root: Path, model: Path, out: Path, options: List[str],
     overrides = {"target.model_path": str(model), "target.n_threads": 1, "target.n_ctx": 1024,
                  "limits.max_prompt_tokens": 256, "limits.max_tokens": 64, "generation.max_tokens": 12,
                  "diagnostics.period": 0.5, **overrides}
-    cmd = [sys.executable, "-m", "gemma_spec_ros.tools.soak",
+    cmd = [sys.executable, "-m", "gemma_spec_dev.soak.driver",
            "--params-file", str(repo_root / "config" / "embedded.yaml"),
            "--node-name", f"gemma_spec_soak_{os.getpid()}", "--sample-period", "2",
            "--max-tokens", "12", "--out", str(out), "--no-progress", *options]

@@ -14,7 +14,7 @@ What it does (seeded, so a run can be repeated):
   must be accepted, and invalid ones, which must be refused with a reason) and runs the lifecycle
   cycles (``--cycles`` deactivate/activate, ``--cleanup-cycles`` cleanup/configure/activate, and
   with ``--remote-phase`` a phase on ``backend: remote`` with a real llama-server frozen by SIGSTOP
-  for ``--freeze`` seconds: see :mod:`gemma_spec_ros.tools.soak_remote`);
+  for ``--freeze`` seconds: see :mod:`gemma_spec_dev.soak.remote_phase`);
 - at the end it sends a few goals and, with them running and queued, stops the server with SIGINT.
 
 Checks (each PASS/FAIL in the report): every accepted goal got one result (0 lost); every invalid
@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import soak_remote
+from . import remote_phase as soak_remote
 
 # Kept free of rclpy at import time (the module is imported by tests that only parse arguments).
 
@@ -821,7 +821,7 @@ class Soak:
         path = self.overrides.get("lookup.dynamic_path", "")
         if not path:
             return {"pass": True, "detail": "no lookup.dynamic_path override: not checked"}
-        from ..engine import learned_cache
+        from gemma_spec_ros.engine import learned_cache
         try:
             _, cache = learned_cache.read(os.path.expanduser(path))
         except Exception as exc:  # noqa: BLE001

@@ -43,8 +43,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Dict, IO, List, Mapping, Optional, Sequence, Tuple
 
-from ...engine.mtp import is_assistant
-from ...engine.types import expand_path
+from gemma_spec_ros.engine.mtp import is_assistant
+from gemma_spec_ros.engine.types import expand_path
 from .config import (REFERENCE_RUNNER, Prompt, RunnerSpec, Suite, apply_overrides,
                            default_params, find_data_dir, load_params, load_suites, model_config, parse_baselines, parse_ks,
                            PROMPT_REUSE_CHOICES, parse_modes, parse_native_sweep, plan_runners, select_suites, thread_count)
@@ -73,7 +73,7 @@ class WorkerHandle:
         self.spec = spec
         self._timeout_s = timeout_s
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "gemma_spec_ros.tools.bench.worker"], stdin=subprocess.PIPE,
+            [sys.executable, "-m", "gemma_spec_dev.bench.worker"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1)
         self.peak_rss_mb = 0.0
         reply = self._call({"cmd": "init", "runner": asdict(spec), "params": dict(params),

@@ -16,8 +16,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
-from ...engine.types import DRAFT_MODES, MTP_MODES, SPEC_MODES, EngineConfig, ModelConfig, expand_path
-from ...node import parameters as node_parameters
+from gemma_spec_ros.engine.types import DRAFT_MODES, MTP_MODES, SPEC_MODES, EngineConfig, ModelConfig, expand_path
+from gemma_spec_ros.node import parameters as node_parameters
 
 PACKAGE = "gemma_spec_ros"
 #: llama-cpp-python baselines: plain generation and its built-in prompt lookup.

@@ -7,11 +7,11 @@ Protocol: one JSON object per line. The parent writes ``{"cmd": "init", "runner"
 The reply channel is a private copy of the original stdout; fd 1 is pointed at stderr so that anything
 a library prints cannot corrupt the protocol.
 
-Run as ``python -m gemma_spec_ros.tools.bench.worker`` (the parent does this).
+Run as ``python -m gemma_spec_dev.bench.worker`` (the parent does this).
 """
 from __future__ import annotations
 
-from ..llama_first import import_llama_cpp_first
+from gemma_spec_ros.tools.llama_first import import_llama_cpp_first
 
 import_llama_cpp_first()
 
@@ -74,7 +74,7 @@ class EngineRunner:
     """Our engine in one mode, with K fixed or adaptive (one Engine per worker)."""
 
     def __init__(self, spec: RunnerSpec, params: Dict[str, Any]) -> None:
-        from ...engine.engine import Engine  # imported here: the parent process never loads models
+        from gemma_spec_ros.engine.engine import Engine  # imported here: the parent process never loads models
 
         self._mode = spec.mode
         self._reuse_prompt = spec.reuse_prompt
@@ -82,7 +82,7 @@ class EngineRunner:
         self.info = {"model_info": self._engine.model_info(), "spec": repr(self._engine.spec)}
 
     def run(self, request: Request) -> RunResult:
-        from ...engine.types import GenerationRequest, SamplingParams
+        from gemma_spec_ros.engine.types import GenerationRequest, SamplingParams
 
         sampling = SamplingParams(temperature=float(request["temperature"]), seed=int(request["seed"]))
         req = GenerationRequest(prompt=request["prompt"], max_tokens=int(request["max_tokens"]),
@@ -278,7 +278,7 @@ def serve(lines: Iterable[str], reply: TextIO) -> int:
 
 
 def main() -> int:
-    """Entry of ``python -m gemma_spec_ros.tools.bench.worker``."""
+    """Entry of ``python -m gemma_spec_dev.bench.worker``."""
     reply = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)  # stray prints (libraries) go to stderr, never into the protocol
     sys.stdout = sys.stderr
