@@ -30,8 +30,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 from gemma_spec_ros.engine.remote import RemoteConfig, RemoteEngine
 from gemma_spec_ros.engine.types import GenerationRequest, SamplingParams, SpecConfig
 from .config import REFERENCE_RUNNER, RunnerSpec
-from .runner import RunResult
-from .worker import Timeline, stats_dict
+from .runner import RunResult, Timeline, stats_dict
 
 #: Prompt of the overhead measurement: short, so the prompt pass is a small share.
 OVERHEAD_PROMPT = "The robot picked up the"

@@ -16,51 +16,19 @@ from gemma_spec_ros.tools.llama_first import import_llama_cpp_first
 import_llama_cpp_first()
 
 import json  # noqa: E402
-import math
 import os
 import resource
 import sys
 import threading
-import time
-from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, TextIO, Tuple
+from typing import Any, Dict, Iterable, List, Optional, TextIO
 
 from .config import RunnerSpec, engine_config, model_config, thread_count
-from .runner import Request, RunResult, Runner
+from .runner import Request, RunResult, Runner, Timeline, stats_dict
 
 
 def peak_rss_mb() -> float:
     """This process's peak resident set size so far (ru_maxrss, KiB on Linux), in MiB."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-@dataclass
-class Timeline:
-    """Wall-clock marks of one generation, taken by the bench the same way for every runner."""
-
-    start: float = field(default_factory=time.perf_counter)
-    first: float = math.nan  # when the first non-empty output arrived
-    first_tokens: int = 0  # tokens in that first output
-    end: float = math.nan
-
-    def output(self, n_tokens: int) -> None:
-        """An output chunk of ``n_tokens`` tokens arrived (the first one sets TTFT)."""
-        if n_tokens > 0 and math.isnan(self.first):
-            self.first = time.perf_counter()
-            self.first_tokens = n_tokens
-
-    def finish(self) -> Tuple[float, float, int]:
-        """(wall_s, ttft_s, n_first): RunResult's timing fields."""
-        self.end = time.perf_counter()
-        return self.end - self.start, self.first - self.start, self.first_tokens
-
-
-def stats_dict(stats: Any) -> Dict[str, Any]:
-    """A SpecStats as JSON-able data: its ``as_dict`` plus the raw per-position counters."""
-    out = dict(stats.as_dict())
-    out["accepted_at"] = list(stats.accepted_at)
-    out["drafted_at"] = list(stats.drafted_at)
-    return out
 
 
 def stats_from_msg(msg: Any) -> Dict[str, Any]:
