@@ -1,11 +1,14 @@
 """``gemma-spec-bench``: the benchmark wing (see :mod:`.cli`).
 
-- ``cli``: the command, the interleaved schedule, one record per run;
+- ``cli``: the command and the interleaved schedule;
 - ``config``: suites, params and the runner plan;
-- ``worker``: one runner per process (engine, llama-cpp-python, the Generate action);
-- ``native``: llama.cpp's own tools as runners;
-- ``runner``: the Runner protocol and the RunResult every runner returns;
-- ``metrics`` and ``report``: pure figures, tables and plots.
+- ``worker``: one runner per process (engine, llama-cpp-python, the Generate action), and
+  ``worker_handle``, the parent's side of it;
+- ``native``: llama.cpp's own tools as runners; ``remote``: an OpenAI-compatible server as one;
+- ``runner``: the Runner protocol, the RunResult every runner returns, the Timeline it measures with;
+- ``record``: one row of results.json per run; ``machine``: what the run was measured on;
+- ``metrics`` and ``report``: pure figures, tables and plots;
+- ``constrained``: ``gemma-spec-bench-constrained``, the planner suite under its JSON schema.
 """
 from typing import Optional, Sequence
 

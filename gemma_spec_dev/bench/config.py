@@ -395,7 +395,7 @@ def _native_runners(native_bin: str, native_ks: Sequence[int], has_draft: bool,
     (``--spec-type draft-mtp`` when it is a Gemma 4 assistant: ``native-spec-mtp/K*``). ``sweep``
     (names of :data:`NATIVE_NGRAM_SETTINGS`) adds llama-lookup at :data:`NATIVE_SWEEP_LOOKUP_KS` and
     llama-speculative-simple with those settings (``native-ngram-*``, no draft model): the settings the per-prompt
-    native oracle picks from (report.versus_native_oracle)."""
+    native oracle picks from (report.summary.versus_native_oracle)."""
     bin_dir = Path(expand_path(native_bin))
     specs: List[RunnerSpec] = []
     if sweep:

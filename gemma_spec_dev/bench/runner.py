@@ -3,7 +3,7 @@ runner measures with (no model imports here: the parent process uses them too).
 
 The worker-side runners (the engine, llama-cpp-python, the Generate action; :mod:`.worker`) and the
 parent-side ones (a worker handle; llama.cpp's native tools, :mod:`.native`) all answer ``run`` with
-a :class:`RunResult`; ``cli.make_record`` turns it into one row of results.json.
+a :class:`RunResult`; ``record.make_record`` turns it into one row of results.json.
 """
 from __future__ import annotations
 
