@@ -36,7 +36,7 @@ setup(
             "gemma-spec-bench = gemma_spec_dev.bench:main",
             "gemma-spec-bench-constrained = gemma_spec_dev.bench.constrained:main",
             "gemma-spec-lookup-create = gemma_spec_ros.tools.lookup_create:main",
-            "gemma-spec-soak = gemma_spec_dev.soak.driver:main",
+            "gemma-spec-soak = gemma_spec_dev.soak.cli:main",
             # ros2 run gemma_spec_ros <name>
             "gemma_spec_node = gemma_spec_ros.tools.serve:node_main",
         ],
