@@ -254,11 +254,11 @@ class GenerateClient:
         """Send a Generate goal made of ``fields``; returns once it is accepted or rejected."""
         return self.send_goal(Generate.Goal(**fields), timeout)
 
-    def send_goal(self, goal: Generate.Goal, timeout: float = 30.0,
+    def send_goal(self, goal: Generate.Goal, timeout: Optional[float] = 30.0,
                   on_feedback: Optional[Callable[[Any], None]] = None,
                   on_accepted: Optional[Callable[[GoalRun], None]] = None) -> GoalRun:
         """Send ``goal``; returns once it is accepted or rejected (:class:`NoAnswer` after
-        ``timeout`` seconds without a response, or 30 s without an action server).
+        ``timeout`` seconds without a response, None: no limit; or 30 s without an action server).
 
         Hooks, run on the executor's threads: ``on_feedback(message)`` with each feedback message
         (an rclpy feedback callback's argument: the text is ``message.feedback.text``), after it

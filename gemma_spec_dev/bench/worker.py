@@ -138,38 +138,29 @@ class ActionRunner:
 
     def __init__(self, spec: RunnerSpec, params: Dict[str, Any], node_name: str,
                  server_timeout_s: float = 30.0) -> None:
+        # imported here: only this runner needs ROS (the bench runs on machines without it)
         import rclpy
-        from rclpy.action import ActionClient
         from gemma_spec_msgs.action import Generate
+        from gemma_spec_ros.client import GenerateClient, action_name
 
         self._rclpy = rclpy
-        self._generate = Generate
+        self._goal = Generate.Goal
         self._mode = spec.mode
         rclpy.init(args=None)
-        self._node = rclpy.create_node("gemma_spec_bench_client")
         name = node_name if node_name.startswith("/") else "/" + node_name
-        self._action = f"{name.rstrip('/')}/generate"
-        self._client = ActionClient(self._node, Generate, self._action)
-        if not self._client.wait_for_server(timeout_sec=server_timeout_s):
+        self._action = action_name(name)
+        # one goal at a time, as long as the bench measures: no message history
+        self._client = GenerateClient(name, name="gemma_spec_bench_client", keep_history=False)
+        if not self._client.wait_for_server(server_timeout_s):
             self.close()
             raise RuntimeError(f"no Generate action server at {self._action} after {server_timeout_s:.0f} s "
                                "(start the node: gemma-spec-serve --params-file ...)")
         self.info = {"action": self._action}
 
-    def _wait(self, future: Any) -> Any:
-        self._rclpy.spin_until_future_complete(self._node, future)
-        return future.result()
-
     def run(self, request: Request) -> RunResult:
-        goal = self._generate.Goal()
-        goal.prompt = request["prompt"]
-        goal.max_tokens = int(request["max_tokens"])
-        goal.temperature = float(request["temperature"])
-        goal.top_p = 1.0
-        goal.top_k = 0
-        goal.seed = int(request["seed"])
-        goal.spec_mode = self._mode
-        timeline = Timeline()
+        goal = self._goal(prompt=request["prompt"], max_tokens=int(request["max_tokens"]),
+                          temperature=float(request["temperature"]), top_p=1.0, top_k=0,
+                          seed=int(request["seed"]), spec_mode=self._mode)
         modes: List[str] = []
 
         def on_feedback(message: Any) -> None:
@@ -178,12 +169,12 @@ class ActionRunner:
             if fb.spec_mode and fb.spec_mode not in modes:
                 modes.append(fb.spec_mode)
 
-        handle = self._wait(self._client.send_goal_async(goal, feedback_callback=on_feedback))
-        if handle is None or not handle.accepted:
+        timeline = Timeline()
+        run = self._client.send_goal(goal, timeout=None, on_feedback=on_feedback)
+        if not run.accepted:
             raise RuntimeError(f"goal rejected by {self._action}")
-        wrapped = self._wait(handle.get_result_async())
+        result = run.wait_result(timeout=None)
         wall, ttft, n_first = timeline.finish()
-        result = wrapped.result
         if result.finish_reason == "error":
             raise RuntimeError(f"node reported an error: {result.error}")
         return RunResult(text=result.text, n_tokens=int(result.completion_tokens), wall_s=wall,
@@ -193,7 +184,7 @@ class ActionRunner:
 
     def close(self) -> None:
         try:
-            self._node.destroy_node()
+            self._client.close()
         finally:
             self._rclpy.try_shutdown()
 
