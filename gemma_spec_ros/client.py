@@ -136,7 +136,7 @@ class GoalRun:
 
     def _request_result(self, resent: bool) -> Any:
         future = self.handle.get_result_async()
-        future.add_done_callback(lambda done: self._on_result(done, resent))
+        future.add_done_callback(guarded(lambda done: self._on_result(done, resent), "GoalRun"))
         return future
 
     def _on_result(self, future: Any, resent: bool) -> None:

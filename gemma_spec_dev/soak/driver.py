@@ -56,7 +56,6 @@ class Soak:
         self.args = args
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.rng = random.Random(args.seed)
         self.records: List[GoalRecord] = []
         self.lock = threading.Lock()
         self.next_index = 0
@@ -230,15 +229,16 @@ class Soak:
     def _run_goal(self, record: GoalRecord, fields: Dict[str, Any], rng: random.Random) -> None:
         """Send one goal, cancel it at its cancel point, wait for its result, and write down what
         came back (a goal without a goal response or without a result is ``lost``)."""
-        feedback_count = [0]
+        feedback_count = 0
         stream_after = rng.randint(1, 6)
-        holder: Dict[str, GoalRun] = {}
+        holder: Dict[str, GoalRun] = {}  # the run, once accepted (the hooks run before send_goal returns)
 
         def on_feedback(msg: Any) -> None:
-            feedback_count[0] += 1
+            nonlocal feedback_count
+            feedback_count += 1
             if msg.feedback.queue_position == 0 and not record.started_at:
                 record.started_at = time.monotonic()
-            if record.cancel_point == "stream" and feedback_count[0] == stream_after:
+            if record.cancel_point == "stream" and feedback_count == stream_after:
                 self._cancel(record, holder.get("run"))
 
         def on_accepted(run: GoalRun) -> None:
@@ -253,7 +253,6 @@ class Soak:
         except NoAnswer:
             record.accepted, record.lost = None, True
             return
-        holder["run"] = run
         record.accepted_at, record.accepted = run.accepted_at, run.accepted
         if not record.accepted:
             return
