@@ -4,13 +4,18 @@ Everything goes over the standard interfaces (``~/change_state``, ``~/get_state`
 ``~/set_parameters``, the ``~/generate`` action, ``/diagnostics``, ``/rosout``, ``~/spec_stats``);
 the client node spins on an executor thread of its own. ``gemma-spec-generate``, the soak, the
 bench's ``--via-action`` runner and the node tests all drive the node through this one class.
+
+Blocking: each call returns when the node has answered, or raises :class:`NoAnswer`. The few hooks
+(``on_feedback``, ``on_accepted`` of :meth:`GenerateClient.send_goal`) run on the executor's
+threads: they must not block (a cancel from there is :meth:`GoalRun.cancel_async`).
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
@@ -19,10 +24,10 @@ from gemma_spec_msgs.msg import SpecStats as SpecStatsMsg
 from lifecycle_msgs.msg import Transition
 from lifecycle_msgs.srv import ChangeState, GetState
 from rcl_interfaces.msg import Log, SetParametersResult
-from rcl_interfaces.srv import SetParameters
+from rcl_interfaces.srv import GetParameters, SetParameters
 from rclpy.action import ActionClient
 from rclpy.executors import MultiThreadedExecutor
-from rclpy.parameter import Parameter
+from rclpy.parameter import Parameter, parameter_value_to_python
 from rclpy.qos import QoSDurabilityPolicy, QoSProfile, QoSReliabilityPolicy
 
 from .node import action_name, spec_status_name  # noqa: F401  spec_status_name: for the client's users
@@ -36,15 +41,22 @@ _SHUTDOWN_FROM = {"inactive": Transition.TRANSITION_INACTIVE_SHUTDOWN,
                   "active": Transition.TRANSITION_ACTIVE_SHUTDOWN}
 
 
+class NoAnswer(AssertionError):
+    """The node did not answer in time: a service, the action server, a goal's response or result.
+
+    An AssertionError, so that a node test fails with it as with an ``assert``; a rig catches it
+    by this name (the soak counts the goal lost)."""
+
+
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str, poll: float = 0.01) -> Any:
-    """Poll until ``predicate()`` is truthy; its value, or AssertionError naming ``what``."""
+    """Poll until ``predicate()`` is truthy; its value, or :class:`NoAnswer` naming ``what``."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+            raise NoAnswer(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(poll)
 
 
@@ -53,25 +65,88 @@ def wait_future(future: Any, timeout: float, what: str) -> Any:
     return future.result()
 
 
+def guarded(callback: Callable[..., None], who: str) -> Callable[..., None]:
+    """``callback`` with its exceptions printed to stderr, never raised into the executor (whose
+    spinning thread would die with it, and every later answer with it)."""
+    def call(*args: Any) -> None:
+        try:
+            callback(*args)
+        except Exception as exc:  # noqa: BLE001
+            sys.stderr.write(f"\n{who}: callback failed: {exc!r}\n")
+    return call
+
+
 @dataclass
 class GoalRun:
-    """One goal as a client sees it: acceptance, feedback in order, final status and result."""
+    """One goal as a client sees it: acceptance, feedback in order, final status and result, and
+    when each came (``time.monotonic()``, taken in the callbacks that received them)."""
 
     accepted: bool = False
     handle: Any = None
     feedback: List[Any] = field(default_factory=list)
     status: Optional[int] = None
     result: Optional[Any] = None
-    _result_future: Any = None
+    sent_at: float = 0.0
+    accepted_at: float = 0.0  # when the goal response came (accepted or not)
+    result_at: float = 0.0
+    # the result came only for a re-sent result request (see wait_result's resend_after)
+    result_resent: bool = False
+    _result_future: Any = None  # the first result request's future
+    _responded: threading.Event = field(default_factory=threading.Event)
+    _finished: threading.Event = field(default_factory=threading.Event)
 
     def wait_feedback(self, count: int = 1, timeout: float = 60.0) -> Any:
         wait_until(lambda: len(self.feedback) >= count, timeout, f"{count} feedback messages")
         return self.feedback[count - 1]
 
-    def wait_result(self, timeout: float = 120.0) -> Any:
-        response = wait_future(self._result_future, timeout, "the goal's result")
+    def wait_result(self, timeout: Optional[float] = 120.0, resend_after: Optional[float] = None) -> Any:
+        """The goal's result; :class:`NoAnswer` after ``timeout`` seconds (None: wait for ever).
+
+        ``resend_after``: every that many seconds without the result, request it again. rclpy's
+        ActionClient drops a result response that arrives before ``get_result_async`` registered
+        its request (ros2/rclpy#1123; its log says "Ignoring unexpected result response"), and the
+        node keeps a finished goal's result for queue.result_timeout (60 s) and answers every
+        request, so a client that asks again still gets it. The first answer wins."""
+        if not self.accepted:
+            raise ValueError("the goal was not accepted: it has no result")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            waits = [w for w in (left, resend_after) if w is not None]
+            if self._finished.wait(min(waits) if waits else None):
+                return self.result
+            if deadline is not None and time.monotonic() >= deadline:
+                raise NoAnswer(f"timed out after {timeout:.0f} s waiting for the goal's result")
+            self._request_result(resent=True)
+
+    def cancel_async(self) -> Any:
+        """Ask the node to cancel the goal without waiting: the future of the CancelGoal response.
+        For the hooks, which run on the executor's threads and must not block."""
+        return self.handle.cancel_goal_async()
+
+    def _on_response(self, future: Any, on_accepted: Optional[Callable[["GoalRun"], None]]) -> None:
+        self.handle = future.result()
+        self.accepted_at = time.monotonic()
+        self.accepted = bool(self.handle.accepted)
+        if self.accepted:
+            if on_accepted is not None:  # before the result request: a cancel from here goes first
+                on_accepted(self)
+            self._result_future = self._request_result(resent=False)
+        self._responded.set()
+
+    def _request_result(self, resent: bool) -> Any:
+        future = self.handle.get_result_async()
+        future.add_done_callback(guarded(lambda done: self._on_result(done, resent), "GoalRun"))
+        return future
+
+    def _on_result(self, future: Any, resent: bool) -> None:
+        response = future.result()
+        if self._finished.is_set():  # a re-sent request answered too: the same result
+            return
+        self.result_at = time.monotonic()
+        self.result_resent = resent
         self.status, self.result = response.status, response.result
-        return self.result
+        self._finished.set()
 
     @property
     def streamed_text(self) -> str:
@@ -79,33 +154,46 @@ class GoalRun:
 
 
 class GenerateClient:
-    """A client node of the gemma_spec node at ``node_path`` (e.g. "/gemma_spec")."""
+    """A client node of the gemma_spec node at ``node_path`` (e.g. "/gemma_spec").
 
-    def __init__(self, node_path: str, name: str = "gemma_spec_client") -> None:
+    ``keep_history``: keep every message of /diagnostics, /rosout and the stats topics in lists
+    (what the node tests read). A long-running client passes False: it then subscribes to
+    /diagnostics only and keeps the latest status of each name (:meth:`latest_status`), so that
+    its memory does not grow with the run. ``threads``: of the client's executor."""
+
+    def __init__(self, node_path: str, name: str = "gemma_spec_client", keep_history: bool = True,
+                 threads: int = 2) -> None:
         self.node_path = node_path.rstrip("/")
         self.node = rclpy.create_node(name)
-        self.executor = MultiThreadedExecutor(num_threads=2)
+        self.executor = MultiThreadedExecutor(num_threads=threads)
         self.executor.add_node(self.node)
         self._spinner = threading.Thread(target=self.executor.spin, daemon=True)
         self._spinner.start()
         self._change_state = self.node.create_client(ChangeState, f"{self.node_path}/change_state")
         self._get_state = self.node.create_client(GetState, f"{self.node_path}/get_state")
+        self._get_parameters = self.node.create_client(GetParameters,
+                                                       f"{self.node_path}/get_parameters")
         self._set_parameters = self.node.create_client(SetParameters,
                                                        f"{self.node_path}/set_parameters")
-        self.action = ActionClient(self.node, Generate, action_name(self.node_path))
+        # a deep feedback queue: a burst of one-token steps must not be dropped by the client itself
+        self.action = ActionClient(self.node, Generate, action_name(self.node_path),
+                                   feedback_sub_qos_profile=QoSProfile(depth=1000))
         self._lock = threading.Lock()
+        self._keep_history = keep_history
         self.diagnostics: List[DiagnosticStatus] = []
+        self._latest: Dict[str, DiagnosticStatus] = {}
         self.logs: List[Log] = []
-        self.node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diagnostics, 50)
-        rosout_qos = QoSProfile(depth=100, reliability=QoSReliabilityPolicy.RELIABLE,
-                                durability=QoSDurabilityPolicy.TRANSIENT_LOCAL)
-        self.node.create_subscription(Log, "/rosout", self._on_log, rosout_qos)
         self.spec_stats: List[SpecStatsMsg] = []
         self.spec_stats_rolling: List[SpecStatsMsg] = []
-        self.node.create_subscription(SpecStatsMsg, f"{self.node_path}/spec_stats",
-                                      lambda m: self._append(self.spec_stats, m), 50)
-        self.node.create_subscription(SpecStatsMsg, f"{self.node_path}/spec_stats_rolling",
-                                      lambda m: self._append(self.spec_stats_rolling, m), 50)
+        self.node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diagnostics, 50)
+        if keep_history:
+            rosout_qos = QoSProfile(depth=100, reliability=QoSReliabilityPolicy.RELIABLE,
+                                    durability=QoSDurabilityPolicy.TRANSIENT_LOCAL)
+            self.node.create_subscription(Log, "/rosout", self._on_log, rosout_qos)
+            self.node.create_subscription(SpecStatsMsg, f"{self.node_path}/spec_stats",
+                                          lambda m: self._append(self.spec_stats, m), 50)
+            self.node.create_subscription(SpecStatsMsg, f"{self.node_path}/spec_stats_rolling",
+                                          lambda m: self._append(self.spec_stats_rolling, m), 50)
 
     def close(self) -> None:
         # stop spinning first: an action client destroyed under a spinning executor makes its
@@ -122,7 +210,8 @@ class GenerateClient:
         again every that many seconds until answered; right after discovery DDS can drop the first
         response (the server's reply writer not yet matched to this client; seen in CI with a node
         that had just started)."""
-        assert client.wait_for_service(timeout_sec=30.0), f"service {client.srv_name} not available"
+        if not client.wait_for_service(timeout_sec=30.0):
+            raise NoAnswer(f"service {client.srv_name} not available")
         deadline = time.monotonic() + timeout
         while True:
             future = client.call_async(request)
@@ -151,17 +240,46 @@ class GenerateClient:
                   for name, value in values.items()]
         return list(self._call(self._set_parameters, SetParameters.Request(parameters=params)).results)
 
+    def get_parameters(self, names: Sequence[str]) -> Dict[str, Any]:
+        """The parameters' values as Python values, by name (None for one the node has not set)."""
+        values = self._call(self._get_parameters, GetParameters.Request(names=list(names))).values
+        return {name: parameter_value_to_python(value) for name, value in zip(names, values)}
+
     # -- the action --------------------------------------------------------------------------------
+    def wait_for_server(self, timeout: float = 30.0) -> bool:
+        """Whether the node's Generate action server is there (DDS discovery) within ``timeout``."""
+        return self.action.wait_for_server(timeout_sec=timeout)
+
     def send(self, timeout: float = 30.0, **fields: Any) -> GoalRun:
-        """Send a Generate goal; returns once it is accepted or rejected."""
-        assert self.action.wait_for_server(timeout_sec=30.0), "no ~/generate action server"
+        """Send a Generate goal made of ``fields``; returns once it is accepted or rejected."""
+        return self.send_goal(Generate.Goal(**fields), timeout)
+
+    def send_goal(self, goal: Generate.Goal, timeout: Optional[float] = 30.0,
+                  on_feedback: Optional[Callable[[Any], None]] = None,
+                  on_accepted: Optional[Callable[[GoalRun], None]] = None) -> GoalRun:
+        """Send ``goal``; returns once it is accepted or rejected (:class:`NoAnswer` after
+        ``timeout`` seconds without a response, None: no limit; or 30 s without an action server).
+
+        Hooks, run on the executor's threads: ``on_feedback(message)`` with each feedback message
+        (an rclpy feedback callback's argument: the text is ``message.feedback.text``), after it
+        is appended to the run's ``feedback``; ``on_accepted(run)`` in the goal-response callback
+        of an accepted goal, before its result is requested."""
+        if not self.wait_for_server(30.0):
+            raise NoAnswer(f"no action server {action_name(self.node_path)}")
         run = GoalRun()
-        goal = Generate.Goal(**fields)
-        future = self.action.send_goal_async(goal, feedback_callback=lambda m: run.feedback.append(m.feedback))
-        run.handle = wait_future(future, timeout, "goal response")
-        run.accepted = run.handle.accepted
-        if run.accepted:
-            run._result_future = run.handle.get_result_async()
+        who = self.node.get_name()
+
+        def feedback(message: Any) -> None:
+            run.feedback.append(message.feedback)
+            if on_feedback is not None:
+                on_feedback(message)
+
+        run.sent_at = time.monotonic()
+        future = self.action.send_goal_async(goal, feedback_callback=guarded(feedback, who))
+        accepted_hook = guarded(on_accepted, who) if on_accepted is not None else None
+        future.add_done_callback(guarded(lambda done: run._on_response(done, accepted_hook), who))
+        if not run._responded.wait(timeout):
+            raise NoAnswer(f"timed out after {timeout:.0f} s waiting for the goal response")
         return run
 
     def cancel(self, run: GoalRun, timeout: float = 30.0) -> Any:
@@ -170,7 +288,14 @@ class GenerateClient:
     # -- topics ------------------------------------------------------------------------------------
     def _on_diagnostics(self, msg: DiagnosticArray) -> None:
         with self._lock:
-            self.diagnostics.extend(msg.status)
+            if self._keep_history:
+                self.diagnostics.extend(msg.status)
+            self._latest.update((status.name, status) for status in msg.status)
+
+    def latest_status(self, name: str) -> Optional[DiagnosticStatus]:
+        """The last status named ``name`` received on /diagnostics; None before the first."""
+        with self._lock:
+            return self._latest.get(name)
 
     def _on_log(self, msg: Log) -> None:
         with self._lock:

@@ -20,8 +20,8 @@ from gemma_spec_ros.engine.lookup import LookupDrafter
 from gemma_spec_ros.engine.policy import CostModel, DraftLengthPolicy
 from gemma_spec_ros.engine.shadow import ShadowDrafts
 from gemma_spec_ros.engine.types import GenerationRequest, LookupConfig, SamplingParams
-from gemma_spec_ros.tools.bench.config import default_params, engine_config, find_data_dir, load_suites
-from gemma_spec_ros.tools.bench.corpus import default_corpus, random_suite
+from gemma_spec_dev.bench.config import default_params, engine_config, find_data_dir, load_suites
+from gemma_spec_dev.bench.corpus import default_corpus, random_suite
 
 #: ms per target pass by rows: llama.cpp's own step profile of the embedded model on the 2-core CPU.
 PASS_MS: Dict[int, float] = {1: 20.0, 2: 25.0, 3: 27.6, 4: 27.6, 5: 33.0, 6: 35.0, 7: 38.0, 8: 41.0, 9: 43.6,

@@ -155,7 +155,7 @@ fi
 #    a link of its own (edits in the checkout show at once) and the node executable one in lib/.
 pkg_key="$(cat "$ROOT"/setup.py "$ROOT"/setup.cfg | sha1sum | cut -c1-12)"
 if ! stamp_ok "$VENV/.gemma_spec_pkg" "$pkg_key" || [ ! -x "$VENV/bin/gemma-spec-serve" ] ||
-   ! (cd / && "$VENV/bin/python" -c "import gemma_spec_ros" 2>/dev/null); then
+   ! (cd / && "$VENV/bin/python" -c "import gemma_spec_ros, gemma_spec_dev" 2>/dev/null); then
   log "installing gemma_spec_ros into the venv (editable)"
   "${PIP[@]}" install --no-deps --no-build-isolation -e "$ROOT"
   echo "$pkg_key" > "$VENV/.gemma_spec_pkg"

@@ -11,7 +11,7 @@ from typing import Any, Dict
 
 import pytest
 
-from gemma_spec_ros.tools.bench import cli as bench, config as bench_config, metrics as bench_metrics, native as bench_native, report as bench_report
+from gemma_spec_dev.bench import cli as bench, config as bench_config, metrics as bench_metrics, native as bench_native, report as bench_report
 
 REQUIRED_SUITES = {"code", "qa", "creative", "math", "structured", "planning"}
 RUN_FIELDS = {
@@ -109,7 +109,7 @@ def test_prompt_suites(repo_root: Path) -> None:
 def test_random_prompts_are_drawn_from_the_corpus_by_seed(tmp_path: Path, repo_root: Path) -> None:
     """--random-prompts: N windows of the corpus's text files, the same for the same seed and files,
     others for another seed; the project's own suites are left out; too small a corpus is an error."""
-    from gemma_spec_ros.tools.bench import corpus
+    from gemma_spec_dev.bench import corpus
     corpus_dir = tmp_path / "corpus"
     (corpus_dir / "pkg").mkdir(parents=True)
     for i in range(6):
@@ -173,7 +173,7 @@ def test_params_mapping_is_the_nodes_and_needs_no_ros(repo_root: Path, tmp_path:
                      "    draft: {model_path: /m/d.gguf, n_threads: 3}\n    spec: {draft_max: 5, p_min: 0.5}\n")
     script = (
         "import sys\n"
-        "from gemma_spec_ros.tools.bench import config as bench_config\n"
+        "from gemma_spec_dev.bench import config as bench_config\n"
         "from gemma_spec_ros.node.parameters import EMBEDDED_MODEL_PATH\n"
         f"configs = [bench_config.load_params(p) for p in {[str(p) for p in sorted((repo_root / 'config').glob('*.yaml'))]!r}]\n"
         "for params in configs: bench_config.base_config(params)\n"

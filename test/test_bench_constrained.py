@@ -1,4 +1,4 @@
-"""The constrained-output bench (gemma_spec_ros.tools.bench.constrained) on the embedded model and
+"""The constrained-output bench (gemma_spec_dev.bench.constrained) on the embedded model and
 the real llama-server: a one-prompt suite with a small schema, every runner, the files it writes."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gemma_spec_ros.tools.bench import config as bench_config, constrained
+from gemma_spec_dev.bench import config as bench_config, constrained
 
 from remote_servers import LLAMA_SERVER
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from gemma_spec_ros.tools import bench
-from gemma_spec_ros.tools.bench.remote import RUNNER_NAME, remote_runners
+from gemma_spec_dev import bench
+from gemma_spec_dev.bench.remote import RUNNER_NAME, remote_runners
 from remote_servers import llama_cpp_server, missing_server_extra
 
 

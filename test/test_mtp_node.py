@@ -8,7 +8,7 @@ import pytest
 
 from gemma_spec_ros.engine.mtp import is_assistant
 from gemma_spec_ros.node.parameters import check_values, defaults, engine_config_from
-from gemma_spec_ros.tools.bench import config as bench_config
+from gemma_spec_dev.bench import config as bench_config
 from test_node_parameters import config_values
 from tiny_gemma4 import write_gemma4_pair
 
@@ -46,7 +46,7 @@ def test_the_native_mtp_runner_runs_llama_cpps_draft_mtp(tmp_path: Path) -> None
     """The bench's reference: llama-speculative-simple --spec-type draft-mtp on the agreeing pair,
     its timings parsed (run again if the tool's log thread lost them at exit)."""
     from remote_servers import NATIVE_BIN
-    from gemma_spec_ros.tools.bench.native import NativeRunner
+    from gemma_spec_dev.bench.native import NativeRunner
 
     if not (NATIVE_BIN / "llama-speculative-simple").is_file():
         pytest.skip(f"llama-speculative-simple not built in {NATIVE_BIN} (scripts/build_native_tools.sh)")

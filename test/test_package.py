@@ -14,7 +14,7 @@ from typing import Dict, Iterator, List, Set
 
 import pytest
 
-from gemma_spec_ros.tools.bench.config import flatten  # how ROS names nested YAML keys
+from gemma_spec_dev.bench.config import flatten  # how ROS names nested YAML keys
 import yaml
 
 PACKAGE = "gemma_spec_ros"

@@ -10,15 +10,16 @@ import os
 import random
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Dict, List, Tuple
 
 import pytest
 
-from gemma_spec_ros.tools.soak import Soak, cycle_plan, percentiles, render_svg, slope
-from gemma_spec_ros.tools.soak_remote import DEFAULT_LLAMA_SERVER
+from gemma_spec_dev.soak.remote_phase import DEFAULT_LLAMA_SERVER
+from gemma_spec_dev.soak.report import percentiles, render_svg, slope
+from gemma_spec_dev.soak.scenario import cycle_plan
+from gemma_spec_ros.client import GoalRun, NoAnswer
 
 
 def test_helpers() -> None:
@@ -48,19 +49,18 @@ class _Handle:
 
 def test_a_dropped_result_response_is_asked_for_again_and_not_counted_lost() -> None:
     """Soak found it (1 of 3,796 goals, 30 minutes): the node answered, the client dropped the
-    response ("Ignoring unexpected result response") and the goal counted as lost. The soak now
-    asks again; a goal is lost only if no request is ever answered."""
-    args = SimpleNamespace(goal_timeout=1.0, result_resend=0.05)
-    for answers, found in (([None, "result"], True), ([None, None], False)):
-        finished, got = threading.Event(), []
-
-        def on_result(future, resent=False):
-            got.append((future.result(), resent))
-            finished.set()
-
+    response ("Ignoring unexpected result response") and the goal counted as lost. The client now
+    asks again (GoalRun.wait_result's resend_after, which the soak uses); a goal is lost only if no
+    request is ever answered."""
+    answer = SimpleNamespace(status=4, result="result")
+    for answers, found in (([None, answer], True), ([None, None], False)):
         handle = _Handle(answers[1:])  # answers[0]: the first request, sent before the wait
-        assert Soak._wait_result(SimpleNamespace(args=args), finished, {"handle": handle}, on_result) is found
-        assert got == ([("result", True)] if found else [])
+        run = GoalRun(accepted=True, handle=handle)
+        if found:
+            assert run.wait_result(timeout=1.0, resend_after=0.05) == "result" and run.result_resent
+        else:
+            with pytest.raises(NoAnswer):
+                run.wait_result(timeout=1.0, resend_after=0.05)
         assert handle.requests >= 1
 
 
@@ -71,7 +71,7 @@ def run_soak(repo_root: Path, model: Path, out: Path, options: List[str],
     overrides = {"target.model_path": str(model), "target.n_threads": 1, "target.n_ctx": 1024,
                  "limits.max_prompt_tokens": 256, "limits.max_tokens": 64, "generation.max_tokens": 12,
                  "diagnostics.period": 0.5, **overrides}
-    cmd = [sys.executable, "-m", "gemma_spec_ros.tools.soak",
+    cmd = [sys.executable, "-m", "gemma_spec_dev.soak",
            "--params-file", str(repo_root / "config" / "embedded.yaml"),
            "--node-name", f"gemma_spec_soak_{os.getpid()}", "--sample-period", "2",
            "--max-tokens", "12", "--out", str(out), "--no-progress", *options]

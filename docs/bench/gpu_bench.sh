@@ -93,7 +93,7 @@ bench() {  # bench OUT q4|pair
   if [ "$name" = pair ]; then modes="all"; baselines="plain"; fi
   # ${GPU_BENCH_ARGS} is split on purpose (several arguments)
   # shellcheck disable=SC2086
-  timeout "${GPU_BENCH_TIMEOUT:-500}" $PY -m gemma_spec_ros.tools.bench --config "$STAGE/gpu_$name.yaml" \
+  timeout "${GPU_BENCH_TIMEOUT:-500}" $PY -m gemma_spec_dev.bench --config "$STAGE/gpu_$name.yaml" \
     --suites all --modes "$modes" --baselines "$baselines" --no-progress --out "$out/gpu_$name" \
     ${GPU_BENCH_ARGS:-} > "$out/gpu_$name.txt" 2>&1 || rc=$?
   echo "bench $name rc=$rc" | tee -a "$out/gpu_$name.txt"

@@ -11,17 +11,17 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import threading
 import time
 from typing import Any, List, Optional, Sequence
 
 import rclpy
 from action_msgs.msg import GoalStatus
 from gemma_spec_msgs.action import Generate
-from rclpy.action import ActionClient
-from rclpy.node import Node
 from rclpy.signals import SignalHandlerOptions
 from rclpy.utilities import remove_ros_args
 
+from ..client import GenerateClient, NoAnswer, action_name
 from ..node import NODE_NAME
 
 EXIT_OK, EXIT_UNAVAILABLE, EXIT_REJECTED, EXIT_ABORTED, EXIT_CANCELLED = range(5)
@@ -104,36 +104,40 @@ def _num(value: float) -> str:
 
 
 class _Printer:
-    """Prints streamed text once: feedback first, then whatever the result adds."""
+    """Prints streamed text once: feedback first, then whatever the result adds. Feedback comes on
+    the client's executor thread, the result on the main thread: a lock keeps them in that order,
+    and feedback after the result is not printed."""
 
     def __init__(self, stream: bool) -> None:
         self.stream = stream
         self.printed: List[str] = []
+        self._lock = threading.Lock()
+        self._done = False
 
     def feedback(self, message: Any) -> None:
-        if message.feedback.queue_position:
-            print(f"waiting: queue position {message.feedback.queue_position}", file=sys.stderr)
-        if self.stream and message.feedback.text:
-            self.printed.append(message.feedback.text)
-            sys.stdout.write(message.feedback.text)
-            sys.stdout.flush()
+        with self._lock:
+            if self._done:
+                return
+            if message.feedback.queue_position:
+                print(f"waiting: queue position {message.feedback.queue_position}", file=sys.stderr)
+            if self.stream and message.feedback.text:
+                self.printed.append(message.feedback.text)
+                sys.stdout.write(message.feedback.text)
+                sys.stdout.flush()
 
     def result(self, text: str) -> None:
-        done = "".join(self.printed)
-        sys.stdout.write(text[len(done):] if text.startswith(done) else "\n" + text)
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+        with self._lock:
+            self._done = True
+            done = "".join(self.printed)
+            sys.stdout.write(text[len(done):] if text.startswith(done) else "\n" + text)
+            sys.stdout.write("\n")
+            sys.stdout.flush()
 
 
-def _action_name(node: str) -> str:
-    return f"{node.rstrip('/')}/generate"
-
-
-def send(client_node: Node, args: argparse.Namespace) -> int:
+def send(client: GenerateClient, args: argparse.Namespace) -> int:
     """Send the goal, print, and return the exit status."""
-    client = ActionClient(client_node, Generate, _action_name(args.node))
-    if not client.wait_for_server(timeout_sec=args.timeout):
-        print(f"no action server {_action_name(args.node)} (is the node active?)", file=sys.stderr)
+    if not client.wait_for_server(args.timeout):
+        print(f"no action server {action_name(args.node)} (is the node active?)", file=sys.stderr)
         return EXIT_UNAVAILABLE
     try:
         goal = goal_from_args(args)
@@ -142,34 +146,46 @@ def send(client_node: Node, args: argparse.Namespace) -> int:
         return EXIT_REJECTED
     printer = _Printer(args.stream)
     deadline = time.monotonic() + args.timeout
-    goal_future = client.send_goal_async(goal, feedback_callback=printer.feedback)
-    rclpy.spin_until_future_complete(client_node, goal_future, timeout_sec=args.timeout)
-    handle = goal_future.result()
-    if handle is None:
+    try:
+        run = client.send_goal(goal, timeout=args.timeout, on_feedback=printer.feedback)
+    except NoAnswer:
         print("timed out sending the goal", file=sys.stderr)
         return EXIT_UNAVAILABLE
-    if not handle.accepted:
+    if not run.accepted:
         print("goal rejected (the node's log and /diagnostics 'last rejection' say why)",
               file=sys.stderr)
         return EXIT_REJECTED
-    result_future = handle.get_result_async()
     try:
-        rclpy.spin_until_future_complete(client_node, result_future,
-                                         timeout_sec=max(0.0, deadline - time.monotonic()))
+        result = run.wait_result(timeout=max(0.0, deadline - time.monotonic()))
     except KeyboardInterrupt:
-        cancel = handle.cancel_goal_async()
-        rclpy.spin_until_future_complete(client_node, cancel, timeout_sec=5.0)
-        rclpy.spin_until_future_complete(client_node, result_future, timeout_sec=10.0)
-    response = result_future.result()
-    if response is None:  # gave up waiting: do not leave the goal running on the node
-        cancel = handle.cancel_goal_async()
-        rclpy.spin_until_future_complete(client_node, cancel, timeout_sec=5.0)
+        result = _cancelled(client, run)
+    except NoAnswer:  # gave up waiting: do not leave the goal running on the node
+        _cancel(client, run)
         print("timed out waiting for the result (goal cancelled)", file=sys.stderr)
         return EXIT_UNAVAILABLE
-    printer.result(response.result.text)
-    print(f"status: {_STATUS_NAMES.get(response.status, response.status)}", file=sys.stderr)
-    print(format_stats(response.result), file=sys.stderr)
-    return _EXIT_BY_STATUS.get(response.status, EXIT_ABORTED)
+    if result is None:
+        print("timed out waiting for the result (goal cancelled)", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    printer.result(result.text)
+    print(f"status: {_STATUS_NAMES.get(run.status, run.status)}", file=sys.stderr)
+    print(format_stats(result), file=sys.stderr)
+    return _EXIT_BY_STATUS.get(run.status, EXIT_ABORTED)
+
+
+def _cancel(client: GenerateClient, run: Any) -> None:
+    try:
+        client.cancel(run, timeout=5.0)
+    except NoAnswer:
+        pass
+
+
+def _cancelled(client: GenerateClient, run: Any) -> Optional[Generate.Result]:
+    """Ctrl-C: cancel the goal, then its result (None if it does not come within 10 s)."""
+    _cancel(client, run)
+    try:
+        return run.wait_result(timeout=10.0)
+    except NoAnswer:
+        return None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -177,11 +193,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(remove_ros_args(argv)[1:])
     # Ctrl-C must raise KeyboardInterrupt (to cancel the goal), not shut the context down.
     rclpy.init(args=argv, signal_handler_options=SignalHandlerOptions.NO)
-    node = Node("gemma_spec_generate")
+    # a one-goal command: no message history (GenerateClient keeps one for the node tests); a
+    # relative --node resolves in this command's namespace, as ros2 action send_goal would
+    client = GenerateClient(args.node, name="gemma_spec_generate", keep_history=False)
     try:
-        return send(node, args)
+        return send(client, args)
     finally:
-        node.destroy_node()
+        client.close()
         rclpy.try_shutdown()
 
 

@@ -32,87 +32,33 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import signal
-import subprocess
 import sys
 import threading
 import time
 from dataclasses import asdict
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Dict, IO, List, Mapping, Optional, Sequence, Tuple
 
-from ...engine.mtp import is_assistant
-from ...engine.types import expand_path
+from gemma_spec_ros.engine.mtp import is_assistant
+from gemma_spec_ros.engine.types import expand_path
 from .config import (REFERENCE_RUNNER, Prompt, RunnerSpec, Suite, apply_overrides,
-                           default_params, find_data_dir, load_params, load_suites, model_config, parse_baselines, parse_ks,
-                           PROMPT_REUSE_CHOICES, parse_modes, parse_native_sweep, plan_runners, select_suites, thread_count)
+                     default_params, find_data_dir, load_params, load_suites, model_config, parse_baselines, parse_ks,
+                     PROMPT_REUSE_CHOICES, parse_modes, parse_native_sweep, plan_runners, select_suites, thread_count)
 from .corpus import default_corpus, random_suite
-from .metrics import decode_rate, repeated_ngram_share, text_hash, tokens_hash
+from .machine import llama_build, machine_info
 from .native import NativeRunner
-from .report import add_speedups, dump_results, markdown, markdown_per_prompt, plot_all, summarize
-from .runner import MeasuredRunner, Request, RunResult
+# native_decode_rate: not used here, but part of the command's face (bench.native_decode_rate)
+from .record import make_record, make_request, native_decode_rate  # noqa: F401
 from .remote import RemoteRunner, remote_runners
+from .report import add_speedups, dump_results, markdown, markdown_per_prompt, plot_all, summarize
+from .runner import MeasuredRunner, Request
+from .worker_handle import RunnerError, WorkerHandle
 
 SCHEMA_VERSION = 1
 #: A short generation run once by each worker before it is measured (thread pools, page faults).
 WARMUP_REQUEST_TOKENS = 4
 WARMUP_PROMPT = "The quick brown fox"
-
-
-class RunnerError(RuntimeError):
-    """A runner failed to start or to serve a request (the bench records it and goes on)."""
-
-
-class WorkerHandle:
-    """The parent's side of one bench worker process."""
-
-    def __init__(self, spec: RunnerSpec, params: Mapping[str, Any], node_name: str, log: IO[bytes],
-                 timeout_s: float) -> None:
-        self.spec = spec
-        self._timeout_s = timeout_s
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "gemma_spec_ros.tools.bench.worker"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1)
-        self.peak_rss_mb = 0.0
-        reply = self._call({"cmd": "init", "runner": asdict(spec), "params": dict(params),
-                            "node_name": node_name})
-        self.info: Dict[str, Any] = reply.get("info", {})
-        self.base_rss_mb: Optional[float] = reply.get("base_rss_mb")
-
-    def _call(self, message: Mapping[str, Any]) -> Dict[str, Any]:
-        if self._proc.poll() is not None:
-            raise RunnerError(f"worker of {self.spec.name} has exited ({self._proc.returncode}); see workers.log")
-        assert self._proc.stdin is not None and self._proc.stdout is not None
-        try:
-            self._proc.stdin.write(json.dumps(message) + "\n")
-            self._proc.stdin.flush()
-            line = self._proc.stdout.readline()
-        except (BrokenPipeError, OSError) as exc:
-            raise RunnerError(f"worker of {self.spec.name} is gone: {exc}; see workers.log") from None
-        if not line:
-            self._proc.wait(timeout=5)
-            raise RunnerError(f"worker of {self.spec.name} died ({self._proc.returncode}); see workers.log")
-        reply = json.loads(line)
-        self.peak_rss_mb = max(self.peak_rss_mb, float(reply.get("peak_rss_mb") or 0.0))
-        if not reply.get("ok"):
-            raise RunnerError(str(reply.get("error")))
-        return reply
-
-    def run(self, request: Request) -> RunResult:
-        result = RunResult.from_json(self._call({"cmd": "run", "request": dict(request)})["result"])
-        result.peak_rss_mb = self.peak_rss_mb
-        return result
-
-    def close(self) -> None:
-        if self._proc.poll() is None:
-            try:
-                self._call({"cmd": "close"})
-                self._proc.wait(timeout=30)
-            except (RunnerError, subprocess.TimeoutExpired):
-                self._proc.kill()
-                self._proc.wait()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -178,143 +124,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report-only", default="", metavar="DIR",
                    help="re-write tables and plots from DIR/results.json, run nothing")
     return p
-
-
-def machine_info() -> Dict[str, Any]:
-    """What the numbers were measured on."""
-    cpu = ""
-    mem_gib = None
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-        with open("/proc/meminfo", encoding="utf-8") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal"))
-            mem_gib = round(kib / 2 ** 20, 1)
-    except (OSError, StopIteration, ValueError):
-        pass
-    versions = {}
-    for dist in ("llama_cpp_python", "numpy"):
-        try:
-            versions[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            versions[dist] = None
-    return {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(), "mem_gib": mem_gib,
-            "python": platform.python_version(), "versions": versions, "git_commit": _git_commit(),
-            "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
-
-
-def _llama_build() -> Optional[str]:
-    """``exact`` (no llamafile sgemm: batch-invariant F16/F32 logits) or ``fast``; None if llama.cpp
-    does not load here."""
-    try:
-        from gemma_spec_ros.engine.llama_process import batch_invariant_build
-        return "exact" if batch_invariant_build() else "fast"
-    except Exception:  # noqa: BLE001 - a header detail, never a reason to lose the results
-        return None
-
-
-def _git_commit() -> Optional[str]:
-    """Short commit of the source tree, '+dirty' when it has uncommitted changes; None outside git."""
-    here = Path(__file__).parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
-                              text=True, timeout=5).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return (head + ("+dirty" if dirty else "")) or None
-
-
-def make_request(text: str, max_tokens: int, temperature: float, seed: int) -> Request:
-    return {"prompt": text, "max_tokens": max_tokens, "temperature": temperature, "seed": seed}
-
-
-def native_decode_rate(n_tokens: int, n_first: int, decode_s: float, max_tokens: int) -> float:
-    """Tokens/s of a native tool from its printed decode time, less the ``n_first`` tokens whose
-    pass is outside that time (llama-lookup's first token comes from its prompt pass), so the rate
-    counts the same passes as ours after the first output. Before this, counting every token gave
-    llama-lookup ~1% too much at 96-128 tokens.
-
-    Tokens past ``max_tokens`` do not count: the tools check their limit only after a pass, so
-    their last verify pass can emit up to K tokens more than asked (97-99 of 96), while the engine
-    stops at ``max_tokens`` (its last drafts are shorter). Counting them gave ``llama-lookup`` ~2%
-    more than what a request for ``max_tokens`` tokens gets; the last pass's time counts for both.
-
-    >>> native_decode_rate(97, 1, 2.0, 128), native_decode_rate(99, 1, 2.0, 97)
-    (48.0, 48.0)
-
-    No rate (NaN, left out of every median) where nothing was decoded after the first token, as
-    for our runners (a prompt answered by an end-of-generation token at once).
-    """
-    n = min(n_tokens, max_tokens) - n_first
-    return n / decode_s if n > 0 and decode_s and decode_s > 0 else float("nan")
-
-
-def make_record(spec: RunnerSpec, suite: str, prompt_id: str, repeat: int, request: Request,
-                result: Optional[RunResult], error: str, keep_text: bool, load: float) -> Dict[str, Any]:
-    """One row of results.json from a runner's raw result (or its error); ``load`` is the 1-minute
-    load average when the run started."""
-    record: Dict[str, Any] = {
-        "suite": suite, "prompt_id": prompt_id, "runner": spec.name, "kind": spec.kind, "mode": spec.mode,
-        "k": spec.k_label, "repeat": repeat, "temperature": request["temperature"], "seed": request["seed"],
-        "error": error or None, "loadavg_1m": round(load, 2),
-    }
-    if result is None:
-        return record
-    n_tokens = int(result.n_tokens)
-    wall, ttft = float(result.wall_s), float(result.ttft_s)
-    if result.decode_s is not None:  # native tools print their own decode time
-        rate = native_decode_rate(n_tokens, int(result.n_first), result.decode_s, int(request["max_tokens"]))
-    else:
-        rate = decode_rate(n_tokens, int(result.n_first), wall, ttft)
-    tokens = result.tokens
-    rep_tokens = tokens if tokens is not None else result.retokenized
-    stats = result.stats or {}
-    record.update({
-        "n_tokens": n_tokens, "wall_s": wall, "ttft_s": ttft, "tokens_per_s": rate,
-        "e2e_tokens_per_s": n_tokens / wall if wall > 0 else None,
-        "finish_reason": result.finish_reason,
-        "tau": stats.get("mean_acceptance_length"), "acceptance_rate": stats.get("acceptance_rate"),
-        "acceptance_per_position": stats.get("acceptance_per_position"),
-        "accepted_at": stats.get("accepted_at"), "drafted_at": stats.get("drafted_at"),
-        "num_drafts": stats.get("num_drafts"), "num_draft_tokens": stats.get("num_draft_tokens"),
-        "num_accepted_tokens": stats.get("num_accepted_tokens"),
-        "tokens_per_pass": stats.get("tokens_per_pass"),
-        "predicted_speedup": stats.get("predicted_speedup"),
-        "engine_measured_speedup": stats.get("measured_speedup"),
-        "engine_tokens_per_s": stats.get("tokens_per_second"),
-        "engine_ttft_ms": stats.get("time_to_first_token_ms"),
-        "spec_modes": result.spec_modes, "draft_max_last": result.draft_max_last,
-        "repetition_4gram": repeated_ngram_share(rep_tokens) if rep_tokens is not None else None,
-        "output_hash": text_hash(result.text) if result.text is not None else None,
-        "tokens_hash": tokens_hash(tokens) if tokens is not None else None,
-        "peak_rss_mb": result.peak_rss_mb,
-        "text": result.text if keep_text else None,
-    })
-    record.update(step_profile(stats, wall - ttft if result.decode_s is None else result.decode_s))
-    return record
-
-
-def step_profile(stats: Mapping[str, Any], decode_s: float) -> Dict[str, Optional[float]]:
-    """Milliseconds per target pass after the first token: the whole step (decode wall time / passes)
-    and its parts: drafting, the target's decode (verify), sampling/acceptance, and the rest (Python
-    bookkeeping: cache updates, text, stats; for the native tools everything but the target's decode).
-
-    >>> step_profile({"num_steps": 10, "draft_ms": 5, "verify_ms": 200, "sample_ms": 10}, 0.25)["other_step_ms"]
-    3.5
-    """
-    steps = stats.get("num_steps")
-    if not steps or not decode_s or decode_s <= 0:
-        return {"steps": steps or None, "step_ms": None, "draft_step_ms": None, "verify_step_ms": None,
-                "sample_step_ms": None, "other_step_ms": None}
-    per = {name: (stats[key] / steps if stats.get(key) is not None else None)
-           for name, key in (("draft_step_ms", "draft_ms"), ("verify_step_ms", "verify_ms"),
-                             ("sample_step_ms", "sample_ms"))}
-    step_ms = decode_s * 1e3 / steps
-    known = [v for v in per.values() if v is not None]
-    return {"steps": steps, "step_ms": step_ms, **per,
-            "other_step_ms": step_ms - sum(known) if known else None}
 
 
 class Bench:
@@ -471,7 +280,7 @@ class Bench:
             "prompt_ids": {s.name: [p.id for p in s.prompts] for s in self.suites},
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "flash_attn": bool(target.flash_attn) if target else None,
-            "llama_build": _llama_build(),
+            "llama_build": llama_build(),
             "command": "gemma-spec-bench " + " ".join(sys.argv[1:]) if sys.argv else "",
         }
         runners = list(self.runner_info.values())

@@ -65,7 +65,7 @@ def free_port() -> int:
 
 
 class RemotePhase:
-    """One remote phase of a :class:`~gemma_spec_ros.tools.soak.Soak` run; see the module docstring.
+    """One remote phase of a :class:`~.driver.Soak` run; see the module docstring.
 
     ``active`` is True while the node serves remotely: goals sent then carry ``budget``;
     ``finished`` once the phase is over (the soak's clients keep sending goals until then)."""

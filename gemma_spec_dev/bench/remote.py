@@ -8,7 +8,7 @@ local ``off`` (and against ``lcp-plain``, the same llama.cpp library in-process,
 HTTP + server overhead) are same-run ratios. The server's own speculation, if any, shows in tau
 when the server reports it (see the RemoteEngine's docstring).
 
-``python -m gemma_spec_ros.tools.bench.remote URL --model GGUF`` measures the fixed cost of a request
+``python -m gemma_spec_dev.bench.remote URL --model GGUF`` measures the fixed cost of a request
 over HTTP: the probe's round trip (GET /health) and a one-token completion through RemoteEngine
 against the same one-token completion by llama-cpp-python in-process, alternated, medians written
 as JSON (docs/deployment.md quotes them). ``--concurrency 1,2,4`` instead starts that many streams
@@ -27,11 +27,10 @@ import threading
 import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from ...engine.remote import RemoteConfig, RemoteEngine
-from ...engine.types import GenerationRequest, SamplingParams, SpecConfig
+from gemma_spec_ros.engine.remote import RemoteConfig, RemoteEngine
+from gemma_spec_ros.engine.types import GenerationRequest, SamplingParams, SpecConfig
 from .config import REFERENCE_RUNNER, RunnerSpec
-from .runner import RunResult
-from .worker import Timeline, stats_dict
+from .runner import RunResult, Timeline, stats_dict
 
 #: Prompt of the overhead measurement: short, so the prompt pass is a small share.
 OVERHEAD_PROMPT = "The robot picked up the"

@@ -16,8 +16,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
-from ...engine.types import DRAFT_MODES, MTP_MODES, SPEC_MODES, EngineConfig, ModelConfig, expand_path
-from ...node import parameters as node_parameters
+from gemma_spec_ros.engine.types import DRAFT_MODES, MTP_MODES, SPEC_MODES, EngineConfig, ModelConfig, expand_path
+from gemma_spec_ros.node import parameters as node_parameters
 
 PACKAGE = "gemma_spec_ros"
 #: llama-cpp-python baselines: plain generation and its built-in prompt lookup.
@@ -51,8 +51,9 @@ class Suite:
 
 
 def share_dirs() -> List[Path]:
-    """``share/gemma_spec_ros`` folders to look in: the source tree first, then installed prefixes."""
-    dirs = [Path(__file__).resolve().parents[3]]
+    """``share/gemma_spec_ros`` folders to look in: the source tree first (the repository root, two
+    folders above this package), then installed prefixes."""
+    dirs = [Path(__file__).resolve().parents[2]]
     for prefix in os.environ.get("AMENT_PREFIX_PATH", "").split(os.pathsep) + [sys.prefix]:
         if prefix:
             dirs.append(Path(prefix) / "share" / PACKAGE)
@@ -395,7 +396,7 @@ def _native_runners(native_bin: str, native_ks: Sequence[int], has_draft: bool,
     (``--spec-type draft-mtp`` when it is a Gemma 4 assistant: ``native-spec-mtp/K*``). ``sweep``
     (names of :data:`NATIVE_NGRAM_SETTINGS`) adds llama-lookup at :data:`NATIVE_SWEEP_LOOKUP_KS` and
     llama-speculative-simple with those settings (``native-ngram-*``, no draft model): the settings the per-prompt
-    native oracle picks from (report.versus_native_oracle)."""
+    native oracle picks from (report.summary.versus_native_oracle)."""
     bin_dir = Path(expand_path(native_bin))
     specs: List[RunnerSpec] = []
     if sweep:

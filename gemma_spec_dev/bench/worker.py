@@ -7,60 +7,28 @@ Protocol: one JSON object per line. The parent writes ``{"cmd": "init", "runner"
 The reply channel is a private copy of the original stdout; fd 1 is pointed at stderr so that anything
 a library prints cannot corrupt the protocol.
 
-Run as ``python -m gemma_spec_ros.tools.bench.worker`` (the parent does this).
+Run as ``python -m gemma_spec_dev.bench.worker`` (the parent does this).
 """
 from __future__ import annotations
 
-from ..llama_first import import_llama_cpp_first
+from gemma_spec_ros.tools.llama_first import import_llama_cpp_first
 
 import_llama_cpp_first()
 
 import json  # noqa: E402
-import math
 import os
 import resource
 import sys
 import threading
-import time
-from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, TextIO, Tuple
+from typing import Any, Dict, Iterable, List, Optional, TextIO
 
 from .config import RunnerSpec, engine_config, model_config, thread_count
-from .runner import Request, RunResult, Runner
+from .runner import Request, RunResult, Runner, Timeline, stats_dict
 
 
 def peak_rss_mb() -> float:
     """This process's peak resident set size so far (ru_maxrss, KiB on Linux), in MiB."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-@dataclass
-class Timeline:
-    """Wall-clock marks of one generation, taken by the bench the same way for every runner."""
-
-    start: float = field(default_factory=time.perf_counter)
-    first: float = math.nan  # when the first non-empty output arrived
-    first_tokens: int = 0  # tokens in that first output
-    end: float = math.nan
-
-    def output(self, n_tokens: int) -> None:
-        """An output chunk of ``n_tokens`` tokens arrived (the first one sets TTFT)."""
-        if n_tokens > 0 and math.isnan(self.first):
-            self.first = time.perf_counter()
-            self.first_tokens = n_tokens
-
-    def finish(self) -> Tuple[float, float, int]:
-        """(wall_s, ttft_s, n_first): RunResult's timing fields."""
-        self.end = time.perf_counter()
-        return self.end - self.start, self.first - self.start, self.first_tokens
-
-
-def stats_dict(stats: Any) -> Dict[str, Any]:
-    """A SpecStats as JSON-able data: its ``as_dict`` plus the raw per-position counters."""
-    out = dict(stats.as_dict())
-    out["accepted_at"] = list(stats.accepted_at)
-    out["drafted_at"] = list(stats.drafted_at)
-    return out
 
 
 def stats_from_msg(msg: Any) -> Dict[str, Any]:
@@ -74,7 +42,7 @@ class EngineRunner:
     """Our engine in one mode, with K fixed or adaptive (one Engine per worker)."""
 
     def __init__(self, spec: RunnerSpec, params: Dict[str, Any]) -> None:
-        from ...engine.engine import Engine  # imported here: the parent process never loads models
+        from gemma_spec_ros.engine.engine import Engine  # imported here: the parent process never loads models
 
         self._mode = spec.mode
         self._reuse_prompt = spec.reuse_prompt
@@ -82,7 +50,7 @@ class EngineRunner:
         self.info = {"model_info": self._engine.model_info(), "spec": repr(self._engine.spec)}
 
     def run(self, request: Request) -> RunResult:
-        from ...engine.types import GenerationRequest, SamplingParams
+        from gemma_spec_ros.engine.types import GenerationRequest, SamplingParams
 
         sampling = SamplingParams(temperature=float(request["temperature"]), seed=int(request["seed"]))
         req = GenerationRequest(prompt=request["prompt"], max_tokens=int(request["max_tokens"]),
@@ -170,38 +138,29 @@ class ActionRunner:
 
     def __init__(self, spec: RunnerSpec, params: Dict[str, Any], node_name: str,
                  server_timeout_s: float = 30.0) -> None:
+        # imported here: only this runner needs ROS (the bench runs on machines without it)
         import rclpy
-        from rclpy.action import ActionClient
         from gemma_spec_msgs.action import Generate
+        from gemma_spec_ros.client import GenerateClient, action_name
 
         self._rclpy = rclpy
-        self._generate = Generate
+        self._goal = Generate.Goal
         self._mode = spec.mode
         rclpy.init(args=None)
-        self._node = rclpy.create_node("gemma_spec_bench_client")
         name = node_name if node_name.startswith("/") else "/" + node_name
-        self._action = f"{name.rstrip('/')}/generate"
-        self._client = ActionClient(self._node, Generate, self._action)
-        if not self._client.wait_for_server(timeout_sec=server_timeout_s):
+        self._action = action_name(name)
+        # one goal at a time, as long as the bench measures: no message history
+        self._client = GenerateClient(name, name="gemma_spec_bench_client", keep_history=False)
+        if not self._client.wait_for_server(server_timeout_s):
             self.close()
             raise RuntimeError(f"no Generate action server at {self._action} after {server_timeout_s:.0f} s "
                                "(start the node: gemma-spec-serve --params-file ...)")
         self.info = {"action": self._action}
 
-    def _wait(self, future: Any) -> Any:
-        self._rclpy.spin_until_future_complete(self._node, future)
-        return future.result()
-
     def run(self, request: Request) -> RunResult:
-        goal = self._generate.Goal()
-        goal.prompt = request["prompt"]
-        goal.max_tokens = int(request["max_tokens"])
-        goal.temperature = float(request["temperature"])
-        goal.top_p = 1.0
-        goal.top_k = 0
-        goal.seed = int(request["seed"])
-        goal.spec_mode = self._mode
-        timeline = Timeline()
+        goal = self._goal(prompt=request["prompt"], max_tokens=int(request["max_tokens"]),
+                          temperature=float(request["temperature"]), top_p=1.0, top_k=0,
+                          seed=int(request["seed"]), spec_mode=self._mode)
         modes: List[str] = []
 
         def on_feedback(message: Any) -> None:
@@ -210,12 +169,12 @@ class ActionRunner:
             if fb.spec_mode and fb.spec_mode not in modes:
                 modes.append(fb.spec_mode)
 
-        handle = self._wait(self._client.send_goal_async(goal, feedback_callback=on_feedback))
-        if handle is None or not handle.accepted:
+        timeline = Timeline()
+        run = self._client.send_goal(goal, timeout=None, on_feedback=on_feedback)
+        if not run.accepted:
             raise RuntimeError(f"goal rejected by {self._action}")
-        wrapped = self._wait(handle.get_result_async())
+        result = run.wait_result(timeout=None)
         wall, ttft, n_first = timeline.finish()
-        result = wrapped.result
         if result.finish_reason == "error":
             raise RuntimeError(f"node reported an error: {result.error}")
         return RunResult(text=result.text, n_tokens=int(result.completion_tokens), wall_s=wall,
@@ -225,7 +184,7 @@ class ActionRunner:
 
     def close(self) -> None:
         try:
-            self._node.destroy_node()
+            self._client.close()
         finally:
             self._rclpy.try_shutdown()
 
@@ -278,7 +237,7 @@ def serve(lines: Iterable[str], reply: TextIO) -> int:
 
 
 def main() -> int:
-    """Entry of ``python -m gemma_spec_ros.tools.bench.worker``."""
+    """Entry of ``python -m gemma_spec_dev.bench.worker``."""
     reply = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)  # stray prints (libraries) go to stderr, never into the protocol
     sys.stdout = sys.stderr

@@ -1,14 +1,17 @@
-"""What every bench runner is and returns: one protocol, one result type (no model imports here).
+"""What every bench runner is and returns: one protocol, one result type, and the helpers every
+runner measures with (no model imports here: the parent process uses them too).
 
 The worker-side runners (the engine, llama-cpp-python, the Generate action; :mod:`.worker`) and the
 parent-side ones (a worker handle; llama.cpp's native tools, :mod:`.native`) all answer ``run`` with
-a :class:`RunResult`; ``cli.make_record`` turns it into one row of results.json.
+a :class:`RunResult`; ``record.make_record`` turns it into one row of results.json.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
+import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Protocol
+from typing import Any, Dict, List, Mapping, Optional, Protocol, Tuple
 
 #: A request as the parent sends it: prompt, max_tokens, temperature, seed.
 Request = Dict[str, Any]
@@ -59,4 +62,33 @@ class MeasuredRunner(Runner, Protocol):
     base_rss_mb: Optional[float]  # with llama_cpp imported, before any model (None: not measured)
 
 
-__all__ = ["MeasuredRunner", "Request", "RunResult", "Runner"]
+@dataclass
+class Timeline:
+    """Wall-clock marks of one generation, taken by the bench the same way for every runner."""
+
+    start: float = field(default_factory=time.perf_counter)
+    first: float = math.nan  # when the first non-empty output arrived
+    first_tokens: int = 0  # tokens in that first output
+    end: float = math.nan
+
+    def output(self, n_tokens: int) -> None:
+        """An output chunk of ``n_tokens`` tokens arrived (the first one sets TTFT)."""
+        if n_tokens > 0 and math.isnan(self.first):
+            self.first = time.perf_counter()
+            self.first_tokens = n_tokens
+
+    def finish(self) -> Tuple[float, float, int]:
+        """(wall_s, ttft_s, n_first): RunResult's timing fields."""
+        self.end = time.perf_counter()
+        return self.end - self.start, self.first - self.start, self.first_tokens
+
+
+def stats_dict(stats: Any) -> Dict[str, Any]:
+    """A SpecStats as JSON-able data: its ``as_dict`` plus the raw per-position counters."""
+    out = dict(stats.as_dict())
+    out["accepted_at"] = list(stats.accepted_at)
+    out["drafted_at"] = list(stats.drafted_at)
+    return out
+
+
+__all__ = ["MeasuredRunner", "Request", "RunResult", "Runner", "Timeline", "stats_dict"]

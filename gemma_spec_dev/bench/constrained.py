@@ -1,6 +1,6 @@
 """Constrained output, measured: the planner suite's prompts with its plan schema, same run.
 
-    python -m gemma_spec_ros.tools.bench.constrained --out docs/bench/constrained_cpu
+    python -m gemma_spec_dev.bench.constrained --out docs/bench/constrained_cpu
 
 Runners, interleaved prompt by prompt (each prompt: every runner once, in a rotating order):
 
@@ -34,10 +34,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from ...engine.engine import Engine
-from ...engine.grammar import Grammar
-from ...engine.remote import RemoteConfig, RemoteEngine
-from ...engine.types import EngineConfig, GenerationRequest, LookupConfig, ModelConfig, SpecConfig
+from gemma_spec_ros.engine.engine import Engine
+from gemma_spec_ros.engine.grammar import Grammar
+from gemma_spec_ros.engine.remote import RemoteConfig, RemoteEngine
+from gemma_spec_ros.engine.types import EngineConfig, GenerationRequest, LookupConfig, ModelConfig, SpecConfig
 from .config import find_data_dir, load_suite
 
 #: llama-server's speculative settings tried (``--spec-type``; defaults of each type).

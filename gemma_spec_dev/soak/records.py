@@ -1,0 +1,79 @@
+"""What a soak run writes down: one :class:`GoalRecord` per goal, one :class:`Sample` of the server
+process per sample period, and the :class:`SoakRun` the driver hands to the report."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+
+@dataclass
+class GoalRecord:
+    """One goal as the soak client saw it."""
+
+    index: int
+    kind: str
+    invalid: bool
+    cancel_point: str = ""
+    accepted: Optional[bool] = None
+    status: int = 0
+    finish_reason: str = ""
+    error: str = ""
+    streamed: str = ""
+    text: str = ""
+    sent_at: float = 0.0
+    result_at: float = 0.0
+    cancel_at: float = 0.0
+    cancel_accepted: Optional[bool] = None
+    queue_wait: float = math.nan  # acceptance -> first feedback of the running goal (client side)
+    accepted_at: float = 0.0
+    started_at: float = 0.0
+    lost: bool = False
+    # the result came only for a re-sent result request: the first one's response was dropped by
+    # the client (ros2/rclpy#1123, result side; the driver logs "Ignoring unexpected result response")
+    result_resent: bool = False
+    remote: bool = False  # sent during the remote phase
+    time_budget: float = 0.0  # the goal's time_budget (0 = none)
+    step_ms: float = math.nan  # the result's verify time per target pass (server side)
+    chunk_ms: float = math.nan  # the result's prompt time per evaluated n_batch chunk (server side)
+
+
+@dataclass
+class Sample:
+    t: float
+    goals_done: int
+    rss_mib: float
+    threads: int
+    open_files: int
+    ngrams: int
+    rss_anon_mib: float = math.nan  # heap and other private memory: where a leak shows
+    rss_file_mib: float = math.nan  # mapped files (the GGUF's pages as they are touched)
+    serving: bool = True  # False during a cleanup cycle or the remote phase (no model): not in the slopes
+
+
+@dataclass
+class SoakRun:
+    """Everything one run of the driver collected; :func:`~.report.build_report` judges it."""
+
+    records: List[GoalRecord]  # every goal, the final ones (sent before SIGINT) last
+    golden_start: str  # the greedy output of the golden goal at the start, and at the end
+    golden_end: str
+    exit_status: int  # the server's, after SIGINT
+    seconds: float
+    samples: List[Sample]
+    param_results: List[Dict[str, Any]]  # name, value, valid, ok, reason of every parameter set
+    transitions: List[Dict[str, Any]]  # transition, ok, seconds of every lifecycle transition
+    serve_log: str  # the server's output
+    remote: Optional[Any] = None  # the remote phase (remote_phase.RemotePhase), if it ran
+
+
+@dataclass
+class Report:
+    config: Dict[str, Any]
+    checks: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    metrics: Dict[str, Any] = field(default_factory=dict)
+    samples: List[Dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(check["pass"] for check in self.checks.values())
