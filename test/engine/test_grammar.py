@@ -19,6 +19,7 @@ from gemma_spec_ros.engine.engine import Engine
 from gemma_spec_ros.engine.grammar import GrammarError, gbnf_of
 from gemma_spec_ros.engine.types import (EngineConfig, GenerationRequest, ModelConfig, SamplingParams,
                                          SpecConfig)
+from support.engine import collect
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA_TEXT = (REPO / "config" / "schemas" / "robot_plan.schema.json").read_text()
@@ -31,12 +32,8 @@ MAX_TOKENS = 512  # the schema bounds a plan below this (see its $comment)
 
 def run(engine, mode, max_tokens=MAX_TOKENS, prompt=PLANNER_PROMPT, **kw):
     request = GenerationRequest(prompt, max_tokens=max_tokens, spec_mode=mode, **kw)
-    tokens, text, steps = [], "", []
-    for step in engine.generate(request):
-        tokens.extend(step.tokens)
-        text += step.text
-        steps.append(step)
-    return tokens, text, steps[-1]
+    done = collect(engine, request)
+    return done.tokens, done.text, done.steps[-1]
 
 
 def engine_for(target, draft):

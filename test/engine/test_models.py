@@ -16,6 +16,7 @@ from gemma_spec_ros.engine.engine import Engine, TextAssembler
 from gemma_spec_ros.engine.types import (EngineConfig, GenerationRequest, KVCacheError, LookupConfig,
                                          ModelConfig, ModelLoadError, PromptTooLongError,
                                          SamplingParams, SpecConfig, VocabMismatchError)
+from support.engine import collect
 
 PROMPTS = {
     "code": "def moving_average(values, window):\n    \"\"\"Return the moving average of values.\"\"\"\n",
@@ -39,12 +40,8 @@ def run(engine, prompt, mode, **kw):
     sampling = kw.pop("sampling", SamplingParams())
     request = GenerationRequest(prompt, max_tokens=kw.pop("max_tokens", MAX_TOKENS), spec_mode=mode,
                                 sampling=sampling, **kw)
-    tokens, text, steps = [], "", []
-    for step in engine.generate(request):
-        tokens.extend(step.tokens)
-        text += step.text
-        steps.append(step)
-    return tokens, text, steps
+    done = collect(engine, request)
+    return done.tokens, done.text, done.steps
 
 
 @pytest.fixture(scope="module")
@@ -300,9 +297,9 @@ def test_several_stop_strings_end_at_the_first_match(f16_engine):
     assert "".join(step.text for step in steps) == text
 
 
-def _lookup_engine(model_path, **values):
+def lookup_engine(model_path, **values):
     """An engine in lookup mode, fixed K, built from node parameter values (the mapping of
-    lookup.* included); no calibration (fixed K needs no costs)."""
+    lookup.* included); no calibration (fixed K needs no costs). Use it in a ``with`` block."""
     from gemma_spec_ros.node.parameters import defaults, engine_config_from
 
     params = {**defaults(), "target.model_path": str(model_path), "target.n_ctx": 512,
@@ -314,26 +311,24 @@ def _lookup_engine(model_path, **values):
 CACHE_PROMPT = "The little robot woke up in the empty warehouse and"
 
 
+def run_cache_prompt(model_path, **values):
+    """(tokens, text, steps) of CACHE_PROMPT, 24 tokens, on a fresh :func:`lookup_engine`."""
+    with lookup_engine(model_path, **values) as engine:
+        return run(engine, CACHE_PROMPT, None, max_tokens=24)
+
+
 def test_static_cache_drafts_end_to_end(tmp_path, f16_model_path, venv_python):
     """lookup.static_path: a cache built by gemma-spec-lookup-create from a corpus holding this
     request's continuation makes the engine draft from it (the request itself barely repeats)."""
-    plain = _lookup_engine(f16_model_path)
-    try:
-        tokens, text, steps = run(plain, CACHE_PROMPT, None, max_tokens=24)
-        without = steps[-1].stats
-    finally:
-        plain.close()
+    tokens, text, steps = run_cache_prompt(f16_model_path)
+    without = steps[-1].stats
     corpus = tmp_path / "corpus.txt"
     corpus.write_text((CACHE_PROMPT + text + "\n") * 3)
     static = tmp_path / "static.bin"
     subprocess.run([str(venv_python.parent / "gemma-spec-lookup-create"), str(corpus), "-o", str(static),
                     "-m", str(f16_model_path), "-q"], check=True, timeout=120)
-    engine = _lookup_engine(f16_model_path, **{"lookup.static_path": str(static)})
-    try:
-        tokens2, _, steps = run(engine, CACHE_PROMPT, None, max_tokens=24)
-        with_static = steps[-1].stats
-    finally:
-        engine.close()
+    tokens2, _, steps = run_cache_prompt(f16_model_path, **{"lookup.static_path": str(static)})
+    with_static = steps[-1].stats
     assert tokens2 == tokens  # F16: lossless whatever drafts
     # measured: 22 steps, 1 token accepted without; 6 steps, 17 accepted with the static cache
     assert with_static.num_accepted_tokens >= without.num_accepted_tokens + 10, (with_static, without)
@@ -346,29 +341,17 @@ def test_dynamic_cache_is_saved_and_reloaded_by_the_next_engine(tmp_path, f16_mo
     from gemma_spec_ros.engine import learned_cache
 
     path = tmp_path / "dynamic.bin"
-    first = _lookup_engine(f16_model_path, **{"lookup.dynamic_path": str(path)})
-    try:
+    with lookup_engine(f16_model_path, **{"lookup.dynamic_path": str(path)}) as first:
         for _ in range(2):  # the strict thresholds of the dynamic cache want repeated evidence
             tokens, _, steps = run(first, CACHE_PROMPT, None, max_tokens=24)
         prompt = first.prompt_tokens(GenerationRequest(CACHE_PROMPT))
-    finally:
-        first.close()
     _, saved = learned_cache.read(path)
     sequence = prompt + tokens
     for i in range(len(sequence) - 4):  # every 4-gram of the requests, seen twice, with its successor
         assert saved.get(tuple(sequence[i:i + 4])).get(sequence[i + 4], 0) >= 2, i
-    baseline = _lookup_engine(f16_model_path)
-    try:
-        _, _, steps = run(baseline, CACHE_PROMPT, None, max_tokens=24)
-        without = steps[-1].stats
-    finally:
-        baseline.close()
-    reloaded = _lookup_engine(f16_model_path, **{"lookup.dynamic_path": str(path)})
-    try:
-        tokens2, _, steps = run(reloaded, CACHE_PROMPT, None, max_tokens=24)
-        with_cache = steps[-1].stats
-    finally:
-        reloaded.close()
+    without = run_cache_prompt(f16_model_path)[2][-1].stats
+    tokens2, _, steps = run_cache_prompt(f16_model_path, **{"lookup.dynamic_path": str(path)})
+    with_cache = steps[-1].stats
     assert tokens2 == tokens
     assert with_cache.num_accepted_tokens >= without.num_accepted_tokens + 10, (with_cache, without)
     assert with_cache.num_steps <= without.num_steps // 2 and with_cache.mean_acceptance_length > 2.0

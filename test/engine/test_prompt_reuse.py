@@ -14,6 +14,7 @@ from gemma_spec_ros.engine.backend import LlamaBackend
 from gemma_spec_ros.engine.engine import Engine
 from gemma_spec_ros.engine.types import (EngineConfig, GenerationRequest, KVCacheError, ModelConfig,
                                          SamplingParams, SpecConfig)
+from support.engine import collect
 
 SYSTEM = ("You control a mobile manipulator in a kitchen. Skills: move_to(place), pick(object), "
           "place(object, place), open(door), close(door), say(text). Rules: never move while "
@@ -30,10 +31,8 @@ def generate(engine: Engine, prompt: str, sampling: SamplingParams, reuse: bool,
     """(tokens, prompt tokens, prompt tokens reused) of one request."""
     request = GenerationRequest(prompt, max_tokens=10, sampling=sampling, spec_mode=mode,
                                 reuse_prompt=reuse)
-    tokens: List[int] = []
-    for step in engine.generate(request):
-        tokens.extend(step.tokens)
-    return tokens, step.stats.num_prompt_tokens, step.stats.num_prompt_tokens_reused
+    done = collect(engine, request)
+    return done.tokens, done.stats.num_prompt_tokens, done.stats.num_prompt_tokens_reused
 
 
 @pytest.fixture(scope="module")

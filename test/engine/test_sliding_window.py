@@ -25,6 +25,7 @@ from gemma_spec_ros.engine.engine import Engine
 from gemma_spec_ros.engine.sampling import Sampler
 from gemma_spec_ros.engine.types import (EngineConfig, GenerationRequest, ModelConfig, SamplingParams,
                                          SpecConfig)
+from support.engine import collect
 from support.tiny_gguf import write_tiny_gguf
 
 WINDOW = 16
@@ -67,12 +68,10 @@ def run(engine: Engine, rows: List[str], prompt: str, sampling: SamplingParams, 
         reuse: bool = False, max_tokens: int = 400) -> Tuple[List[int], List[str], int, int, int]:
     """(tokens, digests of their rows, drafted, accepted, prompt tokens reused) of one request."""
     del rows[:]
-    tokens: List[int] = []
     request = GenerationRequest(prompt, max_tokens=max_tokens, sampling=sampling, spec_mode=mode,
                                 reuse_prompt=reuse)
-    for step in engine.generate(request):
-        tokens.extend(step.tokens)
-    stats = step.stats
+    done = collect(engine, request)
+    tokens, stats = done.tokens, done.stats
     return (tokens, rows[:len(tokens) + 1], stats.num_draft_tokens, stats.num_accepted_tokens,
             stats.num_prompt_tokens_reused)
 

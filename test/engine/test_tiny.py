@@ -11,6 +11,7 @@ from dataclasses import replace
 from gemma_spec_ros.engine.engine import Engine
 from gemma_spec_ros.engine.types import (EngineConfig, GenerationRequest, ModelConfig, SamplingParams,
                                          SpecConfig)
+from support.engine import collect
 from support.stats import chi_square_p_value
 from support.tiny_gguf import EOS_ID, write_tiny_pair
 
@@ -82,11 +83,10 @@ def test_rejection_sampling_matches_the_target_distribution(tiny_pair):
         accepted = drafted = 0
         for seed in range(n):
             request = GenerationRequest(PROMPT, max_tokens=3, sampling=SamplingParams(temperature=1.0, seed=seed))
-            tokens = []
-            for step in engine.generate(request):
-                tokens.extend(step.tokens)
-            accepted += step.stats.num_accepted_tokens
-            drafted += step.stats.num_draft_tokens
+            done = collect(engine, request)
+            tokens = done.tokens
+            accepted += done.stats.num_accepted_tokens
+            drafted += done.stats.num_draft_tokens
             for i in range(3):
                 counts[i, observed_position(tokens, i, vocab)] += 1
         assert drafted > n / 2, "rejection path barely exercised"
@@ -106,14 +106,11 @@ def test_seeded_sampling_is_identical_with_and_without_speculation(tiny_pair):
             sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=seed)
             outputs = {}
             for mode in ("off", "draft", "lookup", "draft+lookup", "auto"):
-                tokens, drafts = [], 0
-                for step in engine.generate(GenerationRequest(PROMPT, max_tokens=200, sampling=sampling,
-                                                              spec_mode=mode)):
-                    tokens.extend(step.tokens)
-                    drafts = step.stats.num_drafts
-                outputs[mode] = tokens
+                done = collect(engine, GenerationRequest(PROMPT, max_tokens=200, sampling=sampling,
+                                                         spec_mode=mode))
+                outputs[mode] = done.tokens
                 if mode != "off":  # else parity would be vacuous
-                    assert drafts > 0, f"seed {seed}: {mode} never drafted"
+                    assert done.stats.num_drafts > 0, f"seed {seed}: {mode} never drafted"
             for mode, tokens in outputs.items():
                 assert tokens == outputs["off"], f"seed {seed}: {mode} differs from off"
     finally:
@@ -121,12 +118,8 @@ def test_seeded_sampling_is_identical_with_and_without_speculation(tiny_pair):
 
 
 def generate(engine, request):
-    tokens, text, steps = [], "", []
-    for step in engine.generate(request):
-        tokens.extend(step.tokens)
-        text += step.text
-        steps.append(step)
-    return tokens, text, steps
+    done = collect(engine, request)
+    return done.tokens, done.text, done.steps
 
 
 @pytest.fixture(scope="module")

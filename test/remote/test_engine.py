@@ -6,12 +6,13 @@ The engine-level half of the remote backend; the node on real rclpy is in test/r
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import threading
 import time
 from pathlib import Path
-from typing import Iterator, List
+from typing import Any, Callable, Iterator, List
 
 import pytest
 
@@ -23,6 +24,7 @@ from gemma_spec_ros.engine.remote import (KIND_LLAMA_CPP_PYTHON, KIND_LLAMA_SERV
 from gemma_spec_ros.engine.remote.sse import SseReader, choice, parse_chunk
 from gemma_spec_ros.engine.types import (EngineConfig, GenerationRequest, ModelConfig, PromptTooLongError,
                                          SpecConfig)
+from support.engine import collect
 from support.servers import (API_KEY, API_KEY_ENV, LLAMA_SERVER, Server, free_port, llama_cpp_server,
                             llama_server, running_llama_cpp_server)
 
@@ -44,16 +46,26 @@ def api_key(monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 @pytest.fixture
-def engine(server: Server, api_key: str) -> Iterator[RemoteEngine]:
-    eng = RemoteEngine(RemoteConfig(url=server.url, api_key_env=api_key, connect_timeout=2.0,
-                                    read_timeout=60.0, probe_period=0.2), SPEC)
-    yield eng
-    eng.close()
+def remote_engine(server: Server, api_key: str) -> Iterator[Callable[..., RemoteEngine]]:
+    """``remote_engine(**config)``: a RemoteEngine on the module's server with its API key and
+    ``config`` over no background probe; every one made is closed when the test ends."""
+    with contextlib.ExitStack() as made:
+        def make(**config: Any) -> RemoteEngine:
+            engine = RemoteEngine(RemoteConfig(**{"url": server.url, "api_key_env": api_key,
+                                                  "probe_period": 0, **config}), SPEC)
+            made.callback(engine.close)
+            return engine
+        yield make
+
+
+@pytest.fixture
+def engine(remote_engine: Callable[..., RemoteEngine]) -> RemoteEngine:
+    return remote_engine(connect_timeout=2.0, read_timeout=60.0, probe_period=0.2)
 
 
 def run(engine: RemoteEngine, request: GenerationRequest,
         cancel: threading.Event = None) -> List[Step]:
-    return list(engine.generate(request, cancel))
+    return collect(engine, request, cancel).steps
 
 
 # -- pure parts --------------------------------------------------------------------------------------
@@ -110,7 +122,7 @@ def test_streams_text_per_chunk_with_stats(engine: RemoteEngine) -> None:
     # llama_cpp.server runs no speculation and reports none: unknown, not zero
     assert math.isnan(stats.mean_acceptance_length) and math.isnan(stats.acceptance_rate)
     assert run(engine, request)[-1].stats.num_generated_tokens == 12  # the engine is reusable
-    assert "".join(s.text for s in run(engine, request)) == "".join(s.text for s in steps)
+    assert collect(engine, request).text == "".join(s.text for s in steps)
     status = engine.status()
     assert status["served by"] == "remote" and status["requests served remote"] == 3
     assert status["prompt tokens by"] == "llama-cpp-python server tokenizer"
@@ -126,7 +138,7 @@ def test_greedy_text_is_the_local_engines(engine: RemoteEngine, embedded_model_p
     try:
         for prompt in (CODE_PROMPT, "Q: What is DNS?\nA:"):
             request = GenerationRequest(prompt=prompt, max_tokens=16)
-            assert "".join(s.text for s in run(engine, request)) == \
+            assert collect(engine, request).text == \
                 "".join(s.text for s in local.generate(request))
     finally:
         local.close()
@@ -166,19 +178,15 @@ def test_cancel_within_one_chunk_and_the_server_stops(engine: RemoteEngine, serv
 
 
 @pytest.mark.timeout(120)
-def test_cancel_while_the_server_hangs(server: Server, api_key: str) -> None:
+def test_cancel_while_the_server_hangs(server: Server, remote_engine: Callable[..., RemoteEngine]) -> None:
     """A read blocked on a hung server (SIGSTOP) returns when cancel is set: the socket is shut down."""
-    eng = RemoteEngine(RemoteConfig(url=server.url, api_key_env=api_key, connect_timeout=0.5,
-                                    read_timeout=60.0, probe_period=0), SPEC)
-    try:
-        with server.frozen():
-            cancel = threading.Event()
-            threading.Timer(0.5, cancel.set).start()
-            t0 = time.perf_counter()
-            steps = run(eng, GenerationRequest(prompt="Hi", max_tokens=2), cancel)
-            assert steps[-1].finish_reason == "cancelled" and time.perf_counter() - t0 < 5.0
-    finally:
-        eng.close()
+    eng = remote_engine(connect_timeout=0.5, read_timeout=60.0)
+    with server.frozen():
+        cancel = threading.Event()
+        threading.Timer(0.5, cancel.set).start()
+        t0 = time.perf_counter()
+        steps = run(eng, GenerationRequest(prompt="Hi", max_tokens=2), cancel)
+        assert steps[-1].finish_reason == "cancelled" and time.perf_counter() - t0 < 5.0
 
 
 @pytest.mark.timeout(120)
@@ -196,17 +204,13 @@ def test_http_errors_end_the_request_with_the_reason(server: Server, monkeypatch
 
 
 @pytest.mark.timeout(120)
-def test_read_timeout_ends_the_request(server: Server, api_key: str) -> None:
-    eng = RemoteEngine(RemoteConfig(url=server.url, api_key_env=api_key, connect_timeout=0.5,
-                                    read_timeout=0.5, probe_period=0), SPEC)
-    try:
-        with server.frozen():
-            t0 = time.perf_counter()
-            with pytest.raises(RemoteError, match="read_timeout=0.5"):
-                run(eng, GenerationRequest(prompt="Hi", max_tokens=2))
-            assert time.perf_counter() - t0 < 5.0
-    finally:
-        eng.close()
+def test_read_timeout_ends_the_request(server: Server, remote_engine: Callable[..., RemoteEngine]) -> None:
+    eng = remote_engine(connect_timeout=0.5, read_timeout=0.5)
+    with server.frozen():
+        t0 = time.perf_counter()
+        with pytest.raises(RemoteError, match="read_timeout=0.5"):
+            run(eng, GenerationRequest(prompt="Hi", max_tokens=2))
+        assert time.perf_counter() - t0 < 5.0
 
 
 @pytest.mark.timeout(300)
@@ -285,32 +289,26 @@ def test_goal_checks_estimate_prompt_tokens_the_start_counts_them(engine: Remote
 
 
 @pytest.mark.timeout(120)
-def test_goal_checks_make_no_round_trip_the_start_checks_exactly(server: Server, api_key: str) -> None:
+def test_goal_checks_make_no_round_trip_the_start_checks_exactly(
+        server: Server, remote_engine: Callable[..., RemoteEngine]) -> None:
     """count_prompt_tokens runs in the node's goal callback, whose callback group also serves
     cancels: with the server hung it answers at once (before: a tokenizer call of up to
     connect_timeout, every cancel waiting behind it). The start counts exactly: a prompt denser than
     the estimate (digits, one token each) passes the goal check and is refused with
     PromptTooLongError before anything streams."""
-    eng = RemoteEngine(RemoteConfig(url=server.url, api_key_env=api_key, connect_timeout=3.0,
-                                    probe_period=0, n_ctx=128), SPEC)
+    eng = remote_engine(connect_timeout=3.0, n_ctx=128)
     dense = GenerationRequest(prompt="7" * 150, max_tokens=4)
-    try:
-        with server.frozen():
-            t0 = time.perf_counter()
-            estimate = eng.count_prompt_tokens(dense)
-            assert time.perf_counter() - t0 < 1.0, "the goal check waited for the server"
-        eng.check_request(dense, estimate)  # 11 estimated + 4 fit in 128
-        with pytest.raises(PromptTooLongError, match=r"prompt of 1[5-6]\d tokens .* context of 128"):
-            run(eng, dense)
-    finally:
-        eng.close()
-    limited = RemoteEngine(RemoteConfig(url=server.url, api_key_env=api_key, connect_timeout=3.0,
-                                        probe_period=0, max_prompt_tokens=100), SPEC)
-    try:  # limits.max_prompt_tokens, checked on the exact count at start
-        with pytest.raises(PromptTooLongError, match=r"more than limits.max_prompt_tokens=100"):
-            run(limited, dense)
-    finally:
-        limited.close()
+    with server.frozen():
+        t0 = time.perf_counter()
+        estimate = eng.count_prompt_tokens(dense)
+        assert time.perf_counter() - t0 < 1.0, "the goal check waited for the server"
+    eng.check_request(dense, estimate)  # 11 estimated + 4 fit in 128
+    with pytest.raises(PromptTooLongError, match=r"prompt of 1[5-6]\d tokens .* context of 128"):
+        run(eng, dense)
+    limited = remote_engine(connect_timeout=3.0, max_prompt_tokens=100)
+    # limits.max_prompt_tokens, checked on the exact count at start
+    with pytest.raises(PromptTooLongError, match=r"more than limits.max_prompt_tokens=100"):
+        run(limited, dense)
 
 
 @pytest.mark.timeout(120)
@@ -325,18 +323,15 @@ def test_time_budget_ends_a_slow_stream_with_its_text(engine: RemoteEngine) -> N
 
 
 @pytest.mark.timeout(120)
-def test_time_budget_ends_a_request_to_a_hung_server(server: Server, api_key: str) -> None:
+def test_time_budget_ends_a_request_to_a_hung_server(server: Server,
+                                                     remote_engine: Callable[..., RemoteEngine]) -> None:
     """A hung server (SIGSTOP) before the first byte: the budget ends the request with timeout,
     long before read_timeout (before: the read timeout's error, 30 s later)."""
-    eng = RemoteEngine(RemoteConfig(url=server.url, api_key_env=api_key, connect_timeout=0.5,
-                                    read_timeout=30.0, probe_period=0), SPEC)
-    try:
-        with server.frozen():
-            t0 = time.perf_counter()
-            steps = run(eng, GenerationRequest(prompt="Hi", max_tokens=2, time_budget=1.0))
-            assert steps[-1].finish_reason == "timeout" and time.perf_counter() - t0 < 6.0
-    finally:
-        eng.close()
+    eng = remote_engine(connect_timeout=0.5, read_timeout=30.0)
+    with server.frozen():
+        t0 = time.perf_counter()
+        steps = run(eng, GenerationRequest(prompt="Hi", max_tokens=2, time_budget=1.0))
+        assert steps[-1].finish_reason == "timeout" and time.perf_counter() - t0 < 6.0
 
 
 # -- llama.cpp's llama-server: tau from its timings and /metrics ---------------------------------------
