@@ -14,21 +14,23 @@ import math
 import time
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, Dict, Iterator
+from typing import Any, Callable, Dict, Iterator
 
 import pytest
 from action_msgs.msg import GoalStatus
 from diagnostic_msgs.msg import DiagnosticStatus
 
+from gemma_spec_ros.client import GenerateClient, key_values, wait_until
 from gemma_spec_ros.engine.engine import Engine
 from gemma_spec_ros.engine.types import GenerationRequest, SamplingParams
-from gemma_spec_ros.node.node import GemmaSpecNode
+from gemma_spec_ros.node import spec_status_name
 from gemma_spec_ros.node.parameters import defaults, engine_config_from
-from support.node import Client, spun_node, key_values, wait_until
+from support.engine import collect
+from support.node import ServedNode
 from support.tiny_gguf import tokenize, write_tiny_pair
 
 NODE = "gemma_spec_goal_fields"
-SPEC_STATUS = f"{NODE}: speculative decoding"
+SPEC_STATUS = spec_status_name(NODE)
 PROMPT = "the robot"
 K = 4
 
@@ -49,17 +51,8 @@ def values(pair) -> Dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def node(values: Dict[str, Any]) -> Iterator[GemmaSpecNode]:
-    with spun_node(NODE, {name: value for name, value in values.items() if value != defaults()[name]}) as gemma:
-        yield gemma
-
-
-@pytest.fixture(scope="module")
-def client(node: GemmaSpecNode) -> Iterator[Client]:
-    ros = Client(f"/{NODE}", name="gemma_spec_goal_fields_client")
-    assert ros.transition("configure") and ros.transition("activate")
-    yield ros
-    ros.close()
+def client(node_client: Callable[..., ServedNode], values: Dict[str, Any]) -> GenerateClient:
+    return node_client(NODE, {name: value for name, value in values.items() if value != defaults()[name]}).client
 
 
 @pytest.fixture(scope="module")
@@ -71,11 +64,11 @@ def reference(values: Dict[str, Any]) -> Iterator[Engine]:
 
 
 def reference_text(engine: Engine, **request: Any) -> str:
-    return "".join(step.text for step in engine.generate(GenerationRequest(**request)))
+    return collect(engine, GenerationRequest(**request)).text
 
 
 @contextmanager
-def parameters(client: Client, base: Dict[str, Any], **changed: Any) -> Iterator[None]:
+def parameters(client: GenerateClient, base: Dict[str, Any], **changed: Any) -> Iterator[None]:
     """Set parameters (dots written '__') for the block, then put back their ``base`` values."""
     results = client.set_parameters(**changed)
     assert all(r.successful for r in results), [r.reason for r in results]
@@ -91,7 +84,7 @@ def goal(**fields: Any) -> Dict[str, Any]:
 
 
 def test_chat_template_on_a_model_without_one_is_rejected_and_the_node_keeps_serving(
-        client: Client) -> None:
+        client: GenerateClient) -> None:
     """The tiny GGUF has no chat template: a goal asking for it is rejected with the reason (it
     must not take the node's executor down), and the next goal is served."""
     mark = client.log_mark()
@@ -104,7 +97,7 @@ def test_chat_template_on_a_model_without_one_is_rejected_and_the_node_keeps_ser
     assert after.accepted and after.wait_result().finish_reason == "length"
 
 
-def test_system_prompt_without_template_leads_the_prompt(client: Client, reference: Engine,
+def test_system_prompt_without_template_leads_the_prompt(client: GenerateClient, reference: Engine,
                                                          pair) -> None:
     run = client.send(**goal(system_prompt="be brief."))
     result = run.wait_result()
@@ -114,7 +107,7 @@ def test_system_prompt_without_template_leads_the_prompt(client: Client, referen
     assert result.text != reference_text(reference, prompt=PROMPT, max_tokens=24)
 
 
-def test_stop_strings_and_eos_through_goals(client: Client, reference: Engine) -> None:
+def test_stop_strings_and_eos_through_goals(client: GenerateClient, reference: Engine) -> None:
     full = reference_text(reference, prompt=PROMPT, max_tokens=60)
     stops = [full[30:33], full[12:15], "#never#"]
     cut = min(full.find(s) for s in stops[:2])
@@ -135,7 +128,7 @@ def test_stop_strings_and_eos_through_goals(client: Client, reference: Engine) -
     assert any(reason == "stop" and n < 200 for reason, n in finished), finished
 
 
-def test_generation_defaults_reach_the_engine(client: Client, reference: Engine, values: Dict[str, Any]) -> None:
+def test_generation_defaults_reach_the_engine(client: GenerateClient, reference: Engine, values: Dict[str, Any]) -> None:
     """temperature -1, top_k -1, seed -1, max_tokens 0, top_p 0 take the node's generation.*."""
     fields = goal(temperature=-1.0, top_k=-1, seed=-1, max_tokens=0, top_p=0.0)
     with parameters(client, values, generation__temperature=0.9, generation__top_k=5, generation__seed=42,
@@ -154,14 +147,14 @@ def test_generation_defaults_reach_the_engine(client: Client, reference: Engine,
     assert zero.text == reference_text(reference, prompt=PROMPT, max_tokens=24)
 
 
-def test_seed_minus_one_gives_different_outputs(client: Client) -> None:
+def test_seed_minus_one_gives_different_outputs(client: GenerateClient) -> None:
     texts = {client.send(**goal(temperature=1.0, seed=-1)).wait_result().text for _ in range(3)}
     assert len(texts) > 1
     fixed = {client.send(**goal(temperature=1.0, seed=9)).wait_result().text for _ in range(2)}
     assert len(fixed) == 1
 
 
-def test_rejection_verification_selected_by_the_parameter(client: Client, reference: Engine, values: Dict[str, Any]) -> None:
+def test_rejection_verification_selected_by_the_parameter(client: GenerateClient, reference: Engine, values: Dict[str, Any]) -> None:
     """spec.verification=rejection (Leviathan/Chen) gives other tokens than exact verification for
     the same seed (it uses the randomness differently): the node's text is the rejection engine's."""
     def texts(seed: int) -> Dict[str, str]:
@@ -182,7 +175,7 @@ def test_rejection_verification_selected_by_the_parameter(client: Client, refere
     assert result.text == expected["rejection"] != expected["exact"]
 
 
-def test_spec_stats_topics_carry_each_request_and_the_lifetime(client: Client) -> None:
+def test_spec_stats_topics_carry_each_request_and_the_lifetime(client: GenerateClient) -> None:
     """~/spec_stats: one message per finished request, equal to the result's stats;
     ~/spec_stats_rolling: the lifetime stats every diagnostics.period, grown by the request."""
     client.wait_subscribed()
@@ -214,7 +207,7 @@ def test_spec_stats_topics_carry_each_request_and_the_lifetime(client: Client) -
     assert rolling.header.stamp.sec > 0 and not math.isnan(rolling.mean_acceptance_length)
 
 
-def test_diagnostics_warn_when_speculation_is_slower_and_off_never_warns(client: Client, values: Dict[str, Any]) -> None:
+def test_diagnostics_warn_when_speculation_is_slower_and_off_never_warns(client: GenerateClient, values: Dict[str, Any]) -> None:
     """A workload built to be slow: 8-token drafts of a draft model that disagrees with the target
     (random weights) cost 8 draft passes and a 9-row verify for about one token. The node's
     status turns WARN naming it; with spec.mode off the same history never warns."""
@@ -228,7 +221,7 @@ def test_diagnostics_warn_when_speculation_is_slower_and_off_never_warns(client:
             assert ok.level == DiagnosticStatus.OK, ok.message
 
 
-def test_feedback_min_period_spaces_the_messages_and_keeps_all_text(client: Client, values: Dict[str, Any]) -> None:
+def test_feedback_min_period_spaces_the_messages_and_keeps_all_text(client: GenerateClient, values: Dict[str, Any]) -> None:
     """feedback.min_period 0.05 s: at most one message per period (plus the first and the last),
     far fewer than the steps, with every piece of text carried."""
     with parameters(client, values, feedback__min_period=0.05, spec__mode="off"):
@@ -244,7 +237,7 @@ def test_feedback_min_period_spaces_the_messages_and_keeps_all_text(client: Clie
     assert run.feedback[-1].completion_tokens == result.completion_tokens
 
 
-def test_constrained_goals_follow_their_grammar_or_schema(client: Client, reference: Engine,
+def test_constrained_goals_follow_their_grammar_or_schema(client: GenerateClient, reference: Engine,
                                                            values: Dict[str, Any]) -> None:
     """A goal's json_schema or grammar reaches the engine: the text is the reference engine's
     constrained text (the tiny vocabulary spells lowercase words, so a boolean schema and a
@@ -261,7 +254,7 @@ def test_constrained_goals_follow_their_grammar_or_schema(client: Client, refere
     assert result.finish_reason == "error" and "admits no token" in result.error, result
 
 
-def test_constraint_refusals_name_the_reason_and_the_node_keeps_serving(client: Client) -> None:
+def test_constraint_refusals_name_the_reason_and_the_node_keeps_serving(client: GenerateClient) -> None:
     cases = [
         ({"grammar": 'root ::= "a" | nowhere'}, "Undefined rule identifier 'nowhere'"),
         ({"grammar": 'root ::= "a"', "json_schema": '{"type": "boolean"}'}, "at most one"),

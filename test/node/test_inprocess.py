@@ -10,21 +10,22 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Dict, Iterator
+from typing import Any, Callable, Dict
 
 import pytest
-import rclpy
 from action_msgs.msg import GoalStatus
 from diagnostic_msgs.msg import DiagnosticStatus
 
+from gemma_spec_ros.client import GenerateClient, collect, key_values, wait_until
 from gemma_spec_ros.engine import learned_cache
 from gemma_spec_ros.engine.types import KVCacheError
+from gemma_spec_ros.node import spec_status_name
 from gemma_spec_ros.node.node import GemmaSpecNode
-from support.node import Client, Spinning, collect, key_values, wait_until
+from support.node import ServedNode, node_factory
 from support.tiny_gguf import tokenize
 
 NODE = "gemma_spec_inprocess"
-SPEC_STATUS = f"{NODE}: speculative decoding"
+SPEC_STATUS = spec_status_name(NODE)
 MODELS_STATUS = f"{NODE}: models"
 PROMPT = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
 MISSING = "/nonexistent/gemma_spec_test/missing-model.gguf"
@@ -45,29 +46,24 @@ def overrides(model: Path, dynamic_path: Path) -> Dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def ros() -> Iterator[None]:
-    rclpy.init()
-    yield
-    rclpy.try_shutdown()
+def served(node_client: Callable[..., ServedNode], embedded_model_path: Path,
+           tmp_path_factory: pytest.TempPathFactory) -> ServedNode:
+    """The node under test and its client (the ``active`` fixture configures and activates it)."""
+    dynamic = tmp_path_factory.mktemp("lookup") / "dynamic.bin"
+    return node_client(NODE, overrides(embedded_model_path, dynamic), activate=False)
 
 
 @pytest.fixture(scope="module")
-def node(ros: None, embedded_model_path: Path,
-         tmp_path_factory: pytest.TempPathFactory) -> Iterator[GemmaSpecNode]:
-    """The node under test (configured and activated by the client fixture)."""
-    spinning = Spinning(NODE, overrides(embedded_model_path, tmp_path_factory.mktemp("lookup") / "dynamic.bin"))
-    yield spinning.node
-    spinning.close()
+def node(served: ServedNode) -> GemmaSpecNode:
+    return served.node
 
 
 @pytest.fixture(scope="module")
-def client(node: GemmaSpecNode) -> Iterator[Client]:
-    ros = Client(f"/{NODE}")
-    yield ros
-    ros.close()
+def client(served: ServedNode) -> GenerateClient:
+    return served.client
 
 
-def bring_up(client: Client) -> None:
+def bring_up(client: GenerateClient) -> None:
     """unconfigured/inactive -> active."""
     state = client.state()
     if state == "unconfigured":
@@ -90,7 +86,7 @@ def long_goal(max_tokens: int = LONG) -> dict:
 
 
 @pytest.mark.timeout(300)
-def test_configure_fails_on_bad_models_then_recovers(client: Client, embedded_model_path: Path,
+def test_configure_fails_on_bad_models_then_recovers(client: GenerateClient, embedded_model_path: Path,
                                                      other_vocab_model_path: Path) -> None:
     """active -> unconfigured; configure FAILS naming the file (missing target; draft of another
     vocabulary); the paths are fixed with set_parameters; the node configures (inactive), rejects
@@ -134,7 +130,7 @@ def test_configure_fails_on_bad_models_then_recovers(client: Client, embedded_mo
 
 @pytest.mark.timeout(300)
 def test_a_peer_cannot_aim_the_learned_cache_at_a_file_of_its_choice(node: GemmaSpecNode,
-                                                                      client: Client) -> None:
+                                                                      client: GenerateClient) -> None:
     """N2 (second review): a peer that set lookup.dynamic_path while the node was unconfigured got
     any file renamed and then overwritten with the cache. Now: a path outside lookup.cache_dir is
     refused at once, cache_dir itself is read-only, and a file inside it that the node did not
@@ -162,7 +158,7 @@ def test_a_peer_cannot_aim_the_learned_cache_at_a_file_of_its_choice(node: Gemma
 
 
 @pytest.mark.timeout(120)
-def test_invalid_goals_rejected_then_valid_goal_served(client: Client) -> None:
+def test_invalid_goals_rejected_then_valid_goal_served(client: GenerateClient) -> None:
     """active: each invalid field is rejected (the reason is logged); a valid goal still works."""
     invalid = {
         "empty prompt": (dict(prompt=""), "prompt is empty"),
@@ -195,7 +191,7 @@ def test_invalid_goals_rejected_then_valid_goal_served(client: Client) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_stream_then_cancel_within_one_step(client: Client) -> None:
+def test_stream_then_cancel_within_one_step(client: GenerateClient) -> None:
     """active: feedback streams whole text; a cancel ends the goal at a step boundary.
 
     Not bounded by wall-clock (a cancel over DDS on a busy machine may take any number of steps to
@@ -215,7 +211,7 @@ def test_stream_then_cancel_within_one_step(client: Client) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_queue_of_depth_n_rejects_the_n_plus_first(client: Client) -> None:
+def test_queue_of_depth_n_rejects_the_n_plus_first(client: GenerateClient) -> None:
     """active: while one goal runs, N goals wait and the N+1st is rejected (queue full)."""
     running = client.send(**long_goal())
     running.wait_feedback(1)
@@ -234,7 +230,7 @@ def test_queue_of_depth_n_rejects_the_n_plus_first(client: Client) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_spec_mode_and_k_switch_during_stream(client: Client) -> None:
+def test_spec_mode_and_k_switch_during_stream(client: GenerateClient) -> None:
     """active: spec.mode and spec.draft_max set through ~/set_parameters while a goal streams show
     in the following feedback and the result, and K is *used*: after the switch to K = 1 no step
     emits more than 2 tokens (before it, lookup on this code drafts 3 and steps emit up to 4).
@@ -276,7 +272,7 @@ def test_spec_mode_and_k_switch_during_stream(client: Client) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_feedback_rate_limit_keeps_all_text(client: Client) -> None:
+def test_feedback_rate_limit_keeps_all_text(client: GenerateClient) -> None:
     """active: with feedback.min_period long, a goal gets its first and last feedback only, and the
     text between them is carried by the last one."""
     assert client.set_parameters(feedback__min_period=60.0)[0].successful
@@ -291,7 +287,7 @@ def test_feedback_rate_limit_keeps_all_text(client: Client) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_non_ascii_feedback_is_whole_characters(client: Client) -> None:
+def test_non_ascii_feedback_is_whole_characters(client: GenerateClient) -> None:
     """Gemma spells rare characters with byte tokens: every feedback message still carries whole
     UTF-8 characters, and together they are the result's text."""
     run = client.send(prompt="Accents français : é, è, à, ç, ê, ô, û. Emoji : 🤖 🚀 ✨. Encore :",
@@ -303,7 +299,7 @@ def test_non_ascii_feedback_is_whole_characters(client: Client) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_chat_template_and_system_prompt_through_a_goal(client: Client, embedded_model_path: Path) -> None:
+def test_chat_template_and_system_prompt_through_a_goal(client: GenerateClient, embedded_model_path: Path) -> None:
     """use_chat_template: the prompt (and system prompt) wrapped in Gemma's template with its control
     tokens, as the result's prompt_tokens shows; the system prompt adds its own tokens."""
     def prompt_tokens(**fields: Any) -> int:
@@ -323,7 +319,7 @@ def test_chat_template_and_system_prompt_through_a_goal(client: Client, embedded
 
 
 @pytest.mark.timeout(120)
-def test_diagnostics_carry_the_named_status(client: Client, node: GemmaSpecNode) -> None:
+def test_diagnostics_carry_the_named_status(client: GenerateClient, node: GemmaSpecNode) -> None:
     """active, after a request of its own: the status has tau and the other keys, equal to the
     engine's lifetime stats; lookup on this code (adaptive off) has tau > 1."""
     assert client.send(prompt=PROMPT, max_tokens=48, seed=1).wait_result().finish_reason == "length"
@@ -345,7 +341,7 @@ def test_diagnostics_carry_the_named_status(client: Client, node: GemmaSpecNode)
 
 
 @pytest.mark.timeout(120)
-def test_engine_error_aborts_the_goal_and_the_node_keeps_serving(client: Client,
+def test_engine_error_aborts_the_goal_and_the_node_keeps_serving(client: GenerateClient,
                                                                   node: GemmaSpecNode,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """active: an engine failure (injected: the real engine cannot be made to fail a rollback on
@@ -370,7 +366,7 @@ def test_engine_error_aborts_the_goal_and_the_node_keeps_serving(client: Client,
 
 
 @pytest.mark.timeout(120)
-def test_deactivate_cancels_the_running_goal_and_goes_stale(client: Client) -> None:
+def test_deactivate_cancels_the_running_goal_and_goes_stale(client: GenerateClient) -> None:
     """active -> inactive while a goal runs: it ends cancelled (ABORTED: not its client's cancel);
     diagnostics go STALE; goals are rejected; activate serves again."""
     run = client.send(**long_goal())
@@ -401,9 +397,8 @@ def test_dynamic_cache_survives_a_restart_then_lifecycle_down_to_finalized(
     unconfigured -> finalized through ~/change_state and ~/get_state."""
     name = "gemma_spec_finalize"
     dynamic = tmp_path / "dynamic.bin"
-    spinning = Spinning(name, overrides(f16_model_path, dynamic))
-    own = Client(f"/{name}", name="gemma_spec_finalize_client")
-    try:
+    with node_factory() as serve:
+        own = serve(name, overrides(f16_model_path, dynamic), activate=False).client
         bring_up(own)
         goal = dict(prompt=CACHE_PROMPT, max_tokens=24, temperature=0.0, seed=1)
         first = [own.send(**goal).wait_result() for _ in range(2)]  # the dynamic cache's strict
@@ -423,6 +418,3 @@ def test_dynamic_cache_survives_a_restart_then_lifecycle_down_to_finalized(
         assert own.transition("deactivate") is True and own.state() == "inactive"
         assert own.transition("cleanup") is True and own.state() == "unconfigured"
         assert own.transition("shutdown") is True and own.state() == "finalized"
-    finally:
-        own.close()
-        spinning.close()

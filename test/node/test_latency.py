@@ -6,22 +6,24 @@ One active node serves the module; every test starts from an idle queue and leav
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, Iterator, List
+from typing import Callable, Dict, Iterator, List
 
 import pytest
 from action_msgs.msg import GoalStatus
-from rclpy.lifecycle import TransitionCallbackReturn
 
+from gemma_spec_ros.client import GenerateClient, GoalRun, key_values, wait_until
+from gemma_spec_ros.node import spec_status_name
 from gemma_spec_ros.node.node import GemmaSpecNode
-from support.node import Client, spun_node, GoalRun, key_values, wait_until
+from support.node import ServedNode
 
 NODE = "gemma_spec_latency"
-SPEC_STATUS = f"{NODE}: speculative decoding"
+SPEC_STATUS = spec_status_name(NODE)
 PROMPT = "The inspection robot's hourly log.\nHour 1: corridor clear.\nHour 2:"
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory, embedded_model_path: Path) -> Iterator[GemmaSpecNode]:
+def served(node_client: Callable[..., ServedNode], tmp_path_factory: pytest.TempPathFactory,
+           embedded_model_path: Path) -> ServedNode:
     folder = tmp_path_factory.mktemp("latency")
     overrides = {
         "target.model_path": str(embedded_model_path), "target.n_ctx": 1024,
@@ -29,21 +31,21 @@ def node(tmp_path_factory: pytest.TempPathFactory, embedded_model_path: Path) ->
         "spec.mode": "off", "limits.max_tokens": 900, "queue.max_depth": 4,
         "diagnostics.period": 0.2,
     }
-    with spun_node(NODE, overrides) as gemma:
-        assert gemma.trigger_configure() == TransitionCallbackReturn.SUCCESS
-        assert gemma.trigger_activate() == TransitionCallbackReturn.SUCCESS
-        yield gemma
+    return node_client(NODE, overrides)
 
 
 @pytest.fixture(scope="module")
-def client(node: GemmaSpecNode) -> Iterator[Client]:
-    ros = Client(f"/{NODE}", name="gemma_spec_latency_client")
-    yield ros
-    ros.close()
+def node(served: ServedNode) -> GemmaSpecNode:
+    return served.node
+
+
+@pytest.fixture(scope="module")
+def client(served: ServedNode) -> GenerateClient:
+    return served.client
 
 
 @pytest.fixture
-def idle(node: GemmaSpecNode, client: Client) -> Iterator[Client]:
+def idle(node: GemmaSpecNode, client: GenerateClient) -> Iterator[GenerateClient]:
     """The node's queue is empty before and after the test."""
     wait_until(lambda: not node._goals.busy(), 120, "an idle queue")
     yield client
@@ -61,7 +63,7 @@ def positions(run: GoalRun) -> List[int]:
 
 
 @pytest.mark.timeout(240)
-def test_time_budget_ends_the_goal_with_timeout_and_its_text(idle: Client) -> None:
+def test_time_budget_ends_the_goal_with_timeout_and_its_text(idle: GenerateClient) -> None:
     run = idle.send(prompt=PROMPT, max_tokens=800, time_budget=0.6)
     result = run.wait_result()
     assert run.status == GoalStatus.STATUS_ABORTED
@@ -72,7 +74,7 @@ def test_time_budget_ends_the_goal_with_timeout_and_its_text(idle: Client) -> No
 
 
 @pytest.mark.timeout(240)
-def test_a_waiting_goal_ends_when_its_budget_runs_out_not_when_its_turn_comes(idle: Client) -> None:
+def test_a_waiting_goal_ends_when_its_budget_runs_out_not_when_its_turn_comes(idle: GenerateClient) -> None:
     """N7 (second review): a waiting goal's budget was checked only when it reached the head of
     the queue, so a 1 s goal behind an 800-token one got its timeout after the long goal ended."""
     first = running(idle.send(prompt=PROMPT, max_tokens=800))
@@ -86,7 +88,7 @@ def test_a_waiting_goal_ends_when_its_budget_runs_out_not_when_its_turn_comes(id
 
 
 @pytest.mark.timeout(300)
-def test_waiting_goals_start_by_priority_and_feedback_their_queue_position(idle: Client) -> None:
+def test_waiting_goals_start_by_priority_and_feedback_their_queue_position(idle: GenerateClient) -> None:
     """A long goal runs; B (priority 0), C (priority 5), D (priority 0) wait: C starts first, then B
     and D in arrival order. Each waiting goal's feedback tracks its position (1 = next)."""
     order: List[str] = []
@@ -113,7 +115,7 @@ def test_waiting_goals_start_by_priority_and_feedback_their_queue_position(idle:
 
 
 @pytest.mark.timeout(300)
-def test_an_urgent_goal_preempts_a_running_routine_one(idle: Client) -> None:
+def test_an_urgent_goal_preempts_a_running_routine_one(idle: GenerateClient) -> None:
     routine = running(idle.send(prompt=PROMPT, max_tokens=800, priority=0))
     urgent = idle.send(prompt=PROMPT, max_tokens=6, priority=10, preempt=True)
     stopped = routine.wait_result()
@@ -131,7 +133,7 @@ def test_an_urgent_goal_preempts_a_running_routine_one(idle: Client) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_a_repeated_prompt_is_reused_and_shown_on_diagnostics(node: GemmaSpecNode, idle: Client) -> None:
+def test_a_repeated_prompt_is_reused_and_shown_on_diagnostics(node: GemmaSpecNode, idle: GenerateClient) -> None:
     """The second goal with the same long system prompt evaluates only its new tokens; with
     generation.prompt_cache false the whole prompt is evaluated again."""
     system = "Skills: move_to, pick, place, say. Rules: close doors; report failures. " * 8

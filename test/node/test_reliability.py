@@ -8,23 +8,16 @@ import itertools
 import time
 import threading
 from pathlib import Path
-from typing import Any, Dict, Iterator
+from typing import Any, Callable, Dict, Iterator
 
 import pytest
-import rclpy
 from action_msgs.msg import GoalStatus
 
-from support.node import Client, Spinning, key_values, wait_until
+from gemma_spec_ros.client import key_values, wait_until
+from support.node import ServedNode, node_factory
 from support.tiny_gguf import write_tiny_gguf
 
 _names = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def ros() -> Iterator[None]:
-    rclpy.init()
-    yield
-    rclpy.try_shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -32,36 +25,18 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_gguf(tmp_path_factory.mktemp("tiny_node") / "tiny.gguf", vocab_size=64, seed=3)
 
 
-class Served(Spinning):
-    """A node on its own executor plus a client of it; ``close()`` tears both down."""
-
-    def __init__(self, overrides: Dict[str, Any]) -> None:
-        self.name = f"gemma_spec_rel_{next(_names)}"
-        super().__init__(self.name, overrides)
-        self.client = Client(f"/{self.name}", name=f"{self.name}_client")
-        self.status_name = f"{self.name}: speculative decoding"
-
-    def close(self) -> None:
-        self.client.close()
-        super().close()
-
-
 @pytest.fixture
-def serve(ros: None, tiny_model: Path) -> Iterator[Any]:
-    made = []
-
-    def make(**overrides: Any) -> Served:
-        values = {"target.model_path": str(tiny_model), "target.n_ctx": 256, "target.n_threads": 1,
-                  "spec.mode": "lookup", "generation.max_tokens": 8, "limits.max_tokens": 64,
-                  "limits.max_prompt_tokens": 128, "diagnostics.period": 0.1}
-        values.update({k.replace("__", "."): v for k, v in overrides.items()})
-        served = Served(values)
-        made.append(served)
-        return served
-
-    yield make
-    for served in made:
-        served.close()
+def serve(ros: None, tiny_model: Path) -> Iterator[Callable[..., ServedNode]]:
+    """``serve(**overrides)``: a node of this test alone on the tiny model, unconfigured (``a__b``
+    names the parameter ``a.b``); closed when the test ends."""
+    with node_factory() as make_node:
+        def make(**overrides: Any) -> ServedNode:
+            values = {"target.model_path": str(tiny_model), "target.n_ctx": 256, "target.n_threads": 1,
+                      "spec.mode": "lookup", "generation.max_tokens": 8, "limits.max_tokens": 64,
+                      "limits.max_prompt_tokens": 128, "diagnostics.period": 0.1}
+            values.update({k.replace("__", "."): v for k, v in overrides.items()})
+            return make_node(f"gemma_spec_rel_{next(_names)}", values, activate=False)
+        yield make
 
 
 def test_cleanup_frees_the_models_and_reports_a_failed_cache_save(serve: Any, tmp_path: Path) -> None:

@@ -15,17 +15,19 @@ from pathlib import Path
 from typing import Any, Dict, Iterator
 
 import pytest
-import rclpy
 from action_msgs.msg import GoalStatus
 from gemma_spec_msgs.action import Generate
 
+from gemma_spec_ros.client import GenerateClient, key_values, wait_until
 from gemma_spec_ros.engine.engine import Engine
 from gemma_spec_ros.engine import learned_cache
+from gemma_spec_ros.node import spec_status_name
 from gemma_spec_ros.node.messages import request_from_goal
 from gemma_spec_ros.node.parameters import defaults, engine_config_from
 from gemma_spec_ros.tools import generate
 from gemma_spec_ros.tools.generate import EXIT_OK, EXIT_REJECTED, EXIT_UNAVAILABLE
-from support.node import Client, bin_path, key_values, serving, wait_until, yaml_parameters
+from support.engine import collect
+from support.node import bin_path, serving, yaml_parameters
 
 NODE = "gemma_spec_serve_test"
 PROMPT = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n"
@@ -62,7 +64,7 @@ class Reference:
     def text(self) -> str:
         """The engine's own text for GOAL (the node's goal -> request conversion included)."""
         request = request_from_goal(Generate.Goal(**GOAL), self.values)
-        return "".join(step.text for step in self.engine.generate(request))
+        return collect(self.engine, request).text
 
 
 @pytest.fixture(scope="module")
@@ -75,16 +77,14 @@ def reference(repo_root: Path, overrides: Dict[str, Any]) -> Iterator[Reference]
 
 
 @pytest.fixture(scope="module")
-def client(server: subprocess.Popen) -> Iterator[Client]:
-    rclpy.init()
-    ros = Client(f"/{NODE}", name="gemma_spec_serve_test_client")
-    yield ros
-    ros.close()
-    rclpy.try_shutdown()
+def client(server: subprocess.Popen, ros: None) -> Iterator[GenerateClient]:
+    client = GenerateClient(f"/{NODE}", name="gemma_spec_serve_test_client")
+    yield client
+    client.close()
 
 
 @pytest.mark.timeout(400)
-def test_round_trip_streams_the_engines_text(client: Client, reference: Reference) -> None:
+def test_round_trip_streams_the_engines_text(client: GenerateClient, reference: Reference) -> None:
     run = client.send(**GOAL)
     assert run.accepted
     result = run.wait_result()
@@ -100,7 +100,7 @@ def test_round_trip_streams_the_engines_text(client: Client, reference: Referenc
 
 
 @pytest.mark.timeout(120)
-def test_generate_cli_prints_the_same_text(client: Client, reference: Reference,
+def test_generate_cli_prints_the_same_text(client: GenerateClient, reference: Reference,
                                            venv_python: Path, repo_root: Path) -> None:
     """Second identical request (server and reference both have learned from the first)."""
     cli = [bin_path(venv_python, "gemma-spec-generate"), GOAL["prompt"], "--stream",
@@ -117,7 +117,7 @@ def test_generate_cli_prints_the_same_text(client: Client, reference: Reference,
 
 
 @pytest.mark.timeout(120)
-def test_generate_cli_sends_a_json_schema_and_a_grammar_from_files(client: Client, venv_python: Path,
+def test_generate_cli_sends_a_json_schema_and_a_grammar_from_files(client: GenerateClient, venv_python: Path,
                                                                    repo_root: Path, tmp_path: Path) -> None:
     schema = {"type": "object", "additionalProperties": False, "required": ["skill"],
               "properties": {"skill": {"enum": ["navigate", "pick", "place"]}}}
@@ -138,11 +138,11 @@ def test_generate_cli_sends_a_json_schema_and_a_grammar_from_files(client: Clien
 
 
 @pytest.mark.timeout(120)
-def test_generate_cli_cancels_its_goal_when_it_gives_up_waiting(client: Client, venv_python: Path,
+def test_generate_cli_cancels_its_goal_when_it_gives_up_waiting(client: GenerateClient, venv_python: Path,
                                                                 repo_root: Path) -> None:
     """L11 (first review): on --timeout the client exited and left its goal running on the node,
     holding the queue. Now it cancels the goal first."""
-    status = f"{NODE}: speculative decoding"
+    status = spec_status_name(NODE)
     cancelled = int(key_values(client.wait_status(status))["requests cancelled"])
     cli = [bin_path(venv_python, "gemma-spec-generate"), GOAL["prompt"], "--max-tokens", "450",
            "--node", NODE, "--timeout", "3"]
@@ -174,7 +174,7 @@ def test_generate_cli_streams_feedback_before_the_result(capsys: pytest.CaptureF
 
 @pytest.mark.timeout(400)
 def test_sigterm_shuts_down_cleanly_and_saves_the_dynamic_cache(
-        client: Client, repo_root: Path, venv_python: Path, overrides: Dict[str, Any],
+        client: GenerateClient, repo_root: Path, venv_python: Path, overrides: Dict[str, Any],
         tmp_path: Path) -> None:
     """A server of its own (the module's keeps serving the other tests): one request, SIGTERM,
     exit 0, and the dynamic cache file holds that request's n-grams."""
@@ -182,7 +182,7 @@ def test_sigterm_shuts_down_cleanly_and_saves_the_dynamic_cache(
     dynamic = tmp_path / "dynamic.bin"
     with serving(repo_root, venv_python, {**overrides, "lookup.dynamic_path": str(dynamic), "lookup.cache_dir": str(tmp_path)},
                  tmp_path / "serve.log", node=name) as process:
-        own = Client(f"/{name}", name="gemma_spec_serve_sigterm_client")
+        own = GenerateClient(f"/{name}", name="gemma_spec_serve_sigterm_client")
         try:
             result = own.send(**GOAL).wait_result()
         finally:
@@ -197,7 +197,7 @@ def test_sigterm_shuts_down_cleanly_and_saves_the_dynamic_cache(
 
 
 @pytest.mark.timeout(60)
-def test_gemma_spec_node_waits_unconfigured_and_stops_on_sigint(client: Client, venv_python: Path,
+def test_gemma_spec_node_waits_unconfigured_and_stops_on_sigint(client: GenerateClient, venv_python: Path,
                                                                  repo_root: Path) -> None:
     """``gemma_spec_node`` as the launch file runs it: the lifecycle is driven from outside."""
     name = "gemma_spec_no_autostart"
@@ -205,7 +205,7 @@ def test_gemma_spec_node_waits_unconfigured_and_stops_on_sigint(client: Client, 
         [bin_path(venv_python, "gemma_spec_node"), "--ros-args", "-r", f"__node:={name}",
          "--params-file", "config/embedded.yaml"], cwd=repo_root,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    other = Client(f"/{name}", name="gemma_spec_no_autostart_client")
+    other = GenerateClient(f"/{name}", name="gemma_spec_no_autostart_client")
     try:
         assert other.state() == "unconfigured"
     finally:

@@ -9,18 +9,19 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 from action_msgs.msg import GoalStatus
 from diagnostic_msgs.msg import DiagnosticStatus
 
-from gemma_spec_ros.node.node import GemmaSpecNode
+from gemma_spec_ros.client import GenerateClient, key_values, wait_until
+from gemma_spec_ros.node import spec_status_name
+from support.node import ServedNode
 from support.servers import API_KEY, API_KEY_ENV, Server, running_llama_cpp_server
-from support.node import Client, spun_node, key_values, wait_until
 
 NODE = "gemma_spec_remote"
-SPEC_STATUS = f"{NODE}: speculative decoding"
+SPEC_STATUS = spec_status_name(NODE)
 MODELS_STATUS = f"{NODE}: models"
 PROMPT = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
 
@@ -31,35 +32,25 @@ def server(embedded_model_path: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 
 @pytest.fixture(scope="module")
-def node(server: Server) -> Iterator[GemmaSpecNode]:
-    """The node, unconfigured, pointed at the server (the key in the variable it names)."""
+def client(node_client: Callable[..., ServedNode], server: Server) -> Iterator[GenerateClient]:
+    """A client of the node pointed at the server (the key in the variable it names), which it
+    configured and activated (every test starts from active)."""
     os.environ[API_KEY_ENV] = API_KEY
     overrides = {
         "backend": "remote", "remote.url": server.url, "remote.api_key_env": API_KEY_ENV,
         "remote.connect_timeout": 1.0, "remote.probe_period": 0.2,
         "generation.max_tokens": 8, "limits.max_tokens": 600, "diagnostics.period": 0.2,
     }
-    with spun_node(NODE, overrides) as gemma:
-        yield gemma
+    yield node_client(NODE, overrides).client
     os.environ.pop(API_KEY_ENV, None)
 
 
-@pytest.fixture(scope="module")
-def client(node: GemmaSpecNode) -> Iterator[Client]:
-    """A client of the node, which it configured and activated (every test starts from active)."""
-    ros = Client(f"/{NODE}", name="gemma_spec_remote_client")
-    assert ros.transition("configure") is True
-    assert ros.transition("activate") is True
-    yield ros
-    ros.close()
-
-
-def requests_ok(client: Client) -> int:
+def requests_ok(client: GenerateClient) -> int:
     return int(key_values(client.wait_status(SPEC_STATUS))["requests ok"])
 
 
 @pytest.mark.timeout(120)
-def test_configures_against_the_server_and_reports_it(client: Client, server: Server) -> None:
+def test_configures_against_the_server_and_reports_it(client: GenerateClient, server: Server) -> None:
     """Configured and active (the fixture): no model is loaded; the models status names the
     server, the spec status says it is reachable, with its RTT."""
     assert client.state() == "active"
@@ -74,7 +65,7 @@ def test_configures_against_the_server_and_reports_it(client: Client, server: Se
 
 
 @pytest.mark.timeout(120)
-def test_goal_streams_feedback_and_reports_speed(client: Client) -> None:
+def test_goal_streams_feedback_and_reports_speed(client: GenerateClient) -> None:
     """active: feedback per chunk, the result with tokens/s and TTFT; tau unknown (not invented)."""
     ok = requests_ok(client)
     run = client.send(prompt=PROMPT, max_tokens=10, temperature=0.0, seed=1)
@@ -93,7 +84,7 @@ def test_goal_streams_feedback_and_reports_speed(client: Client) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_cancel_ends_the_goal_within_one_chunk(client: Client) -> None:
+def test_cancel_ends_the_goal_within_one_chunk(client: GenerateClient) -> None:
     run = client.send(prompt=PROMPT, max_tokens=500, temperature=0.0)
     assert run.accepted
     seen = run.wait_feedback(3)
@@ -105,7 +96,7 @@ def test_cancel_ends_the_goal_within_one_chunk(client: Client) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_spec_changes_and_goal_modes_are_refused(client: Client) -> None:
+def test_spec_changes_and_goal_modes_are_refused(client: GenerateClient) -> None:
     [result] = client.set_parameters(spec__mode="off")
     assert not result.successful and "configured on the inference server" in result.reason
     assert not client.send(prompt="Hi", max_tokens=2, spec_mode="off").accepted
@@ -113,7 +104,7 @@ def test_spec_changes_and_goal_modes_are_refused(client: Client) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_server_death_fails_the_goal_then_the_node_serves_again(client: Client, server: Server) -> None:
+def test_server_death_fails_the_goal_then_the_node_serves_again(client: GenerateClient, server: Server) -> None:
     """The server is killed mid-goal: the goal aborts with finish_reason error and the reason;
     /diagnostics goes ERROR then shows it unreachable; once it is back the next goal succeeds."""
     run = client.send(prompt=PROMPT, max_tokens=400, temperature=0.0)

@@ -6,20 +6,22 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 from action_msgs.msg import GoalStatus
 
+from gemma_spec_ros.client import GenerateClient, key_values
+from gemma_spec_ros.node import spec_status_name
+from support.node import ServedNode
 from support.servers import LLAMA_SERVER, Server, llama_server
-from support.node import Client, spun_node, key_values
 
 pytestmark = pytest.mark.skipif(
     not LLAMA_SERVER.is_file(),
     reason=f"llama-server not built at {LLAMA_SERVER} (scripts/build_native_tools.sh)")
 
 NODE = "gemma_spec_remote_tau"
-SPEC_STATUS = f"{NODE}: speculative decoding"
+SPEC_STATUS = spec_status_name(NODE)
 PROMPT = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n" * 2
 
 
@@ -33,17 +35,14 @@ def server(embedded_model_path: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 
 @pytest.fixture(scope="module")
-def client(server: Server) -> Iterator[Client]:
+def client(node_client: Callable[..., ServedNode], server: Server) -> GenerateClient:
     overrides = {"backend": "remote", "remote.url": server.url, "remote.probe_period": 0.2,
                  "diagnostics.period": 0.2}
-    with spun_node(NODE, overrides):
-        ros = Client(f"/{NODE}", name="gemma_spec_remote_tau_client")
-        yield ros
-        ros.close()
+    return node_client(NODE, overrides, activate=False).client
 
 
 @pytest.mark.timeout(180)
-def test_server_tau_reaches_result_and_diagnostics(client: Client) -> None:
+def test_server_tau_reaches_result_and_diagnostics(client: GenerateClient) -> None:
     assert client.transition("configure") and client.transition("activate")
     run = client.send(prompt=PROMPT, max_tokens=48, temperature=0.0)
     result = run.wait_result()

@@ -1,10 +1,10 @@
 """The MTP path as a robotics engineer walks it: `ros2 launch ... spec_mode:=mtp` on the Gemma 4 profile.
 
 config/gemma4_e4b.yaml (E4B-it + its MTP assistant) with its two model paths pointed at the tiny
-agreeing gemma4 + gemma4-assistant pair (test/support/tiny_gemma4.py; no real Gemma 4 weights can be had
+agreeing gemma4 + gemma4-assistant pair (support/tiny_gemma4.py; no real Gemma 4 weights can be had
 here): the real `ros2 launch`, `ros2 action send_goal`, `ros2 topic echo` and `ros2 param set` in
-subprocesses, as in test/ros_tools/test_ros2_cli.py, whose helpers this reuses (and whose skip without the ROS 2
-CLI tools applies here too).
+subprocesses, as in test_ros2_cli.py, with the same helpers (support/ros2_cli.py, whose skip without
+the ROS 2 CLI tools applies here too).
 """
 from __future__ import annotations
 

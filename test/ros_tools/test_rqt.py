@@ -27,14 +27,14 @@ WHY_NOT = rqt_available()
 if WHY_NOT:  # pragma: no cover - depends on the machine
     pytest.skip(WHY_NOT, allow_module_level=True)
 
-import rclpy  # noqa: E402  (after the skip: rqt_available reports a missing install first)
-from diagnostic_msgs.msg import DiagnosticStatus  # noqa: E402
+from diagnostic_msgs.msg import DiagnosticStatus  # noqa: E402  (after the skip: rqt_available reports a missing install first)
 
-from support.node import Client, key_values, wait_until  # noqa: E402
+from gemma_spec_ros.client import GenerateClient, key_values, wait_until  # noqa: E402
+from gemma_spec_ros.node import spec_status_name  # noqa: E402
 from support.node import serving  # noqa: E402
 
 NODE = "gemma_spec"
-SPEC_STATUS = f"{NODE}: speculative decoding"
+SPEC_STATUS = spec_status_name(NODE)
 MODELS_STATUS = f"{NODE}: models"
 STATS = f"/{NODE}/spec_stats"
 ROLLING = f"/{NODE}/spec_stats_rolling"
@@ -62,7 +62,8 @@ def screenshots(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def client(repo_root: Path, venv_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Client]:
+def client(repo_root: Path, venv_python: Path, tmp_path_factory: pytest.TempPathFactory,
+           ros: None) -> Iterator[GenerateClient]:
     """The node, active, with a fixed K (drafts independent of timing) and a fast diagnostics
     period; a client subscribed to its topics."""
     tmp = tmp_path_factory.mktemp("rqt_node")
@@ -70,18 +71,16 @@ def client(repo_root: Path, venv_python: Path, tmp_path_factory: pytest.TempPath
                  "lookup.dynamic_path": str(tmp / "dynamic.bin"), "lookup.cache_dir": str(tmp),
                  "diagnostics.period": 0.5}
     with serving(repo_root, venv_python, overrides, tmp / "serve.log", node=NODE):
-        rclpy.init()
-        ros = Client(f"/{NODE}", name="gemma_spec_rqt_test_client")
+        client = GenerateClient(f"/{NODE}", name="gemma_spec_rqt_test_client")
         try:
-            ros.wait_subscribed()
-            yield ros
+            client.wait_subscribed()
+            yield client
         finally:
-            ros.close()
-            rclpy.try_shutdown()
+            client.close()
 
 
 @pytest.fixture(scope="module")
-def rqt(client: Client, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dict[str, RqtProbe]]:
+def rqt(client: GenerateClient, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dict[str, RqtProbe]]:
     """The four rqt windows, started together (their start-ups overlap), then two goals, so that
     tau > 1 on /diagnostics before the first check. Stopped with SIGINT at the end."""
     tmp = tmp_path_factory.mktemp("rqt")
@@ -106,7 +105,7 @@ def rqt(client: Client, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Di
     assert all(status == 0 for status in statuses.values()), statuses
 
 
-def latest_status(client: Client, name: str) -> Optional[DiagnosticStatus]:
+def latest_status(client: GenerateClient, name: str) -> Optional[DiagnosticStatus]:
     """The last status named ``name`` that the client received on /diagnostics (None before one)."""
     return next((s for s in reversed(list(client.diagnostics)) if s.name == name), None)
 
@@ -121,7 +120,7 @@ def monitor_shows(shown: Dict[str, Any], status: DiagnosticStatus) -> bool:
             and shown.get("selected") == line and table == published)
 
 
-def wait_monitor_shows_latest(client: Client, monitor: RqtProbe, what: str,
+def wait_monitor_shows_latest(client: GenerateClient, monitor: RqtProbe, what: str,
                               key: str = "", value: str = "") -> Dict[str, Any]:
     """Until rqt_runtime_monitor shows the latest published spec status (with ``key`` = ``value``
     where given: a change the node has just made); that snapshot."""
@@ -137,7 +136,7 @@ def wait_monitor_shows_latest(client: Client, monitor: RqtProbe, what: str,
 
 @pytest.mark.timeout(300)
 def test_runtime_monitor_shows_tau_rate_mode_and_speed_as_published(
-        client: Client, rqt: Dict[str, RqtProbe], screenshots: Path) -> None:
+        client: GenerateClient, rqt: Dict[str, RqtProbe], screenshots: Path) -> None:
     monitor = rqt["runtime_monitor"]
     shown = wait_monitor_shows_latest(client, monitor, "the spec status as /diagnostics carries it, "
                                       "both requests done", "requests ok", str(len(PROMPTS)))
@@ -150,7 +149,7 @@ def test_runtime_monitor_shows_tau_rate_mode_and_speed_as_published(
 
 
 @pytest.mark.timeout(300)
-def test_runtime_monitor_follows_a_mode_switch(client: Client, rqt: Dict[str, RqtProbe]) -> None:
+def test_runtime_monitor_follows_a_mode_switch(client: GenerateClient, rqt: Dict[str, RqtProbe]) -> None:
     monitor = rqt["runtime_monitor"]
     try:
         assert client.set_parameters(spec__mode="off")[0].successful
@@ -190,7 +189,7 @@ def assert_plots_what_was_published(shown: Dict[str, Any], topic: str, messages:
 
 @pytest.mark.timeout(300)
 def test_plot_draws_the_published_tau_and_tokens_per_second(
-        client: Client, rqt: Dict[str, RqtProbe], screenshots: Path) -> None:
+        client: GenerateClient, rqt: Dict[str, RqtProbe], screenshots: Path) -> None:
     plots = {"mean_acceptance_length": rqt["plot_tau"], "tokens_per_second": rqt["plot_speed"]}
     for field, plot in plots.items():
         topics = [f"{STATS}/{field}", f"{ROLLING}/{field}"]
@@ -226,7 +225,7 @@ def test_plot_draws_the_published_tau_and_tokens_per_second(
 
 @pytest.mark.timeout(300)
 def test_robot_monitor_remapped_shows_both_statuses(
-        client: Client, rqt: Dict[str, RqtProbe], screenshots: Path) -> None:
+        client: GenerateClient, rqt: Dict[str, RqtProbe], screenshots: Path) -> None:
     monitor = rqt["robot_monitor"]
 
     def inspector_shows_latest(shown: Dict[str, Any]) -> bool:
@@ -249,7 +248,7 @@ def test_robot_monitor_remapped_shows_both_statuses(
 
 @pytest.mark.timeout(300)
 def test_runtime_monitor_shows_stale_while_the_node_is_inactive(
-        client: Client, rqt: Dict[str, RqtProbe]) -> None:
+        client: GenerateClient, rqt: Dict[str, RqtProbe]) -> None:
     """The node's own STALE (message "inactive"), not the monitor's timeout, which would keep the
     old message; back to active afterwards."""
     monitor = rqt["runtime_monitor"]

@@ -1,8 +1,7 @@
-"""The node under test, three ways: a GemmaSpecNode spun in this process (:class:`Spinning`,
-:class:`ServedNode`, and the ``node_client`` factory of conftest.py built on :func:`node_factory`),
+"""The node under test, three ways: a GemmaSpecNode spun in this process with a client of it
+(:class:`ServedNode`, made by :func:`node_factory`, on which conftest.py's ``node_client`` rests),
 ``gemma-spec-serve`` in a process of its own (:func:`serving`), and the parameter values of a
-config file (:func:`config_values`). The client side is
-:class:`gemma_spec_ros.client.GenerateClient` (re-exported here as ``Client``)."""
+config file (:func:`config_values`). The client side is :class:`gemma_spec_ros.client.GenerateClient`."""
 from __future__ import annotations
 
 import contextlib
@@ -11,13 +10,11 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Mapping
 
-import rclpy
 import yaml
 from rclpy.executors import MultiThreadedExecutor
 from rclpy.parameter import Parameter
 
-from gemma_spec_ros.client import (GenerateClient as Client, GoalRun, collect, key_values,  # noqa: F401
-                                   wait_future, wait_until)
+from gemma_spec_ros.client import GenerateClient, wait_until
 from gemma_spec_ros.node import spec_status_name
 from gemma_spec_ros.node.parameters import defaults
 
@@ -25,37 +22,27 @@ from gemma_spec_ros.node.parameters import defaults
 READY = "ready: send goals"
 
 
-class Spinning:
+class ServedNode:
     """A GemmaSpecNode with parameter overrides, spun by a multi-threaded executor on a thread of
-    its own (rclpy must be initialised); ``close()`` releases the engine and destroys the node."""
+    its own, plus a client of it (named ``<name>_client``); rclpy must be initialised.
+    ``close()`` closes the client, releases the engine and destroys the node."""
 
     def __init__(self, name: str, values: Mapping[str, Any]) -> None:
         from gemma_spec_ros.node.node import MIN_EXECUTOR_THREADS, GemmaSpecNode
 
+        self.name = name
+        self.status_name = spec_status_name(name)
         self.node = GemmaSpecNode(name, parameter_overrides=[Parameter(k, value=v) for k, v in values.items()])
         self.executor = MultiThreadedExecutor(num_threads=MIN_EXECUTOR_THREADS + 2)
         self.executor.add_node(self.node)
         threading.Thread(target=self.executor.spin, daemon=True).start()
-
-    def close(self) -> None:
-        self.node.release("test teardown")
-        self.executor.shutdown(timeout_sec=5.0)
-        self.node.destroy_node()
-
-
-class ServedNode(Spinning):
-    """A :class:`Spinning` node plus a client of it (named ``<name>_client``); ``close()`` tears
-    both down."""
-
-    def __init__(self, name: str, values: Mapping[str, Any]) -> None:
-        super().__init__(name, values)
-        self.name = name
-        self.client = Client(f"/{name}", name=f"{name}_client")
-        self.status_name = spec_status_name(name)
+        self.client = GenerateClient(f"/{name}", name=f"{name}_client")
 
     def close(self) -> None:
         self.client.close()
-        super().close()
+        self.node.release("test teardown")
+        self.executor.shutdown(timeout_sec=5.0)
+        self.node.destroy_node()
 
 
 @contextlib.contextmanager
@@ -72,18 +59,6 @@ def node_factory() -> Iterator[Callable[..., ServedNode]]:
                 assert served.client.transition("activate"), f"{name} did not activate"
             return served
         yield serve
-
-
-@contextlib.contextmanager
-def spun_node(name: str, values: Mapping[str, Any]) -> Iterator[Any]:
-    """rclpy initialised, a :class:`Spinning` node named ``name`` with ``values``; all undone after."""
-    rclpy.init()
-    spinning = Spinning(name, values)
-    try:
-        yield spinning.node
-    finally:
-        spinning.close()
-        rclpy.try_shutdown()
 
 
 def bin_path(venv_python: Path, name: str) -> str:
