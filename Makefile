@@ -15,7 +15,7 @@ setup:
 run: setup
 	$(VENV)/bin/gemma-spec-serve --params-file $(PARAMS)
 
-# also unpacks llama.cpp's exact build beside the venv's: test/test_exact_build.py runs the tests of
+# also unpacks llama.cpp's exact build beside the venv's: test/engine/test_exact_build.py runs the tests of
 # bit-identical output under it (the default build, fast, does not promise them)
 test:
 	GEMMA_SPEC_EXACT_SIDE=1 bash scripts/setup.sh
@@ -30,9 +30,9 @@ bench-constrained: setup
 	$(VENV)/bin/gemma-spec-bench-constrained --repeats 2 --out bench_constrained
 
 # PNGs of rqt_runtime_monitor, rqt_robot_monitor and rqt_plot watching a live node, into docs/rqt/:
-# test/test_rqt.py takes them while it checks what those windows show. Needs rqt in the venv
+# test/ros_tools/test_rqt.py takes them while it checks what those windows show. Needs rqt in the venv
 # (../shared/rqt-tools/install.sh .venv, after ../shared/ros2-tools/install.sh .venv; .ci/run does both).
 screenshots: setup
 	@$(VENV)/bin/python -c "import rqt_gui.main, rqt_plot.plot" 2>/dev/null || { echo "rqt is not \
 	installed in $(VENV): run ../shared/ros2-tools/install.sh .venv, then ../shared/rqt-tools/install.sh .venv" >&2; exit 1; }
-	GEMMA_SPEC_RQT_SCREENSHOTS=$(CURDIR)/docs/rqt $(VENV)/bin/python -m pytest -ra test/test_rqt.py
+	GEMMA_SPEC_RQT_SCREENSHOTS=$(CURDIR)/docs/rqt $(VENV)/bin/python -m pytest -ra test/ros_tools/test_rqt.py

@@ -4,7 +4,7 @@ ROUNDS times; medians of milliseconds per target pass after the first token (doc
 
     .venv/bin/python scripts/mtp_step_ab.py TARGET.gguf ASSISTANT.gguf [ROUNDS]
 
-The tiny pairs of the tests: ``write_gemma4_pair(dir, agreeing=...)`` in test/tiny_gemma4.py.
+The tiny pairs of the tests: ``write_gemma4_pair(dir, agreeing=...)`` in test/support/tiny_gemma4.py.
 """
 from __future__ import annotations
 

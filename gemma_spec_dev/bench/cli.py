@@ -288,7 +288,7 @@ class Bench:
             "schema_version": SCHEMA_VERSION,
             "created": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "elapsed_s": round(elapsed, 1), "machine": machine, "config": config,
-            "rss_method": "each runner in its own process: peak RSS = that process's ru_maxrss (the "
+            "rss_method": "each runner in its own process: peak RSS = that process's VmHWM (the "
                           "llama.cpp native tools: the child's rusage from wait4); base = the worker with "
                           "llama_cpp imported, before loading any model; workers restart at each repeat "
                           "and the maximum is reported",

@@ -1,0 +1,288 @@
+"""The ROS 2 package itself: package.xml declares what the code imports, setup.py installs the
+files ament expects where ament_index_python finds them, and the launch file / configs agree.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Dict, Iterator, List, Set
+
+import pytest
+
+from gemma_spec_dev.bench.config import flatten  # how ROS names nested YAML keys
+import yaml
+
+PACKAGE = "gemma_spec_ros"
+RIGS = "gemma_spec_dev"
+REQUIRED_CONFIGS = ("embedded.yaml", "orin.yaml")
+LAUNCH_FILE = "orin.launch.py"
+
+#: Python modules that are not ROS packages -> their rosdep keys.
+ROSDEP_KEY_OF_MODULE: Dict[str, str] = {
+    "numpy": "python3-numpy",
+    "yaml": "python3-yaml",
+    "psutil": "python3-psutil",
+    "matplotlib": "python3-matplotlib",
+    "tqdm": "python3-tqdm",
+    "jsonschema": "python3-jsonschema",
+}
+#: Imported but installed with pip on every machine, so not a rosdep key (reason given).
+PIP_ONLY: Dict[str, str] = {
+    "llama_cpp": "llama-cpp-python is built from source per machine (CMAKE_ARGS, e.g. CUDA on "
+                 "Orin) by scripts/setup.sh or the README's pip command; rosdep has no key for it",
+}
+#: ROS packages that are not installed in the venv (not on PyPI) but exist on any ROS 2 install.
+ROS_ONLY_ON_ROBOTS: Set[str] = {"launch", "launch_ros"}
+ROS_NAME_SUFFIXES = ("_msgs", "_srvs", "_interfaces")
+
+
+# ---------- helpers ----------
+
+def python_sources(repo_root: Path) -> List[Path]:
+    """The package's code, its rigs (gemma_spec_dev: bench and soak, installed by the same setup.py)
+    and the launch files: everything this package installs."""
+    return (sorted((repo_root / PACKAGE).rglob("*.py")) + sorted((repo_root / RIGS).rglob("*.py"))
+            + sorted((repo_root / "launch").glob("*.py")))
+
+
+def _catches_import_error(node: ast.Try) -> bool:
+    names = {"ImportError", "ModuleNotFoundError", "Exception"}
+    for handler in node.handlers:
+        types = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+        if handler.type is None or any(isinstance(t, ast.Name) and t.id in names for t in types):
+            return True
+    return False
+
+
+def required_imports(tree: ast.AST) -> Iterator[str]:
+    """Top-level names of absolute imports, skipping optional ones: inside ``try: ... except
+    ImportError`` (the code works without them) or ``if TYPE_CHECKING:`` (never run)."""
+    def walk(node: ast.AST, optional: bool) -> Iterator[str]:
+        if isinstance(node, ast.Import) and not optional:
+            yield from (alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not optional and node.level == 0 and node.module:
+            yield node.module.split(".")[0]
+        for field, value in ast.iter_fields(node):
+            children = value if isinstance(value, list) else [value]
+            for child in children:
+                if not isinstance(child, ast.AST):
+                    continue
+                child_optional = optional
+                if isinstance(node, ast.Try) and field == "body" and _catches_import_error(node):
+                    child_optional = True
+                if isinstance(node, ast.If) and field == "body" and "TYPE_CHECKING" in ast.unparse(
+                        node.test):
+                    child_optional = True
+                yield from walk(child, child_optional)
+
+    yield from walk(tree, False)
+
+
+def is_ros_package(module: str) -> bool:
+    index = Path(sys.prefix) / "share" / "ament_index" / "resource_index" / "packages" / module
+    return index.exists() or module in ROS_ONLY_ON_ROBOTS or module.endswith(ROS_NAME_SUFFIXES)
+
+
+def runtime_dependencies(package_xml: Path) -> Set[str]:
+    root = ET.parse(package_xml).getroot()
+    return {e.text.strip() for tag in ("depend", "exec_depend") for e in root.iter(tag) if e.text}
+
+
+def share_directory(venv_python: Path, ament_prefix_path: str) -> Path:
+    """get_package_share_directory(PACKAGE) in a fresh interpreter with this AMENT_PREFIX_PATH."""
+    env = dict(os.environ, AMENT_PREFIX_PATH=ament_prefix_path)
+    out = subprocess.run(
+        [str(venv_python), "-c",
+         "from ament_index_python.packages import get_package_share_directory as g; "
+         f"print(g({PACKAGE!r}))"],
+        env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def assert_share_layout(share: Path, repo_root: Path) -> None:
+    assert (share / "package.xml").is_file()
+    for pattern in ("launch/*.launch.py", "config/*.yaml", "config/aggregator/*.yaml", "prompts/*.yaml"):
+        expected = {p.name for p in repo_root.glob(pattern)}
+        installed = {p.name for p in share.glob(pattern)}
+        assert expected <= installed, f"{pattern}: {sorted(expected - installed)} not installed"
+    assert (share / "launch" / LAUNCH_FILE).is_file()
+    for config in REQUIRED_CONFIGS:
+        assert (share / "config" / config).is_file(), f"config/{config} not installed"
+
+
+def copy_of_sources(repo_root: Path, destination: Path) -> Path:
+    """The repository without build outputs and the venv: a clean tree to build from (building in
+    the checkout would reuse a stale build/lib and race with `make setup`)."""
+    ignore = shutil.ignore_patterns(".git", ".venv", "build", "install", "log", "__pycache__",
+                                    "*.egg-info", ".pytest_cache", "bench_out", "*.gguf")
+    shutil.copytree(repo_root, destination, ignore=ignore, symlinks=True)
+    return destination
+
+
+# ---------- package.xml ----------
+
+def test_package_xml_is_format_3_and_matches_setup_py(repo_root: Path) -> None:
+    root = ET.parse(repo_root / "package.xml").getroot()
+    assert root.tag == "package" and root.get("format") == "3"
+    assert root.findtext("name") == PACKAGE
+    assert root.findtext("export/build_type") == "ament_python"
+    setup_call = next(node for node in ast.walk(ast.parse((repo_root / "setup.py").read_text()))
+                      if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setup")
+    version = next(k.value for k in setup_call.keywords if k.arg == "version")
+    assert isinstance(version, ast.Constant) and version.value == root.findtext("version")
+
+
+def test_interface_package_xml(repo_root: Path) -> None:
+    root = ET.parse(repo_root / "msg" / "package.xml").getroot()
+    assert root.get("format") == "3"
+    assert root.findtext("name") == "gemma_spec_msgs"
+    assert root.findtext("export/build_type") == "ament_cmake"
+    assert root.findtext("member_of_group") == "rosidl_interface_packages"
+
+
+def test_every_imported_package_is_declared(repo_root: Path) -> None:
+    declared = runtime_dependencies(repo_root / "package.xml")
+    missing: List[str] = []
+    unknown: List[str] = []
+    for source in python_sources(repo_root):
+        where = source.relative_to(repo_root)
+        for module in set(required_imports(ast.parse(source.read_text(), str(source)))):
+            if module in sys.stdlib_module_names or module in (PACKAGE, RIGS) or module in PIP_ONLY:
+                continue
+            if module in ROSDEP_KEY_OF_MODULE:
+                key = ROSDEP_KEY_OF_MODULE[module]
+            elif is_ros_package(module):
+                key = module
+            else:
+                unknown.append(f"{where}: {module}")
+                continue
+            if key not in declared:
+                missing.append(f"{where}: import {module} needs <exec_depend>{key}</exec_depend>")
+    assert not unknown, ("imports of unknown packages; add each to ROSDEP_KEY_OF_MODULE (and "
+                         f"package.xml) or PIP_ONLY in this test: {unknown}")
+    assert not missing, "\n".join(missing)
+
+
+def test_import_scan_sees_what_it_should() -> None:
+    code = ("import os, numpy.linalg\nfrom rclpy.node import Node\nfrom . import engine\n"
+            "try:\n    import psutil\nexcept ImportError:\n    psutil = None\n"
+            "if TYPE_CHECKING:\n    import llama_cpp\n"
+            "def f() -> None:\n    import gemma_spec_msgs.msg\n")
+    assert sorted(set(required_imports(ast.parse(code)))) == [
+        "gemma_spec_msgs", "numpy", "os", "rclpy"]
+
+
+# ---------- launch file and configs ----------
+
+def test_launch_file_is_conventional(repo_root: Path) -> None:
+    source = (repo_root / "launch" / LAUNCH_FILE).read_text()
+    tree = ast.parse(source, feature_version=(3, 10))  # Humble's Python
+    functions = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+    assert "generate_launch_description" in functions
+    names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    names |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    strings = {node.value for node in ast.walk(tree)
+               if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    assert {"LifecycleNode", "EmitEvent", "ChangeState", "RegisterEventHandler",
+            "OnStateTransition", "TRANSITION_CONFIGURE", "TRANSITION_ACTIVATE"} <= names
+    assert {"params_file", "models_dir", "spec_mode", "orin.yaml", "gemma_spec_node", "gemma_spec",
+            "spec.mode", "target.model_path", "draft.model_path", "inactive"} <= strings
+
+
+def test_launch_arguments_override_the_right_parameters(repo_root: Path) -> None:
+    """The launch file's pure override logic, run without launch/launch_ros (not installable
+    here): its constants and ``parameter_overrides`` are executed on their own."""
+    tree = ast.parse((repo_root / "launch" / LAUNCH_FILE).read_text())
+    kept = [node for node in tree.body
+            if isinstance(node, ast.Assign)
+            or (isinstance(node, ast.FunctionDef) and node.name == "parameter_overrides")]
+    namespace: Dict[str, object] = {"os": os, "Any": object, "Dict": Dict}
+    exec(compile(ast.Module(body=kept, type_ignores=[]), LAUNCH_FILE, "exec"), namespace)
+    overrides = namespace["parameter_overrides"]
+    assert overrides("", "") == {}
+    assert overrides("", "lookup") == {"spec.mode": "lookup"}
+    assert overrides("/opt/models", "") == {
+        "target.model_path": "/opt/models/gemma-3-4b-it-q4_0.gguf",
+        "draft.model_path": "/opt/models/gemma-3-1b-it-q4_0.gguf",
+    }
+
+
+@pytest.mark.parametrize("config", REQUIRED_CONFIGS)
+def test_config_is_a_ros_parameter_file(repo_root: Path, config: str) -> None:
+    path = repo_root / "config" / config
+    assert path.is_file(), f"config/{config} is missing"
+    document = yaml.safe_load(path.read_text())
+    assert list(document) == ["/**"], "parameters apply to the node under any name: '/**'"
+    parameters = flatten(document["/**"]["ros__parameters"])
+    # the names the launch file overrides and the README documents
+    assert {"spec.mode", "target.model_path"} <= set(parameters)
+    if config == "orin.yaml":
+        assert "draft.model_path" in parameters
+
+
+# ---------- installation ----------
+
+@pytest.fixture(scope="module")
+def pip_prefix(repo_root: Path, venv_python: Path,
+               tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real, non-editable ``pip install`` of setup.py into a fresh prefix."""
+    tmp = tmp_path_factory.mktemp("pip_install")
+    source = copy_of_sources(repo_root, tmp / "src")
+    prefix = tmp / "prefix"
+    out = subprocess.run(
+        # --ignore-installed: otherwise pip uninstalls the venv's own (editable) gemma_spec_ros
+        # before installing into the prefix, breaking every later test and `make run`.
+        [str(venv_python), "-m", "pip", "install", "--no-deps", "--no-build-isolation",
+         "--ignore-installed", "--disable-pip-version-check", "--no-cache-dir", "-q",
+         "--prefix", str(prefix), str(source)],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return prefix
+
+
+@pytest.mark.timeout(300)
+def test_pip_install_puts_share_files_where_ament_finds_them(
+        pip_prefix: Path, repo_root: Path, venv_python: Path) -> None:
+    resource = pip_prefix / "share" / "ament_index" / "resource_index" / "packages" / PACKAGE
+    assert resource.is_file()
+    share = share_directory(venv_python, str(pip_prefix))
+    assert share == pip_prefix / "share" / PACKAGE
+    assert_share_layout(share, repo_root)
+    python = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    site = pip_prefix / "lib" / python / "site-packages"
+    assert (site / PACKAGE / "engine" / "types.py").is_file()
+
+
+@pytest.mark.timeout(300)
+def test_colcon_style_install_puts_the_executable_where_ros2_launch_finds_it(
+        repo_root: Path, venv_python: Path, tmp_path: Path) -> None:
+    """colcon builds ament_python packages with ``setup.py ... install``, which honours
+    setup.cfg's ``install_scripts``: ``ros2 run/launch`` look in ``<prefix>/lib/<package>``."""
+    source = copy_of_sources(repo_root, tmp_path / "src")
+    prefix, build = tmp_path / "prefix", tmp_path / "build"
+    build.mkdir()
+    out = subprocess.run(
+        [str(venv_python), "setup.py", "-q", "egg_info", "--egg-base", str(build),
+         "build", "--build-base", str(build), "install", "--prefix", str(prefix),
+         "--record", str(build / "install.log"), "--single-version-externally-managed"],
+        cwd=source, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    node = prefix / "lib" / PACKAGE / "gemma_spec_node"
+    assert node.is_file() and os.access(node, os.X_OK), sorted(map(str, prefix.rglob("*")))[:40]
+    # The launch file drives configure/activate itself: this executable must not autostart.
+    entry_points = "".join(p.read_text() for p in prefix.rglob("entry_points.txt"))
+    assert "gemma_spec_node = gemma_spec_ros.tools.serve:node_main" in entry_points
+    assert_share_layout(share_directory(venv_python, str(prefix)), repo_root)
+
+
+def test_venv_exposes_the_package_to_ament(repo_root: Path, venv_python: Path) -> None:
+    """scripts/setup.sh links the share files into the venv (like colcon --symlink-install)."""
+    share = share_directory(venv_python, sys.prefix)
+    assert share == Path(sys.prefix) / "share" / PACKAGE
+    assert_share_layout(share, repo_root)
