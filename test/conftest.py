@@ -137,3 +137,15 @@ def node_client(ros: None) -> Iterator[Callable[..., Any]]:
     from support.node import node_factory
     with node_factory() as serve:
         yield serve
+
+
+@pytest.fixture(scope="module")
+def node(served: Any) -> Any:
+    """The node of a module's ``served`` fixture (a :class:`support.node.ServedNode`)."""
+    return served.node
+
+
+@pytest.fixture(scope="module")
+def client(served: Any) -> Any:
+    """The client of a module's ``served`` fixture."""
+    return served.client

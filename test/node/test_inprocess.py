@@ -53,16 +53,6 @@ def served(node_client: Callable[..., ServedNode], embedded_model_path: Path,
     return node_client(NODE, overrides(embedded_model_path, dynamic), activate=False)
 
 
-@pytest.fixture(scope="module")
-def node(served: ServedNode) -> GemmaSpecNode:
-    return served.node
-
-
-@pytest.fixture(scope="module")
-def client(served: ServedNode) -> GenerateClient:
-    return served.client
-
-
 def bring_up(client: GenerateClient) -> None:
     """unconfigured/inactive -> active."""
     state = client.state()

@@ -34,16 +34,6 @@ def served(node_client: Callable[..., ServedNode], tmp_path_factory: pytest.Temp
     return node_client(NODE, overrides)
 
 
-@pytest.fixture(scope="module")
-def node(served: ServedNode) -> GemmaSpecNode:
-    return served.node
-
-
-@pytest.fixture(scope="module")
-def client(served: ServedNode) -> GenerateClient:
-    return served.client
-
-
 @pytest.fixture
 def idle(node: GemmaSpecNode, client: GenerateClient) -> Iterator[GenerateClient]:
     """The node's queue is empty before and after the test."""
