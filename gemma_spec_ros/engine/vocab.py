@@ -3,14 +3,11 @@ learned n-gram cache files carry."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from . import learned_cache
 from .llama_process import _llama
 from .types import VocabMismatchError
-
-if TYPE_CHECKING:  # only for annotations: backend imports this module
-    from .backend import LlamaBackend
 
 
 @dataclass(frozen=True)
@@ -44,7 +41,18 @@ def vocab_tag_of(vocab: object) -> str:
                                    int(llama_cpp.llama_vocab_n_tokens(vocab)), token_texts_digest(vocab))
 
 
-def check_vocab_compatible(target: "LlamaBackend", draft: "LlamaBackend") -> None:
+class LoadedVocab(Protocol):
+    """What the compatibility check reads of a loaded model (backend.LlamaBackend has it)."""
+
+    path: str
+
+    @property
+    def vocab_identity(self) -> "VocabIdentity": ...
+
+    def token_text(self, token: int) -> bytes: ...
+
+
+def check_vocab_compatible(target: LoadedVocab, draft: LoadedVocab) -> None:
     """Raise VocabMismatchError unless ``draft`` can draft for ``target``.
 
     llama.cpp's rule (common/speculative): same vocab type, same BOS/EOS (and add-BOS), sizes within
