@@ -363,8 +363,10 @@ class Engine:
     def _shadow_drafts(self, run: Run, mode: str, draft: Draft, k_cap: int) -> None:
         """Settle the request's shadow drafts against what was emitted, and make new ones for the
         drafters of this mode that draft for free while their policy is off (engine/shadow.py)."""
-        run.shadows.settle(run.generated, {name: d.policy for name, d in self.drafters.items()})
         chain = [self.drafters[name] for name in DRAFTERS_BY_MODE[mode] if name in self.drafters]
+        if not run.shadows.pending and all(d.policy.enabled or not d.drafter.free_drafts for d in chain):
+            return  # the usual step: nothing to settle, nobody to shadow
+        run.shadows.settle(run.generated, {name: d.policy for name, d in self.drafters.items()})
         run.shadows.draft(((d.drafter, d.policy) for d in chain), draft.source if draft.tokens else "",
                           run.context, len(run.generated), k_cap)
 

@@ -33,6 +33,11 @@ class ShadowDrafts:
     def __init__(self) -> None:
         self._pending: Dict[str, _Pending] = {}
 
+    @property
+    def pending(self) -> bool:
+        """Whether a shadow draft waits for the tokens that settle it."""
+        return bool(self._pending)
+
     def settle(self, emitted: Sequence[int], policies: Dict[str, DraftLengthPolicy]) -> None:
         """Check every pending draft against the tokens emitted so far; a draft is settled at its
         first wrong token or once it was matched whole, and its policy observes it."""
