@@ -342,8 +342,12 @@ def _progress(total: int, disabled: bool) -> Any:
 
 def write_outputs(results: Dict[str, Any], out_dir: Path) -> List[Path]:
     """Finalize ``results``, then write results.json, results.md, results_per_prompt.md and the
-    plots; returns the paths written."""
-    finalize(results)
+    plots; returns the paths written.
+
+    The derived figures are computed from the runs as results.json stores them (rounded), so
+    --report-only, which can only read the rounded runs, re-makes the very same tables (a ratio
+    computed from unrounded rates can land on the other side of a table's rounding)."""
+    results = finalize(json.loads(dump_results(results)))
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / "results.json", out_dir / "results.md", out_dir / "results_per_prompt.md"]
     paths[0].write_text(dump_results(results), encoding="utf-8")

@@ -250,6 +250,29 @@ def test_smoke_run_writes_tables_and_plots(smoke_results: Dict[str, Any]) -> Non
     assert (out / "results.md").read_text() == table
 
 
+def test_report_only_remakes_the_same_files_from_unrounded_runs(tmp_path: Path, repo_root: Path) -> None:
+    """A run's timings are unrounded floats until results.json rounds them; --report-only can only
+    read the rounded ones. Both must give the same results.json and tables, byte for byte (a ratio
+    computed from unrounded rates once landed on the other side of a table's rounding, 1.00x vs 0.99x).
+    The runs are a committed bench's, each float nudged off its 6-digit rounding."""
+    results = json.loads((repo_root / "docs/bench/cpu_random/results.json").read_text())
+
+    def nudge(value: Any, i: int) -> Any:
+        if isinstance(value, float):
+            return value * (1.0 + 3.7e-7 * (1 + i % 7))
+        if isinstance(value, list):
+            return [nudge(v, i + j) for j, v in enumerate(value)]
+        return value
+
+    results["runs"] = [{k: nudge(v, i) for k, v in run.items()} for i, run in enumerate(results["runs"])]
+    names = ["results.json", "results.md", "results_per_prompt.md"]
+    bench.write_outputs(results, tmp_path)
+    first = {name: (tmp_path / name).read_text() for name in names}
+    assert bench.main(["--report-only", str(tmp_path)]) == 0
+    for name in names:
+        assert (tmp_path / name).read_text() == first[name], name
+
+
 # -- the native sweep and its oracle ---------------------------------------------------------------
 def _native_bin() -> Path:
     """scripts/build_native_tools.sh's binaries (in the cache dir of scripts/setup.sh)."""
