@@ -14,6 +14,8 @@ from __future__ import annotations
 import sys
 import threading
 import time
+import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -29,6 +31,7 @@ from rclpy.action import ActionClient
 from rclpy.executors import MultiThreadedExecutor
 from rclpy.parameter import Parameter, parameter_value_to_python
 from rclpy.qos import QoSDurabilityPolicy, QoSProfile, QoSReliabilityPolicy
+from unique_identifier_msgs.msg import UUID
 
 from .node import action_name, spec_status_name  # noqa: F401  spec_status_name: for the client's users
 
@@ -92,6 +95,7 @@ class GoalRun:
     # the result came only for a re-sent result request (see wait_result's resend_after)
     result_resent: bool = False
     _result_future: Any = None  # the first result request's future
+    _on_feedback: Optional[Callable[[Any], None]] = None  # set by GenerateClient.send_goal
     _responded: threading.Event = field(default_factory=threading.Event)
     _finished: threading.Event = field(default_factory=threading.Event)
 
@@ -175,10 +179,17 @@ class GenerateClient:
                                                        f"{self.node_path}/get_parameters")
         self._set_parameters = self.node.create_client(SetParameters,
                                                        f"{self.node_path}/set_parameters")
-        # a deep feedback queue: a burst of one-token steps must not be dropped by the client itself
-        self.action = ActionClient(self.node, Generate, action_name(self.node_path),
-                                   feedback_sub_qos_profile=QoSProfile(depth=1000))
+        self.action = ActionClient(self.node, Generate, action_name(self.node_path))
         self._lock = threading.Lock()
+        # Feedback comes from a subscription of our own, not the ActionClient's feedback callback:
+        # rclpy forgets a goal's feedback callback when its result arrives, and the result (a
+        # service response) can overtake the last feedback message (a topic), which was then lost.
+        # Keyed by goal id; a run its caller has dropped gets no more feedback. A deep queue: a
+        # burst of one-token steps must not be dropped by the client itself.
+        self._runs_by_goal: "weakref.WeakValueDictionary[bytes, GoalRun]" = weakref.WeakValueDictionary()
+        self.node.create_subscription(Generate.Impl.FeedbackMessage,
+                                      f"{action_name(self.node_path)}/_action/feedback",
+                                      self._on_feedback_message, QoSProfile(depth=1000))
         self._keep_history = keep_history
         self.diagnostics: List[DiagnosticStatus] = []
         self._latest: Dict[str, DiagnosticStatus] = {}
@@ -274,8 +285,12 @@ class GenerateClient:
             if on_feedback is not None:
                 on_feedback(message)
 
+        run._on_feedback = guarded(feedback, who)
+        goal_id = UUID(uuid=list(uuid.uuid4().bytes))
+        with self._lock:
+            self._runs_by_goal[bytes(goal_id.uuid)] = run
         run.sent_at = time.monotonic()
-        future = self.action.send_goal_async(goal, feedback_callback=guarded(feedback, who))
+        future = self.action.send_goal_async(goal, goal_uuid=goal_id)
         accepted_hook = guarded(on_accepted, who) if on_accepted is not None else None
         future.add_done_callback(guarded(lambda done: run._on_response(done, accepted_hook), who))
         if not run._responded.wait(timeout):
@@ -286,6 +301,12 @@ class GenerateClient:
         return wait_future(run.handle.cancel_goal_async(), timeout, "cancel response")
 
     # -- topics ------------------------------------------------------------------------------------
+    def _on_feedback_message(self, message: Any) -> None:
+        with self._lock:
+            run = self._runs_by_goal.get(bytes(message.goal_id.uuid))
+        if run is not None and run._on_feedback is not None:
+            run._on_feedback(message)
+
     def _on_diagnostics(self, msg: DiagnosticArray) -> None:
         with self._lock:
             if self._keep_history:

@@ -128,6 +128,33 @@ def test_stop_strings_and_eos_through_goals(client: GenerateClient, reference: E
     assert any(reason == "stop" and n < 200 for reason, n in finished), finished
 
 
+def test_feedback_after_the_result_still_reaches_the_run(client: GenerateClient) -> None:
+    """The result (a service response) can overtake the goal's last feedback (a topic); rclpy's
+    ActionClient forgets a goal's feedback callback once the result is in, so that text was lost
+    (test_stop_strings_and_eos_through_goals failed now and then). GenerateClient listens to the
+    feedback topic itself. Made deterministic here: a feedback message for the goal is published
+    (by a test publisher, the same topic and type as the node's) after the result came."""
+    from gemma_spec_msgs.action import Generate
+    from rclpy.qos import QoSProfile
+
+    from gemma_spec_ros.node import action_name
+    run = client.send(**goal(max_tokens=8))
+    result = run.wait_result()
+    publisher = client.node.create_publisher(Generate.Impl.FeedbackMessage,
+                                             f"{action_name(NODE)}/_action/feedback", QoSProfile(depth=10))
+    try:
+        late = Generate.Impl.FeedbackMessage(goal_id=run.handle.goal_id)
+        late.feedback.text = "#late#"
+        wait_until(lambda: publisher.get_subscription_count() >= 1, 10.0, "the feedback subscription")
+        publisher.publish(late)
+        wait_until(lambda: any(f.text == "#late#" for f in run.feedback), 10.0, "the late feedback message")
+    finally:
+        client.node.destroy_publisher(publisher)
+    # and the node's own feedback, some of which may also have come after the result: all the text
+    wait_until(lambda: "".join(f.text for f in run.feedback if f.text != "#late#") == result.text, 5.0,
+               "all text streamed as feedback")
+
+
 def test_generation_defaults_reach_the_engine(client: GenerateClient, reference: Engine, values: Dict[str, Any]) -> None:
     """temperature -1, top_k -1, seed -1, max_tokens 0, top_p 0 take the node's generation.*."""
     fields = goal(temperature=-1.0, top_k=-1, seed=-1, max_tokens=0, top_p=0.0)
