@@ -5,6 +5,9 @@ ROUNDS times; medians of milliseconds per target pass after the first token (doc
     .venv/bin/python scripts/mtp_step_ab.py TARGET.gguf ASSISTANT.gguf [ROUNDS]
 
 The tiny pairs of the tests: ``write_gemma4_pair(dir, agreeing=...)`` in test/support/tiny_gemma4.py.
+Each request generates MTP_AB_TOKENS tokens (default 1500; n_ctx is that + 64). Runs of 200 tokens
+last ~25 ms on the tiny pair, and this shared host's noise comes in bursts about that long: their
+medians scattered from 0.87x to 1.28x between calls, those of 1500-token runs from 0.92x to 1.09x.
 """
 from __future__ import annotations
 
@@ -18,7 +21,9 @@ from gemma_spec_ros.engine.engine import Engine
 from gemma_spec_ros.engine.types import EngineConfig, GenerationRequest, ModelConfig, SpecConfig
 
 TOOL = os.path.expanduser("~/.cache/gemma_spec_ros/native/bin/llama-speculative-simple")
-PROMPT, MAX_TOKENS, K, P_MIN, N_CTX = "the robot picks up the red cup. ", 200, 3, 0.75, 512
+PROMPT, K, P_MIN = "the robot picks up the red cup. ", 3, 0.75
+MAX_TOKENS = int(os.environ.get("MTP_AB_TOKENS", "1500"))
+N_CTX = MAX_TOKENS + 64
 
 
 def native_step_ms(target: str, assistant: str) -> float:
