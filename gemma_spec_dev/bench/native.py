@@ -94,8 +94,9 @@ class NativeRunner:
         self.spec = spec
         self._exe = Path(expand_path(bin_dir)) / NATIVE_TOOLS[spec.mode]
         self._timeout_s = timeout_s
+        # flash attention as our engine runs it (the tools' default, auto, turns it on here)
         self._base: List[str] = [str(self._exe), "-m", target.resolved_path, "-c", str(target.n_ctx),
-                                 "-t", str(thread_count(params))]
+                                 "-t", str(thread_count(params)), "-fa", "on" if target.flash_attn else "off"]
         # draft_max None: an n-gram --spec-type, whose own settings (native_args) bound the draft
         self._drafts = spec.draft_max != 0
         if spec.draft_max is not None:
