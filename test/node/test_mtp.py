@@ -59,6 +59,7 @@ def test_the_native_mtp_runner_runs_llama_cpps_draft_mtp(tmp_path: Path) -> None
     assert command[command.index("--spec-type") + 1] == "draft-mtp"
     assert command[command.index("-md") + 1] == str(assistant)
     assert command[command.index("--spec-draft-p-min") + 1] == "0.5"
+    assert command[command.index("-fa") + 1] == "off"  # as our engine: target.flash_attn defaults to false
     for _ in range(5):  # several short runs: the retry is what keeps them all parsed
         result = runner.run({"prompt": "the robot picks up the red cup. ", "max_tokens": 40,
                              "temperature": 0.0, "seed": 1})
