@@ -229,8 +229,9 @@ class Bench:
                 result = handles[spec.name].run(request)
             except (RunnerError, RuntimeError, ValueError) as exc:
                 error = str(exc)
-        # Output text of off's first repeat only (the others' parity is in output_hash).
-        keep = repeat == 0 and spec.name == REFERENCE_RUNNER
+        # Every runner's text of the first repeat: the oracle table says whose text is off's
+        # (report.summary.same_text_as_off); the other repeats' parity is in output_hash.
+        keep = repeat == 0
         return make_record(spec, prompt.suite, prompt.id, repeat, request, result, error,
                            keep_text=keep, load=load)
 

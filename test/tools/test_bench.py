@@ -273,6 +273,15 @@ def test_report_only_remakes_the_same_files_from_unrounded_runs(tmp_path: Path, 
         assert (tmp_path / name).read_text() == first[name], name
 
 
+@pytest.mark.parametrize("module", ["metrics", "native", "report.summary", "report.results_file", "config"])
+def test_bench_docstring_examples(module: str) -> None:
+    """The worked examples in the bench's docstrings (ratios, the oracle, text agreement, parsing)."""
+    import doctest
+    import importlib
+    result = doctest.testmod(importlib.import_module(f"gemma_spec_dev.bench.{module}"))
+    assert result.attempted > 0 and result.failed == 0, result
+
+
 # -- the native sweep and its oracle ---------------------------------------------------------------
 def _native_bin() -> Path:
     """scripts/build_native_tools.sh's binaries (in the cache dir of scripts/setup.sh)."""
@@ -340,3 +349,8 @@ def test_native_sweep_run_names_the_oracle_per_prompt(tmp_path: Path) -> None:
     table = (out / "results.md").read_text()
     assert "## Ours vs the best native setting per prompt" in table
     assert f"`{oracle['winners'][lookup['worst']]}`" in table
+    # every runner's text is kept (first repeat), and the table says whose text is off's
+    assert all(r["text"] is not None for r in runs if r["n_tokens"] >= 1), [r["runner"] for r in runs if r["text"] is None]
+    same = bench_report.summary.same_text_as_off(runs)
+    assert set(same) == {("rep", "a"), ("rep", "b")} and all(v["off"] for v in same.values())
+    assert "Prompts with `off`'s text: the winners " in table

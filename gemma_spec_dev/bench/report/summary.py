@@ -157,6 +157,32 @@ def versus_native_oracle(rates: Mapping[str, Mapping[RunKey, float]],
     return result
 
 
+def same_text_as_off(records: Sequence[Record]) -> Dict[Tuple[str, str], Dict[str, bool]]:
+    """{(suite, prompt): {runner: whether its text is ``off``'s}} from the texts the bench keeps
+    (every runner's first repeat). llama.cpp's tools may write a few tokens past the request, so
+    one text being the start of the other counts as the same. A faster runner with another text
+    is faster partly by its text: on the fast build near-ties resolve differently by batch shape,
+    and a continuation that repeats itself is easier to draft (see docs/benchmarks.md, issue 25).
+
+    >>> rows = [{"suite": "s", "prompt_id": "a", "repeat": 0, "runner": "off", "text": "one two"},
+    ...         {"suite": "s", "prompt_id": "a", "repeat": 0, "runner": "x", "text": "one two three"},
+    ...         {"suite": "s", "prompt_id": "a", "repeat": 0, "runner": "y", "text": "one too"},
+    ...         {"suite": "s", "prompt_id": "a", "repeat": 0, "runner": "z", "text": None}]
+    >>> same_text_as_off(rows)
+    {('s', 'a'): {'off': True, 'x': True, 'y': False}}
+    """
+    texts: Dict[Tuple[str, str], Dict[str, str]] = defaultdict(dict)
+    for r in records:
+        if int(r["repeat"]) == 0 and not r.get("error") and r.get("text"):
+            texts[(str(r["suite"]), str(r["prompt_id"]))][str(r["runner"])] = str(r["text"])
+    out: Dict[Tuple[str, str], Dict[str, bool]] = {}
+    for prompt, by_runner in texts.items():
+        off = by_runner.get(REFERENCE_RUNNER)
+        if off:
+            out[prompt] = {name: text.startswith(off) or off.startswith(text) for name, text in by_runner.items()}
+    return out
+
+
 #: Per-run step profile fields (ms per target pass after the first token; see record.step_profile).
 STEP_FIELDS = ("steps", "step_ms", "draft_step_ms", "verify_step_ms", "sample_step_ms", "other_step_ms")
 

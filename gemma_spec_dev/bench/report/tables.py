@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..config import NO_REUSE_SUFFIX, REFERENCE_RUNNER
 from ..metrics import Spread, finite, ratio_by_prompt, ratio_by_suite, same_run_ratios, spread
-from .summary import STEP_FIELDS, rates_by_runner, spreads_by_suite
+from .summary import STEP_FIELDS, rates_by_runner, same_text_as_off, spreads_by_suite
 
 
 def _fmt(d: Optional[Mapping[str, float]], unit: str = "x", digits: int = 2) -> str:
@@ -122,14 +122,28 @@ def _oracle_lines(results: Mapping[str, Any]) -> List[str]:
         e = oracle["runners"][name]
         lines.append(_row([f"`{name}`", str(e["n"]), f"{e['median']:.2f}x", f"{e['geomean']:.2f}x",
                            f"{e['min']:.2f}x ({e['worst']})", str(e["below_0_85"])]))
-    header = ["prompt", "winner", "winner tok/s"] + [f"`{n}`" for n in names]
+    same = same_text_as_off(results["runs"])
+    header = ["prompt", "winner", "winner tok/s", "same text"] + [f"`{n}`" for n in names]
     lines += ["", _row(header), _row(["---"] * len(header))]
+    counted = {n: [0, 0] for n in ["winner"] + names}  # [same as off, known] over prompts
     for prompt, winner in oracle["winners"].items():
         suite, prompt_id = prompt.split("/", 1)
         values = [v for (s, p, _), v in rates.get(winner, {}).items() if (s, p) == (suite, prompt_id)]
         cells = [_num(oracle["runners"][n]["per_prompt"].get(prompt), 2, "x") for n in names]
-        lines.append(_row([prompt, f"`{winner}`", _num(statistics.median(values) if values else None, 1)]
+        agree = same.get((suite, prompt_id), {})
+        for n, runner in [("winner", winner)] + [(n, n) for n in names]:
+            if runner in agree:
+                counted[n][0] += agree[runner]
+                counted[n][1] += 1
+        text = {True: "yes", False: "no"}.get(agree.get(winner), "-") if winner in agree else "-"
+        lines.append(_row([prompt, f"`{winner}`", _num(statistics.median(values) if values else None, 1), text]
                           + cells))
+    if counted["winner"][1]:
+        tallies = [f"{'the winners' if n == 'winner' else f'`{n}`'} {c[0]} of {c[1]}"
+                   for n, c in counted.items() if c[1]]
+        lines += ["", "same text: whether the winner wrote `off`'s text (first repeat; one text the start "
+                  "of the other). Prompts with `off`'s text: " + ", ".join(tallies) + ". A runner with "
+                  "another text is faster or slower partly by its text, not only by its drafting."]
     counts: Dict[str, int] = defaultdict(int)
     for winner in oracle["winners"].values():
         counts[winner] += 1
