@@ -95,7 +95,7 @@ class GoalRun:
     # the result came only for a re-sent result request (see wait_result's resend_after)
     result_resent: bool = False
     _result_future: Any = None  # the first result request's future
-    _on_feedback: Optional[Callable[[Any], None]] = None  # set by GenerateClient.send_goal
+    _on_feedback: Optional[Callable[[Any], None]] = None  # send_goal's on_feedback hook
     _responded: threading.Event = field(default_factory=threading.Event)
     _finished: threading.Event = field(default_factory=threading.Event)
 
@@ -280,12 +280,9 @@ class GenerateClient:
         run = GoalRun()
         who = self.node.get_name()
 
-        def feedback(message: Any) -> None:
-            run.feedback.append(message.feedback)
-            if on_feedback is not None:
-                on_feedback(message)
-
-        run._on_feedback = guarded(feedback, who)
+        # the hook only: a closure over the run would tie it to itself and keep it in
+        # _runs_by_goal (weak values) until a garbage collection
+        run._on_feedback = guarded(on_feedback, who) if on_feedback is not None else None
         goal_id = UUID(uuid=list(uuid.uuid4().bytes))
         with self._lock:
             self._runs_by_goal[bytes(goal_id.uuid)] = run
@@ -304,8 +301,10 @@ class GenerateClient:
     def _on_feedback_message(self, message: Any) -> None:
         with self._lock:
             run = self._runs_by_goal.get(bytes(message.goal_id.uuid))
-        if run is not None and run._on_feedback is not None:
-            run._on_feedback(message)
+        if run is not None:
+            run.feedback.append(message.feedback)
+            if run._on_feedback is not None:
+                run._on_feedback(message)
 
     def _on_diagnostics(self, msg: DiagnosticArray) -> None:
         with self._lock:

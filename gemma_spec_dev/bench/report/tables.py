@@ -135,7 +135,7 @@ def _oracle_lines(results: Mapping[str, Any]) -> List[str]:
             if runner in agree:
                 counted[n][0] += agree[runner]
                 counted[n][1] += 1
-        text = {True: "yes", False: "no"}.get(agree.get(winner), "-") if winner in agree else "-"
+        text = ("yes" if agree[winner] else "no") if winner in agree else "-"
         lines.append(_row([prompt, f"`{winner}`", _num(statistics.median(values) if values else None, 1), text]
                           + cells))
     if counted["winner"][1]:
