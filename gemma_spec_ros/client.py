@@ -28,7 +28,7 @@ from lifecycle_msgs.srv import ChangeState, GetState
 from rcl_interfaces.msg import Log, SetParametersResult
 from rcl_interfaces.srv import GetParameters, SetParameters
 from rclpy.action import ActionClient
-from rclpy.executors import MultiThreadedExecutor
+from .executors import MultiThreadedExecutor
 from rclpy.parameter import Parameter, parameter_value_to_python
 from rclpy.qos import QoSDurabilityPolicy, QoSProfile, QoSReliabilityPolicy
 from unique_identifier_msgs.msg import UUID

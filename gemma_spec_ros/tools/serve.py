@@ -30,7 +30,7 @@ from .llama_first import import_llama_cpp_first  # noqa: E402  (imports nothing 
 import_llama_cpp_first()
 
 import rclpy  # noqa: E402
-from rclpy.executors import MultiThreadedExecutor
+from ..executors import MultiThreadedExecutor
 from rclpy.lifecycle import TransitionCallbackReturn
 from rclpy.signals import SignalHandlerOptions
 from rclpy.utilities import remove_ros_args

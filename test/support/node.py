@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Mapping
 
 import yaml
-from rclpy.executors import MultiThreadedExecutor
+from gemma_spec_ros.executors import MultiThreadedExecutor
 from rclpy.parameter import Parameter
 
 from gemma_spec_ros.client import GenerateClient, wait_until
