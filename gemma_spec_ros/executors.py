@@ -27,27 +27,20 @@ REQUEUE_WAIT = 0.005
 
 
 class OncePool:
-    """A ThreadPoolExecutor facade whose ``submit(task)`` queues a task at most once at a time.
-
-    ``submissions`` / ``repeats``: tasks queued / submissions refused because the same task was
-    still queued (what the plain pool would have queued again)."""
+    """A ThreadPoolExecutor facade whose ``submit(task)`` queues a task at most once at a time."""
 
     def __init__(self, pool: ThreadPoolExecutor) -> None:
         self._pool = pool
         self._queued: Set[int] = set()  # id() of tasks queued and not started
         self._changed = threading.Condition()
-        self.submissions = 0
-        self.repeats = 0
 
     def submit(self, task: Callable[[], Any]) -> Optional[Any]:
         key = id(task)
         with self._changed:
             if key in self._queued:
-                self.repeats += 1
                 self._changed.wait_for(lambda: key not in self._queued, REQUEUE_WAIT)
                 return None
             self._queued.add(key)
-            self.submissions += 1
         try:
             return self._pool.submit(self._run, task, key)
         except BaseException:

@@ -1,4 +1,4 @@
-"""gemma_spec_ros.executors.MultiThreadedExecutor against rclpy's own, on a real rclpy context.
+"""gemma_spec_ros.executors.MultiThreadedExecutor on a real rclpy context.
 
 The workload that made rclpy's executor spin (ros2/rclpy#1452): a subscription that keeps waking
 the executor while a task it has handed to the pool has not started yet. rclpy's executor queues
@@ -12,19 +12,18 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Tuple, Type
+from typing import Tuple
 
 import rclpy
-import rclpy.executors
 from rclpy.callback_groups import ReentrantCallbackGroup
 from std_msgs.msg import Empty
 
-from gemma_spec_ros.executors import MultiThreadedExecutor, OncePool
+from gemma_spec_ros.executors import MultiThreadedExecutor
 
 PUBLISHED = 200
 
 
-def busy_subscription(executor_class: Type[rclpy.executors.MultiThreadedExecutor]) -> Tuple[int, int]:
+def busy_subscription() -> Tuple[int, int]:
     """(the largest backlog of the executor's thread pool, messages delivered of PUBLISHED + 2).
 
     The first message's callback holds one of the two pool threads until the publisher is done;
@@ -44,10 +43,9 @@ def busy_subscription(executor_class: Type[rclpy.executors.MultiThreadedExecutor
     node.create_subscription(Empty, "gemma_spec_executor_ticks", on_message, 10,
                              callback_group=ReentrantCallbackGroup())
     publisher = node.create_publisher(Empty, "gemma_spec_executor_ticks", 10)
-    executor = executor_class(num_threads=2, context=context)
+    executor = MultiThreadedExecutor(num_threads=2, context=context)
     executor.add_node(node)
-    pool = executor._executor
-    raw = pool._pool if isinstance(pool, OncePool) else pool  # the ThreadPoolExecutor itself
+    raw = executor.pool._pool  # the ThreadPoolExecutor itself
     spinner = threading.Thread(target=executor.spin, daemon=True)
     spinner.start()
     try:
@@ -73,6 +71,6 @@ def busy_subscription(executor_class: Type[rclpy.executors.MultiThreadedExecutor
 
 
 def test_a_queued_task_is_queued_once_and_every_message_is_delivered() -> None:
-    backlog, delivered = busy_subscription(MultiThreadedExecutor)
+    backlog, delivered = busy_subscription()
     assert backlog <= 2, backlog
     assert delivered == PUBLISHED + 2
