@@ -18,36 +18,42 @@ from typing import Dict, List, Sequence, Tuple
 from gemma_spec_ros.engine.engine import Engine
 from gemma_spec_ros.engine.lookup import LookupDrafter
 from gemma_spec_ros.engine.policy import CostModel, DraftLengthPolicy
-from gemma_spec_ros.engine.shadow import ShadowDrafts
-from gemma_spec_ros.engine.types import GenerationRequest, LookupConfig, SamplingParams
+from gemma_spec_ros.engine.shadow import UncutDrafts
+from gemma_spec_ros.engine.types import Draft, GenerationRequest, LookupConfig, SamplingParams
 from gemma_spec_dev.bench.config import default_params, engine_config, find_data_dir, load_suites
 from gemma_spec_dev.bench.corpus import default_corpus, random_suite
 
 #: ms per target pass by rows: llama.cpp's own step profile of the embedded model on the 2-core CPU.
 PASS_MS: Dict[int, float] = {1: 20.0, 2: 25.0, 3: 27.6, 4: 27.6, 5: 33.0, 6: 35.0, 7: 38.0, 8: 41.0, 9: 43.6,
                              **{n: 43.6 + 4.9 * (n - 9) for n in range(10, 18)}}
-#: name -> (cap on K, adaptive[, shadow drafts while off])
-STRATEGIES: Dict[str, Tuple] = {"A4": (4, True), "A8": (8, True), "A16": (16, True),
-                                "A4s": (4, True, True), "A8s": (8, True, True),
+#: name -> (cap on K, adaptive[, cut each draft]). A<n>: the policy chooses K <= n before drafting
+#: (the engine before session 24, less its shadow drafts); C<n>: every step drafts up to n and the
+#: policy cuts the draft (the engine since session 24, K = n); K<n>: always n.
+STRATEGIES: Dict[str, Tuple] = {"A4": (4, True), "A8": (8, True),
+                                "C6": (6, True, True), "C8": (8, True, True), "C12": (12, True, True),
                                 "K3": (3, False), "K4": (4, False), "K5": (5, False), "K8": (8, False)}
 
 
-def replay(prompt: Sequence[int], out: Sequence[int], cap: int, adaptive: bool, shadow: bool = False) -> float:
+def replay(prompt: Sequence[int], out: Sequence[int], cap: int, adaptive: bool, cut: bool = False) -> float:
     """Modelled speedup of one strategy on one reference output (the first token is the prompt's)."""
     costs = CostModel()
     for rows, ms in sorted(PASS_MS.items()):
         costs.observe_verify(rows, ms / 1e3)
     policy, drafter = DraftLengthPolicy("lookup", costs), LookupDrafter(LookupConfig())
+    policies = {"lookup": policy}
     drafter.begin(prompt)
     context, i, seconds = list(prompt) + list(out[:1]), 1, 0.0
-    shadows = ShadowDrafts() if shadow else None
+    uncut = UncutDrafts()
     while i < len(out):
         k_cap = min(cap, len(out) - i - 1)
-        k = policy.decide(k_cap, adaptive).draft_len if k_cap > 0 else 0
-        draft = drafter.propose(context, k).tokens if k else ()
-        if shadows is not None and k_cap > 0:  # as the engine does (engine/shadow.py)
-            shadows.settle(out[:i], {"lookup": policy})
-            shadows.draft([(drafter, policy)], "lookup" if draft else "", context, i, k_cap)
+        if cut:  # as the engine does (drafting.propose): draft up to the cap, keep it whole, cut it
+            uncut.settle(out[:i], policies)
+            whole = drafter.propose(context, k_cap) if k_cap > 0 else Draft()
+            uncut.add(whole, i, policies)
+            draft = whole.tokens[:policy.cut(whole.evidence).draft_len] if whole.tokens else ()
+        else:
+            k = policy.decide(k_cap, adaptive).draft_len if k_cap > 0 else 0
+            draft = drafter.propose(context, k).tokens if k else ()
         accepted = 0
         while accepted < len(draft) and draft[accepted] == out[i + accepted]:
             accepted += 1

@@ -63,7 +63,7 @@ class DraftModelDrafter:
 
     name = "draft"
     cheap_to_probe = False  # a probe first decodes every context token the model has not seen
-    free_drafts = False
+    cuts_drafts = False
 
     def __init__(self, config: ModelConfig, target: LlamaBackend) -> None:
         self.backend = LlamaBackend(config)

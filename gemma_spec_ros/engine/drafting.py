@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from .grammar import Grammar
 from .policy import PLAIN_STEP, CostModel, Decision, DraftLengthPolicy
@@ -46,24 +46,34 @@ class Drafting:
 
 
 def drafting_order(mode: str, drafters: Dict[str, Drafting], k_cap: int,
-                   adaptive: bool) -> Iterator[Tuple[Drafting, Decision]]:
+                   adaptive: bool, cut: bool = False) -> Iterator[Tuple[Drafting, Decision]]:
     """The drafters one step tries, in order, each with its policy's decision (draft length > 0).
 
     ``draft+lookup`` (and the one-drafter modes) is a fixed chain in table order that honours
     ``adaptive`` (``spec.adaptive``); a policy is asked only when its drafter's turn comes.
     ``auto`` is always adaptive: it asks every policy first and tries the best predicted speedup
     first (not measured yet counts as best; ties keep table order), or drafts nothing.
+
+    ``cut`` (no grammar): an adaptive drafter that cuts its own drafts is always tried, with the
+    whole ``k_cap``; its policy cuts the draft afterwards (:func:`propose`).
     """
     chain = [drafters[name] for name in DRAFTERS_BY_MODE[mode] if name in drafters]
     if mode != "auto":
         for drafting in chain:
-            decision = drafting.policy.decide(k_cap, adaptive)
+            decision = _decide(drafting, k_cap, adaptive, cut)
             if decision.draft_len > 0:
                 yield drafting, decision
         return
-    decided = [(drafting, drafting.policy.decide(k_cap, True)) for drafting in chain]
+    decided = [(drafting, _decide(drafting, k_cap, True, cut)) for drafting in chain]
     decided.sort(key=lambda pair: -_rank(pair[1].predicted_speedup))
     yield from ((drafting, decision) for drafting, decision in decided if decision.draft_len > 0)
+
+
+def _decide(drafting: Drafting, k_cap: int, adaptive: bool, cut: bool) -> Decision:
+    if cut and adaptive and drafting.drafter.cuts_drafts:  # as ``cutting`` in propose
+        # ranked in auto by what its verified drafts have shown (the policy's S at its best k)
+        return Decision(k_cap, drafting.policy.best(k_cap).predicted_speedup)
+    return drafting.policy.decide(k_cap, adaptive)
 
 
 def _rank(speedup: float) -> float:
@@ -72,9 +82,15 @@ def _rank(speedup: float) -> float:
 
 def propose(drafters: Dict[str, Drafting], costs: CostModel, mode: str, spec: SpecConfig,
             context: List[int], k_cap: int, grammar: Optional[Grammar] = None,
-            stats: Optional[SpecStats] = None, forced_cap: int = 0) -> Tuple[Draft, Decision, int]:
+            stats: Optional[SpecStats] = None, forced_cap: int = 0, cut: bool = False,
+            on_uncut: Optional[Callable[[Draft], None]] = None) -> Tuple[Draft, Decision, int]:
     """The first non-empty draft in this step's drafting order, with its policy's decision, and
     how many of its first tokens the grammar forced (0 without a grammar).
+
+    ``cut`` (adaptive or ``auto``; ignored under a grammar): a drafter that cuts its drafts proposes
+    ``k_cap`` tokens; ``on_uncut`` gets the whole draft (checked later against the emitted tokens:
+    it teaches the policy's evidence model), and the policy's :meth:`~DraftLengthPolicy.cut` decides
+    how much of it this step verifies (none: the next drafter's turn).
 
     Under a grammar (any mode but ``off``), the text it forces from here (keys, punctuation,
     the rest of an enum literal) comes first, drafted without a model, up to ``forced_cap`` tokens
@@ -89,12 +105,23 @@ def propose(drafters: Dict[str, Drafting], costs: CostModel, mode: str, spec: Sp
         forced, after = grammar.forced_tokens(context[-1] if context else None, max(k_cap, forced_cap))
     try:
         room = k_cap - len(forced)
-        for drafting, decision in drafting_order(mode, drafters, k_cap, spec.adaptive):
+        cut = cut and grammar is None
+        for drafting, decision in drafting_order(mode, drafters, k_cap, spec.adaptive, cut):
             if room <= 0:
                 break
             started = time.perf_counter()
+            cutting = cut and (spec.adaptive or mode == "auto") and drafting.drafter.cuts_drafts
             draft = drafting.drafter.propose(context + forced if forced else context,
                                              min(decision.draft_len, room), spec)
+            if cutting and draft.evidence is not None:
+                if on_uncut is not None:
+                    on_uncut(draft)
+                costs.observe_draft_time(draft.source, len(draft), time.perf_counter() - started)
+                decision = drafting.policy.cut(draft.evidence)
+                draft = _cut(draft, decision.draft_len)
+                if draft.tokens:
+                    return draft, decision, 0
+                continue
             if draft.tokens and after is not None:
                 keep = after.allowed_prefix(draft.tokens)
                 if stats is not None:
@@ -121,4 +148,5 @@ def _cut(draft: Draft, keep: int) -> Draft:
     if keep == 0:
         return EMPTY_DRAFT
     probs = None if draft.probs is None else draft.probs[:keep]
-    return Draft(draft.tokens[:keep], probs, draft.source)
+    evidence = None if draft.evidence is None else draft.evidence[:keep]
+    return Draft(draft.tokens[:keep], probs, draft.source, evidence)

@@ -336,11 +336,14 @@ class Engine:
         run.context.append(run.pending)
         export_hidden_for(self.drafters, DRAFTERS_BY_MODE[mode])  # for this step's verify pass
         with timed(stats, "draft_time"):
+            policies = {name: d.policy for name, d in self.drafters.items()}
+            if run.uncut.pending:
+                run.uncut.settle(run.generated, policies)
+            n_emitted = len(run.generated)
             draft, decision, n_forced = propose(self.drafters, self.costs, mode, spec, run.context,
                                                 k_cap, run.grammar, stats,
-                                                min(GRAMMAR_DRAFT_MAX, hard_cap))
-            if run.grammar is None and k_cap > 0:
-                self._shadow_drafts(run, mode, draft, k_cap)
+                                                min(GRAMMAR_DRAFT_MAX, hard_cap), True,
+                                                lambda whole: run.uncut.add(whole, n_emitted, policies))
         batch = [run.pending, *draft.tokens]
         n_keep = target.n_past
         with timed(stats, "verify_time"):
@@ -359,16 +362,6 @@ class Engine:
         stats.predicted_speedup = decision.predicted_speedup
         stats.generation_time += time.perf_counter() - started
         return verdict.tokens, run.mode_label(spec.mode, draft.source or None), spec.draft_max
-
-    def _shadow_drafts(self, run: Run, mode: str, draft: Draft, k_cap: int) -> None:
-        """Settle the request's shadow drafts against what was emitted, and make new ones for the
-        drafters of this mode that draft for free while their policy is off (engine/shadow.py)."""
-        chain = [self.drafters[name] for name in DRAFTERS_BY_MODE[mode] if name in self.drafters]
-        if not run.shadows.pending and all(d.policy.enabled or not d.drafter.free_drafts for d in chain):
-            return  # the usual step: nothing to settle, nobody to shadow
-        run.shadows.settle(run.generated, {name: d.policy for name, d in self.drafters.items()})
-        run.shadows.draft(((d.drafter, d.policy) for d in chain), draft.source if draft.tokens else "",
-                          run.context, len(run.generated), k_cap)
 
     def _observe(self, stats: SpecStats, draft: Draft, verdict: Verdict, n_forced: int = 0) -> None:
         """Feed one verify pass to the request's stats and to the drafter's policy (a drafter's

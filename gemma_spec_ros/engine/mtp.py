@@ -274,7 +274,7 @@ class MtpDrafter:
     #: a probe costs one assistant step: nothing to catch up on (the assistant reads the target's
     #: cache), unlike a standalone draft model
     cheap_to_probe = True
-    free_drafts = False  # each draft token is an assistant decode
+    cuts_drafts = False  # each draft token is an assistant decode
 
     def __init__(self, config: ModelConfig, target: LlamaBackend) -> None:
         self.target = target

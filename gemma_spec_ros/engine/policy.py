@@ -23,12 +23,20 @@ on again only above ``1 + margin``).
 
 This is the break-even condition tau > 1 + K*c of the brief with c = draft cost / target cost,
 generalised to a verify cost that grows with the batch (it does on a CPU; on a GPU V(k+1) ~ V(1)).
+
+**Cutting each draft.** A drafter whose drafts are free and say what each token rests on
+(``Draft.evidence``: n-gram lookup) is not given a length in advance. It drafts up to a longer cap
+and :meth:`DraftLengthPolicy.cut` chooses the k of *this* draft: the same S(k), with ``a_i`` the
+measured acceptance of token i's evidence class at its position (:class:`EvidenceAcceptance`), so a
+draft of unanimous 4-gram matches of the request is verified whole and one of weak matches is cut
+short or not verified at all. Every such draft, verified or not, is settled against the tokens the
+request then emits (engine/shadow.py) and teaches its classes.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
 
 class CostModel:
@@ -157,6 +165,56 @@ class AcceptanceModel:
         return out
 
 
+class EvidenceAcceptance:
+    """Acceptance per (evidence class, position 0 / 1 / 2+) of draft tokens, decayed.
+
+    a(class, i) = (accepted + w * prior) / (tried + w); a token counts as tried when every token
+    before it in its draft was accepted. Tuned on the replay of 71 prompts (scripts/lookup_replay.py,
+    docs/benchmarks.md): decay 0.95 per settled draft, prior 0.5 with weight 2.
+    """
+
+    POSITIONS = 3  # positions 2 and beyond share one estimate
+
+    def __init__(self, prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.95) -> None:
+        self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
+        self.tried: Dict[Tuple[Hashable, int], float] = {}
+        self.accepted: Dict[Tuple[Hashable, int], float] = {}
+
+    def rate(self, evidence: Hashable, position: int) -> float:
+        key = (evidence, min(position, self.POSITIONS - 1))
+        return ((self.accepted.get(key, 0.0) + self.prior_weight * self.prior)
+                / (self.tried.get(key, 0.0) + self.prior_weight))
+
+    def expected_tokens_upto(self, evidence: Sequence[Hashable]) -> List[float]:
+        """[E(0), E(1), ..., E(len(evidence))] of a draft whose tokens have this evidence."""
+        out, survive = [1.0], 1.0
+        for position, klass in enumerate(evidence):
+            survive *= self.rate(klass, position)
+            out.append(out[-1] + survive)
+        return out
+
+    def age(self) -> None:
+        """One more draft: older evidence weighs ``decay`` times less."""
+        d = self.decay
+        for key in self.tried:
+            self.tried[key] *= d
+            self.accepted[key] *= d
+
+    def observe_token(self, evidence: Hashable, position: int, accepted: bool) -> None:
+        """Token ``position`` of a draft, every token before it right, was right or not. Told as
+        soon as the emitted text shows it (engine/shadow.py): waiting for the whole draft to settle
+        cost 3% of the replayed speed."""
+        key = (evidence, min(position, self.POSITIONS - 1))
+        self.tried[key] = self.tried.get(key, 0.0) + 1.0
+        self.accepted[key] = self.accepted.get(key, 0.0) + accepted
+
+    def observe(self, evidence: Sequence[Hashable], num_accepted: int) -> None:
+        """A draft with this evidence had its first ``num_accepted`` tokens accepted."""
+        self.age()
+        for position, klass in enumerate(evidence[:num_accepted + 1]):
+            self.observe_token(klass, position, position < num_accepted)
+
+
 @dataclass(frozen=True)
 class Decision:
     """What one drafter may do at the next step."""
@@ -189,6 +247,7 @@ class DraftLengthPolicy:
         self.probe_new_requests = probe_new_requests
         self.costs = costs
         self.acceptance = AcceptanceModel()
+        self.evidence = EvidenceAcceptance()
         self.margin = margin
         self.probe_min, self.probe_max = probe_min, probe_max
         self.enabled = True
@@ -217,6 +276,20 @@ class DraftLengthPolicy:
                 best_k, best_s = k, s
         return Decision(best_k, best_s)
 
+    def cut(self, evidence: Sequence[Hashable]) -> Decision:
+        """The length to verify of a draft whose tokens rest on ``evidence`` (module docstring):
+        argmax S(k) over its prefixes, or 0 when none is predicted faster than plain decoding.
+        Costs not measured yet: the whole draft."""
+        expected = self.evidence.expected_tokens_upto(evidence)
+        best_k, best_s = 0, 1.0
+        for k in range(1, len(evidence) + 1):
+            s = self._speedup(k, expected[k])
+            if math.isnan(s):
+                return Decision(len(evidence), math.nan)
+            if s > best_s:
+                best_k, best_s = k, s
+        return Decision(best_k, best_s)
+
     def decide(self, draft_max: int, adaptive: bool) -> Decision:
         if not adaptive:
             return Decision(draft_max, self.predicted_speedup(draft_max))
@@ -241,11 +314,6 @@ class DraftLengthPolicy:
         if not self.enabled and self._steps_off >= self._probe_interval:  # a probe was verified
             self._steps_off = 0
             self._probe_interval = min(self.probe_max, self._probe_interval * 2)
-
-    def observe_shadow(self, num_drafted: int, num_accepted: int) -> None:
-        """A draft that was made but not verified (the policy was off), checked against the tokens
-        the plain steps after it emitted: acceptance learned at no cost (see engine/shadow.py)."""
-        self.acceptance.observe(num_drafted, num_accepted)
 
     def new_request(self) -> None:
         """A new prompt starts: if off, probe at its first draftable step, then every probe_min."""

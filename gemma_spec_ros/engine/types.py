@@ -9,7 +9,7 @@ import math
 import os
 import urllib.parse
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Tuple
+from typing import TYPE_CHECKING, Hashable, Optional, Protocol, Sequence, Tuple
 
 from .stats import SpecStats
 
@@ -289,11 +289,17 @@ class Draft:
 
     ``probs[i]`` is the draft distribution q over the vocabulary at position i (model drafts, used by
     ``rejection`` verification); None for n-gram drafts, which are deterministic.
+
+    ``evidence[i]``: what token i rests on, a hashable class (n-gram lookup: which cache, how long
+    the n-gram, whether its continuation was unanimous); None from drafters that do not say. The
+    policy learns acceptance per class and cuts each draft where its expected gain peaks
+    (:meth:`~gemma_spec_ros.engine.policy.DraftLengthPolicy.cut`).
     """
 
     tokens: Tuple[int, ...] = ()
     probs: Optional[Tuple["object", ...]] = None  # tuple of numpy float arrays, one per token
     source: str = ""  # the drafter that produced it (its ``name``): "draft" | "lookup"
+    evidence: Optional[Tuple[Hashable, ...]] = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -327,9 +333,10 @@ class Drafter(Protocol):
 
     name: str  # "lookup" | "draft": the key of the mode table and Draft.source
     cheap_to_probe: bool  # a probe costs ~nothing (n-gram lookup); a model first catches up on the context
-    #: its drafts run no model (n-gram lookup): while its policy is off, a plain step may still
-    #: draft, to check the draft against the tokens emitted (engine/shadow.py)
-    free_drafts: bool
+    #: its drafts run no model and carry ``Draft.evidence`` (n-gram lookup): with ``spec.adaptive``
+    #: it proposes K tokens at every step and its policy cuts each draft (policy.py); the whole
+    #: drafts are checked against the emitted tokens (engine/shadow.py)
+    cuts_drafts: bool
 
     def begin(self, prompt_tokens: Sequence[int], sampling: Optional[SamplingParams] = None,
               rng: Optional["np.random.Generator"] = None) -> None:
