@@ -11,8 +11,10 @@ speedup over plain decoding per prompt and strategy.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
+from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
 from gemma_spec_ros.engine.engine import Engine
@@ -20,7 +22,8 @@ from gemma_spec_ros.engine.lookup import LookupDrafter
 from gemma_spec_ros.engine.policy import CostModel, DraftLengthPolicy
 from gemma_spec_ros.engine.shadow import UncutDrafts
 from gemma_spec_ros.engine.types import Draft, GenerationRequest, LookupConfig, SamplingParams
-from gemma_spec_dev.bench.config import default_params, engine_config, find_data_dir, load_suites
+from gemma_spec_dev.bench.config import (apply_overrides, default_params, engine_config, find_data_dir,
+                                         load_params, load_suites)
 from gemma_spec_dev.bench.corpus import default_corpus, random_suite
 
 #: ms per target pass by rows: llama.cpp's own step profile of the embedded model on the 2-core CPU.
@@ -29,41 +32,57 @@ PASS_MS: Dict[int, float] = {1: 20.0, 2: 25.0, 3: 27.6, 4: 27.6, 5: 33.0, 6: 35.
 #: name -> (cap on K, adaptive[, cut each draft]). A<n>: the policy chooses K <= n before drafting
 #: (the engine before session 24, less its shadow drafts); C<n>: every step drafts up to n and the
 #: policy cuts the draft (the engine since session 24, K = n); K<n>: always n.
-STRATEGIES: Dict[str, Tuple] = {"A4": (4, True), "A8": (8, True),
-                                "C6": (6, True, True), "C8": (8, True, True), "C12": (12, True, True),
-                                "K3": (3, False), "K4": (4, False), "K5": (5, False), "K8": (8, False)}
+STRATEGIES: Dict[str, Tuple] = {"A4": (4, True), "C6": (6, True, True), "C8": (8, True, True),
+                                "C12": (12, True, True), "C16": (16, True, True),
+                                "K3": (3, False), "K4": (4, False), "K5": (5, False), "K8": (8, False),
+                                "K12": (12, False)}
 
 
-def replay(prompt: Sequence[int], out: Sequence[int], cap: int, adaptive: bool, cut: bool = False) -> float:
-    """Modelled speedup of one strategy on one reference output (the first token is the prompt's)."""
-    costs = CostModel()
-    for rows, ms in sorted(PASS_MS.items()):
-        costs.observe_verify(rows, ms / 1e3)
-    policy, drafter = DraftLengthPolicy("lookup", costs), LookupDrafter(LookupConfig())
-    policies = {"lookup": policy}
-    drafter.begin(prompt)
-    context, i, seconds = list(prompt) + list(out[:1]), 1, 0.0
-    uncut = UncutDrafts()
-    while i < len(out):
-        k_cap = min(cap, len(out) - i - 1)
-        if cut:  # as the engine does (drafting.propose): draft up to the cap, keep it whole, cut it
-            uncut.settle(out[:i], policies)
-            whole = drafter.propose(context, k_cap) if k_cap > 0 else Draft()
-            uncut.add(whole, i, policies)
-            draft = whole.tokens[:policy.cut(whole.evidence).draft_len] if whole.tokens else ()
-        else:
-            k = policy.decide(k_cap, adaptive).draft_len if k_cap > 0 else 0
-            draft = drafter.propose(context, k).tokens if k else ()
-        accepted = 0
-        while accepted < len(draft) and draft[accepted] == out[i + accepted]:
-            accepted += 1
-        if draft:
-            policy.observe(len(draft), accepted)
-        seconds += PASS_MS[1 + len(draft)] / 1e3
-        n = min(accepted + 1, len(out) - i)
-        context.extend(out[i:i + n])
-        i += n
-    return (len(out) - 1) * PASS_MS[1] / 1e3 / seconds
+class Replayer:
+    """One strategy's drafter and policy; with ``persistent`` they carry over from prompt to prompt as
+    in one engine (the policy's estimates, the dynamic cache), else each prompt starts afresh."""
+
+    def __init__(self, cap: int, adaptive: bool, cut: bool = False, persistent: bool = False) -> None:
+        self.cap, self.adaptive, self.cut, self.persistent = cap, adaptive, cut, persistent
+        self.policy, self.drafter = self._fresh()
+
+    def _fresh(self) -> Tuple[DraftLengthPolicy, LookupDrafter]:
+        costs = CostModel()
+        for rows, ms in sorted(PASS_MS.items()):
+            costs.observe_verify(rows, ms / 1e3)
+        return DraftLengthPolicy("lookup", costs), LookupDrafter(LookupConfig())
+
+    def replay(self, prompt: Sequence[int], out: Sequence[int]) -> float:
+        """Modelled speedup on one reference output (the first token is the prompt's)."""
+        if not self.persistent:
+            self.policy, self.drafter = self._fresh()
+        policy, drafter, cap = self.policy, self.drafter, self.cap
+        policies = {"lookup": policy}
+        policy.new_request()
+        drafter.begin(prompt)
+        context, i, seconds = list(prompt) + list(out[:1]), 1, 0.0
+        uncut = UncutDrafts()
+        while i < len(out):
+            k_cap = min(cap, len(out) - i - 1)
+            if self.cut:  # as the engine does (drafting.propose): draft up to the cap, keep it whole, cut it
+                uncut.settle(out[:i], policies)
+                whole = drafter.propose(context, k_cap) if k_cap > 0 else Draft()
+                uncut.add(whole, i, policies)
+                draft = whole.tokens[:policy.cut(whole.evidence).draft_len] if whole.tokens else ()
+            else:
+                k = policy.decide(k_cap, self.adaptive).draft_len if k_cap > 0 else 0
+                draft = drafter.propose(context, k).tokens if k else ()
+            accepted = 0
+            while accepted < len(draft) and draft[accepted] == out[i + accepted]:
+                accepted += 1
+            if draft:
+                policy.observe(len(draft), accepted)
+            seconds += PASS_MS[1 + len(draft)] / 1e3
+            n = min(accepted + 1, len(out) - i)
+            context.extend(out[i:i + n])
+            i += n
+        drafter.end(context)
+        return (len(out) - 1) * PASS_MS[1] / 1e3 / seconds
 
 
 def pass_costs(spec: str, max_rows: int) -> Dict[int, float]:
@@ -93,7 +112,17 @@ def main() -> None:
     parser.add_argument("--pass-ms", default="",
                         help="pass costs to charge, e.g. 1:18.9,2:29,4:39 (ms by rows; sizes not given "
                              "are interpolated, past the last extrapolated): default PASS_MS")
+    parser.add_argument("--config", default="", help="node params file (default: the embedded config)")
+    parser.add_argument("--target", default="", help="target model path over the config's")
+    parser.add_argument("--measured-costs", action="store_true",
+                        help="charge the pass costs the engine calibrates on this host (not PASS_MS)")
+    parser.add_argument("--persistent", action="store_true",
+                        help="one drafter and policy per strategy across all prompts, as in one engine")
+    parser.add_argument("--outputs", default="",
+                        help="JSON file of the reference outputs (and measured pass costs): read if it "
+                             "exists, else written after generating them")
     args = parser.parse_args()
+    params = apply_overrides(load_params(args.config) if args.config else default_params(), args.target, "")
     if args.pass_ms:
         PASS_MS.clear()
         PASS_MS.update(pass_costs(args.pass_ms, max_rows=max(v[0] for v in STRATEGIES.values()) + 1))
@@ -102,22 +131,38 @@ def main() -> None:
     if args.random_prompts:
         suite = random_suite(args.random_prompts, default_corpus(), args.seed, exclude=[prompts_dir])
         prompts += [(f"random/{p.id}", p.text) for p in suite.prompts]
-    rows: List[Tuple[str, Dict[str, float]]] = []
-    with Engine(engine_config(default_params(), "off", None), calibrate=False) as engine:
-        for name, text in prompts:
-            request = GenerationRequest(prompt=text, max_tokens=args.max_tokens, spec_mode="off",
-                                        sampling=SamplingParams(temperature=0.0))
-            out = [t for step in engine.generate(request) for t in step.tokens]
-            if len(out) >= 8:
-                prompt = engine.prompt_tokens(request)
-                rows.append((name, {s: replay(prompt, out, *STRATEGIES[s]) for s in STRATEGIES}))
-    print("prompt".ljust(48) + "".join(s.rjust(7) for s in STRATEGIES))
-    for name, figures in rows:
-        print(name[:48].ljust(48) + "".join(f"{figures[s]:7.2f}" for s in STRATEGIES))
+    results: List[Tuple[str, Dict[str, float]]] = []
+    replayers: Dict[str, Replayer] = {}
+    saved = json.loads(Path(args.outputs).read_text()) if args.outputs and Path(args.outputs).is_file() else None
+    if saved is None:  # greedy reference outputs (and, if asked, this host's pass costs)
+        saved = {"pass_ms": None, "texts": []}
+        with Engine(engine_config(params, "off", None), calibrate=False) as engine:
+            if args.measured_costs:
+                rows = max(v[0] for v in STRATEGIES.values()) + 1
+                engine.calibrate(sizes=range(1, rows + 1))
+                saved["pass_ms"] = {n: 1e3 * engine.costs.verify_cost(n) for n in range(1, rows + 1)}
+            for name, text in prompts:
+                request = GenerationRequest(prompt=text, max_tokens=args.max_tokens, spec_mode="off",
+                                            sampling=SamplingParams(temperature=0.0))
+                out = [t for step in engine.generate(request) for t in step.tokens]
+                saved["texts"].append([name, engine.prompt_tokens(request), out])
+        if args.outputs:
+            Path(args.outputs).write_text(json.dumps(saved))
+    if args.measured_costs and saved["pass_ms"]:
+        PASS_MS.clear()
+        PASS_MS.update({int(n): ms for n, ms in saved["pass_ms"].items()})
+        print("pass ms:", " ".join(f"{n}:{ms:.1f}" for n, ms in PASS_MS.items()))
+    replayers = {s: Replayer(*v, persistent=args.persistent) for s, v in STRATEGIES.items()}
+    for name, prompt, out in saved["texts"]:
+        if len(out) >= 8:
+            results.append((name, {s: replayers[s].replay(prompt, out) for s in STRATEGIES}))
+    print("prompt".ljust(60) + "".join(s.rjust(7) for s in STRATEGIES))
+    for name, figures in results:
+        print(name[-60:].ljust(60) + "".join(f"{figures[s]:7.2f}" for s in STRATEGIES))
     fixed = [s for s, v in STRATEGIES.items() if not v[1]]
     for s in STRATEGIES:
-        values = [f[s] for _, f in rows]
-        best = [f[s] / max(f[k] for k in fixed) for _, f in rows]
+        values = [f[s] for _, f in results]
+        best = [f[s] / max(f[k] for k in fixed) for _, f in results]
         print(f"{s}: median {statistics.median(values):.3f}, geomean "
               f"{math.exp(statistics.fmean(map(math.log, values))):.3f}, vs best fixed K median "
               f"{statistics.median(best):.3f} min {min(best):.3f}")
