@@ -7,6 +7,17 @@ first mismatch with `off`'s output, and the pass is charged PASS_MS[rows]. Print
 speedup over plain decoding per prompt and strategy.
 
     .venv/bin/python scripts/lookup_replay.py --random-prompts 10 --seed 20261202
+
+``--persistent`` keeps one drafter and policy per strategy across the prompts, as one engine (one
+bench runner) does; ``--config`` / ``--target`` replay another setup (the exact build's F16 copy:
+run with ``PYTHONPATH=.venv/opt/llama-cpp-exact``); ``--measured-costs`` charges the pass costs the
+engine calibrates on this host; ``--outputs FILE`` keeps the reference outputs (and those costs), so
+strategies can be compared again in seconds. Session 26, the exact build's 27 prompts:
+
+    PYTHONPATH=.venv/opt/llama-cpp-exact .venv/bin/python scripts/lookup_replay.py \
+        --config exact.yaml --target ~/.cache/gemma_spec_ros/models/gemma-3-270m-f16.gguf \
+        --prompts-per-suite 1 --random-prompts 20 --seed 20261203 --measured-costs \
+        --outputs /tmp/exact_out.json --persistent
 """
 from __future__ import annotations
 
