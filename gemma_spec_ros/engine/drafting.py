@@ -69,8 +69,13 @@ def drafting_order(mode: str, drafters: Dict[str, Drafting], k_cap: int,
     yield from ((drafting, decision) for drafting, decision in decided if decision.draft_len > 0)
 
 
+def _cutting(drafting: Drafting, adaptive: bool, cut: bool) -> bool:
+    """Whether this step drafts ``k_cap`` with ``drafting`` and its policy cuts the draft."""
+    return cut and adaptive and drafting.drafter.cuts_drafts
+
+
 def _decide(drafting: Drafting, k_cap: int, adaptive: bool, cut: bool) -> Decision:
-    if cut and adaptive and drafting.drafter.cuts_drafts:  # as ``cutting`` in propose
+    if _cutting(drafting, adaptive, cut):
         # ranked in auto by what its verified drafts have shown (the policy's S at its best k)
         return Decision(k_cap, drafting.policy.best(k_cap).predicted_speedup)
     return drafting.policy.decide(k_cap, adaptive)
@@ -110,7 +115,7 @@ def propose(drafters: Dict[str, Drafting], costs: CostModel, mode: str, spec: Sp
             if room <= 0:
                 break
             started = time.perf_counter()
-            cutting = cut and (spec.adaptive or mode == "auto") and drafting.drafter.cuts_drafts
+            cutting = _cutting(drafting, spec.adaptive or mode == "auto", cut)
             draft = drafting.drafter.propose(context + forced if forced else context,
                                              min(decision.draft_len, room), spec)
             if cutting and draft.evidence is not None:

@@ -77,6 +77,7 @@ class Engine:
         self._rolling = SpecStats()
         self.costs = CostModel()
         self.drafters: Dict[str, Drafting] = {}
+        self._policies: Dict[str, DraftLengthPolicy] = {}  # each drafter's policy, by its name
         self._grammar_vocab: Optional[GrammarVocab] = None  # made by the first constrained request
         # A window-sized sliding-window cache (LlamaBackend): the target rolls back only the
         # rejected tokens of its last pass, and prompt reuse checks the window. Safe only while
@@ -103,6 +104,7 @@ class Engine:
     def _add_drafter(self, drafter: Drafter) -> None:
         policy = DraftLengthPolicy(drafter.name, self.costs, probe_new_requests=drafter.cheap_to_probe)
         self.drafters[drafter.name] = Drafting(drafter, policy)
+        self._policies[drafter.name] = policy
 
     def __enter__(self) -> "Engine":
         return self
@@ -336,7 +338,7 @@ class Engine:
         run.context.append(run.pending)
         export_hidden_for(self.drafters, DRAFTERS_BY_MODE[mode])  # for this step's verify pass
         with timed(stats, "draft_time"):
-            policies = {name: d.policy for name, d in self.drafters.items()}
+            policies = self._policies
             if run.uncut.pending:
                 run.uncut.settle(run.generated, policies)
             n_emitted = len(run.generated)
