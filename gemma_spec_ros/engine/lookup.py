@@ -71,11 +71,15 @@ def _most_likely_continuation(continuations: Dict[int, int],
 
 
 #: Evidence of a drafted token (``Draft.evidence``): (cache, n-gram of at least
-#: :data:`LONG_NGRAM` tokens, the n-gram was always followed by this token). Cache: "context",
-#: "dynamic" or "static". On 71 replayed prompts these classes accept at very different rates (a
-#: unanimous 4-gram of the request itself far more often than a 1-gram's majority), which is what
-#: lets the policy verify a long draft whole where it rests on strong matches and cut a weak one.
-Evidence = Tuple[str, bool, bool]
+#: :data:`LONG_NGRAM` tokens, the n-gram was always followed by this token, it was followed by this
+#: token at least twice). Cache: "context", "dynamic" or "static". On 71 replayed prompts these
+#: classes accept at very different rates (a unanimous 4-gram of the request itself far more often
+#: than a 1-gram's majority), which is what lets the policy verify a long draft whole where it rests
+#: on strong matches and cut a weak one. The last bit (session 27) splits the commonest class, a
+#: unanimous long n-gram of the request, into "seen once" and "seen again": replayed with the pass
+#: costs of the exact build, +1.3 % geometric mean on the 22 prompts of the oracle run and +1.6 % on
+#: 64 other prompts (docs/benchmarks.md, "Session 27").
+Evidence = Tuple[str, bool, bool, bool]
 LONG_NGRAM = 3
 
 
@@ -98,7 +102,8 @@ def _draft_from_cache(cache: NgramCache, name: str, sequence: Sequence[int], ngr
         if continuations:
             token = _qualified_continuation(continuations, size, thresholds, static_counts)
             if token is not None:
-                return token, (name, size >= LONG_NGRAM, len(continuations) == 1)
+                return token, (name, size >= LONG_NGRAM, len(continuations) == 1,
+                               continuations[token] >= 2)
     return None
 
 
@@ -164,7 +169,7 @@ def draft_with_evidence(context: Sequence[int], max_tokens: int, ngram_min: int,
     >>> context = [5, 6, 7, 5, 6, 7, 5, 6]
     >>> context_cache = NgramCache(); context_cache.update(context, 1, 4)
     >>> draft_with_evidence(context, 2, 1, 4, context_cache, NgramCache(), NgramCache())
-    ([7, 5], [('context', True, True), ('context', True, True)])
+    ([7, 5], [('context', True, True, False), ('context', True, True, False)])
     """
     if max_tokens < 1 or len(context) < NGRAM_STATIC:
         return [], []
@@ -183,7 +188,7 @@ def draft_with_evidence(context: Sequence[int], max_tokens: int, ngram_min: int,
         if found is None and static_counts:
             token = _qualified_continuation(static_counts, NGRAM_STATIC, LAX_THRESHOLDS, {})
             if token is not None:
-                found = token, ("static", False, len(static_counts) == 1)
+                found = token, ("static", False, len(static_counts) == 1, static_counts[token] >= 2)
         if found is None:
             break
         draft.append(found[0])

@@ -110,9 +110,9 @@ def test_repeated_pattern_is_drafted() -> None:
     prompt = PATTERN * 3
     lookup.begin(prompt)
     draft = lookup.propose(prompt, 7)
-    # every token a unanimous 4-gram of the prompt: the strongest evidence there is
+    # every token a unanimous 4-gram of the prompt, seen twice: the strongest evidence there is
     assert draft == Draft(tokens=(11, 12, 13, 14, 15, 11, 12), probs=None, source="lookup",
-                          evidence=(("context", True, True),) * 7)
+                          evidence=(("context", True, True, True),) * 7)
     assert all(type(token) is int for token in draft.tokens)
 
 

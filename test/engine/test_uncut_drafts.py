@@ -18,8 +18,9 @@ from gemma_spec_ros.engine.types import (Draft, EngineConfig, GenerationRequest,
 #: this 2-core CPU's pass costs by rows (ms; llama.cpp's step profile of the embedded model, fast
 #: build): a 9-row pass costs 2.2 one-row passes
 PASS_MS = {1: 20.0, 2: 25.0, 3: 27.6, 4: 27.6, 5: 33.0, 6: 35.0, 7: 38.0, 8: 41.0, 9: 43.6}
-STRONG = ("context", True, True)  # a unanimous 3-or-4-gram of the request
-WEAK = ("context", False, False)  # a 1- or 2-gram's majority
+STRONG = ("context", True, True, False)  # a unanimous 3-or-4-gram of the request, seen once
+AGAIN = ("context", True, True, True)  # the same, seen at least twice
+WEAK = ("context", False, False, False)  # a 1- or 2-gram's majority
 
 
 def policy() -> DraftLengthPolicy:
@@ -45,6 +46,25 @@ def test_the_cut_verifies_strong_evidence_whole_and_cuts_weak_evidence() -> None
     assert DraftLengthPolicy("lookup", CostModel()).cut((WEAK,) * 5).draft_len == 5
 
 
+def test_a_match_seen_again_is_its_own_class() -> None:
+    """The drafter tells a unanimous long match seen once from one seen again (engine/lookup.py,
+    Evidence); where the first keep failing and the second holding, the cut keeps the draft up to its
+    first match seen only once."""
+    context = [1, 2, 3, 4, 5, 9, 1, 2, 3, 4, 5, 9, 1, 2, 3, 4, 5, 7, 1, 2, 3, 4, 5]
+    drafter = LookupDrafter(LookupConfig())
+    drafter.begin(context)
+    draft = drafter.propose(context, 3)
+    # "2 3 4 5" went on with 9 twice and 7 once: 9, then "3 4 5 9 -> 1" seen twice, then
+    # "4 5 9 1 -> 2" twice
+    assert draft.tokens == (9, 1, 2)
+    assert draft.evidence == (("context", True, False, True),) + (AGAIN,) * 2
+    p = policy()
+    for _ in range(30):
+        p.evidence.observe((AGAIN,) * 8, 8)
+        p.evidence.observe((STRONG,) * 4, 0)
+    assert p.cut((AGAIN,) * 3 + (STRONG,) * 5).draft_len == 3
+
+
 def test_an_unknown_class_starts_at_the_prior_and_learns_per_position() -> None:
     p = policy()
     assert p.evidence.rate(STRONG, 0) == 0.5
@@ -60,7 +80,7 @@ def test_a_whole_draft_teaches_as_the_text_comes_the_tokens_past_the_cut_include
     context = [1, 2, 3, 7, 8, 9, 1, 2, 3]
     drafter.begin(context)
     whole = drafter.propose(context, 3)
-    assert whole.tokens == (7, 8, 9) and whole.evidence == (("context", True, True),) * 3
+    assert whole.tokens == (7, 8, 9) and whole.evidence == (STRONG,) * 3
     uncut.add(whole, 5, policies)  # it guesses emitted[5:8]
     emitted = [0, 0, 0, 0, 0, 7]
     uncut.settle(emitted, policies)  # 7 is known right, the rest not yet
