@@ -31,7 +31,7 @@ from typing import Dict, List, Sequence, Tuple
 from gemma_spec_ros.engine.engine import Engine
 from gemma_spec_ros.engine.lookup import LookupDrafter
 from gemma_spec_ros.engine.policy import CostModel, DraftLengthPolicy
-from gemma_spec_ros.engine.shadow import UncutDrafts
+from gemma_spec_ros.engine.uncut import UncutDrafts
 from gemma_spec_ros.engine.types import Draft, GenerationRequest, LookupConfig, SamplingParams
 from gemma_spec_dev.bench.config import (apply_overrides, default_params, engine_config, find_data_dir,
                                          load_params, load_suites)

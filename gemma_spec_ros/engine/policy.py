@@ -30,7 +30,7 @@ and :meth:`DraftLengthPolicy.cut` chooses the k of *this* draft: the same S(k), 
 measured acceptance of token i's evidence class at its position (:class:`EvidenceAcceptance`), so a
 draft of unanimous 4-gram matches of the request is verified whole and one of weak matches is cut
 short or not verified at all. Every such draft, verified or not, is settled against the tokens the
-request then emits (engine/shadow.py) and teaches its classes.
+request then emits (engine/uncut.py) and teaches its classes.
 """
 from __future__ import annotations
 
@@ -202,7 +202,7 @@ class EvidenceAcceptance:
 
     def observe_token(self, evidence: Hashable, position: int, accepted: bool) -> None:
         """Token ``position`` of a draft, every token before it right, was right or not. Told as
-        soon as the emitted text shows it (engine/shadow.py): waiting for the whole draft to settle
+        soon as the emitted text shows it (engine/uncut.py): waiting for the whole draft to settle
         cost 3% of the replayed speed."""
         key = (evidence, min(position, self.POSITIONS - 1))
         self.tried[key] = self.tried.get(key, 0.0) + 1.0

@@ -15,7 +15,7 @@ import numpy as np
 
 from .grammar import Grammar
 from .sampling import Sampler
-from .shadow import UncutDrafts
+from .uncut import UncutDrafts
 from .stats import SpecStats
 from .text import TextAssembler
 from .types import GenerationRequest, Step
@@ -43,7 +43,7 @@ class Run:
     pending: int = -1  # the last emitted token: sampled, not yet decoded by the target
     generated: List[int] = field(default_factory=list)  # tokens emitted so far
     started: float = field(default_factory=time.perf_counter)  # when generate() took the request
-    uncut: UncutDrafts = field(default_factory=UncutDrafts)  # whole drafts before their cut (shadow.py)
+    uncut: UncutDrafts = field(default_factory=UncutDrafts)  # whole drafts before their cut (uncut.py)
 
     def over_budget(self) -> bool:
         budget = self.request.time_budget

@@ -335,7 +335,7 @@ class Drafter(Protocol):
     cheap_to_probe: bool  # a probe costs ~nothing (n-gram lookup); a model first catches up on the context
     #: its drafts run no model and carry ``Draft.evidence`` (n-gram lookup): with ``spec.adaptive``
     #: it proposes K tokens at every step and its policy cuts each draft (policy.py); the whole
-    #: drafts are checked against the emitted tokens (engine/shadow.py)
+    #: drafts are checked against the emitted tokens (engine/uncut.py)
     cuts_drafts: bool
 
     def begin(self, prompt_tokens: Sequence[int], sampling: Optional[SamplingParams] = None,

@@ -1,4 +1,4 @@
-"""Cut drafts (policy.py "Cutting each draft", engine/shadow.py): n-gram lookup drafts long at every
+"""Cut drafts (policy.py "Cutting each draft", engine/uncut.py): n-gram lookup drafts long at every
 step, each whole draft is checked token by token against the emitted text and teaches the policy per
 evidence class, and the policy cuts each draft where its expected gain peaks. The mechanism on the
 real LookupDrafter and policy (no model), then output parity on the F16 copy under the exact build."""
@@ -11,7 +11,7 @@ import pytest
 from gemma_spec_ros.engine.engine import Engine
 from gemma_spec_ros.engine.lookup import LookupDrafter
 from gemma_spec_ros.engine.policy import CostModel, DraftLengthPolicy
-from gemma_spec_ros.engine.shadow import UncutDrafts
+from gemma_spec_ros.engine.uncut import UncutDrafts
 from gemma_spec_ros.engine.types import (Draft, EngineConfig, GenerationRequest, LookupConfig, ModelConfig,
                                          SamplingParams, SpecConfig)
 
