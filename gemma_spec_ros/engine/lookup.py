@@ -78,7 +78,7 @@ def _most_likely_continuation(continuations: Dict[int, int],
 #: on strong matches and cut a weak one. The last bit (session 27) splits the commonest class, a
 #: unanimous long n-gram of the request, into "seen once" and "seen again": replayed with the pass
 #: costs of the exact build, +1.3 % geometric mean on the 22 prompts of the oracle run and +1.6 % on
-#: 64 other prompts (docs/benchmarks.md, "Session 27").
+#: 51 other prompts (docs/benchmarks.md, "Session 27").
 Evidence = Tuple[str, bool, bool, bool]
 LONG_NGRAM = 3
 

@@ -15,10 +15,10 @@ import numpy as np
 
 from .grammar import Grammar
 from .sampling import Sampler
-from .uncut import UncutDrafts
 from .stats import SpecStats
 from .text import TextAssembler
 from .types import GenerationRequest, Step
+from .uncut import UncutDrafts
 
 #: Step.detail when max_tokens ends a constrained request early.
 GRAMMAR_INCOMPLETE = ("max_tokens ran out before the grammar was complete: the text is not a whole "
