@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import tempfile
 import threading
@@ -42,6 +43,10 @@ DEFAULT_SECONDS_PER_TOKEN = 10.0
 #: Grammar.mask), with the factor of the bound each may predict: a small one that stops only a
 #: clear explosion (one long token can dominate 16), then one large enough to be a fair estimate.
 MASK_PROBES = ((16, 20.0), (128, 1.0))
+#: Times a probe is timed before its prediction refuses a row (the fastest counts): a grammar whose
+#: state exploded is slow at every try, a burst of load on the host is not. One ~0.1 s stall in a
+#: 128-token probe predicts ~200 s for 262k tokens and ended a request in a CI run (session 27).
+PROBE_TRIES = 3
 #: Calls over fewer candidates run unchecked (a character probe of ~100, a first argmax tier of 64).
 BOUNDED_FROM = 256
 #: Characters of forced text looked at per drafted token (JSON's keys and punctuation run ~3-4).
@@ -246,7 +251,8 @@ class Grammar:
         Samples of the vocabulary (:data:`MASK_PROBES`) go first and time the rest: a call into llama.cpp cannot
         be interrupted, and an ambiguous grammar's state can make one row cost minutes (300
         optional characters in a row: 170 s on this CPU), so a row predicted to take longer than
-        the bound is refused before it starts."""
+        the bound is refused before it starts (a probe predicting that is timed again, up to
+        :data:`PROBE_TRIES` times: a burst of load on the host does not refuse a row)."""
         data = np.empty(len(logits), dtype=_TOKEN_DATA)
         data["id"] = np.arange(len(logits), dtype=np.int32)
         data["logit"] = logits
@@ -261,11 +267,15 @@ class Grammar:
         for size, margin in MASK_PROBES:
             if len(data) <= BOUNDED_FROM:
                 break
-            sample = data[::len(data) // size].copy()
-            started = time.perf_counter()
-            self._apply(sample)
-            predicted = (time.perf_counter() - started) * len(data) / len(sample)
-            if predicted > margin * self.seconds_per_token:
+            predicted = math.inf
+            for _ in range(PROBE_TRIES):  # again only while it predicts too much (PROBE_TRIES)
+                sample = data[::len(data) // size].copy()
+                started = time.perf_counter()
+                self._apply(sample)
+                predicted = min(predicted, (time.perf_counter() - started) * len(data) / len(sample))
+                if predicted <= margin * self.seconds_per_token:
+                    break
+            else:
                 self._spent(predicted, len(data))  # raises GrammarError
         self._apply(data)
 

@@ -9,14 +9,16 @@
   next request; max_tokens running out says the text is not a whole match.
 """
 import json
+import time
 from pathlib import Path
 
 import jsonschema
+import numpy as np
 import pytest
 import yaml
 
 from gemma_spec_ros.engine.engine import Engine
-from gemma_spec_ros.engine.grammar import GrammarError, gbnf_of
+from gemma_spec_ros.engine.grammar import GrammarError, GrammarVocab, gbnf_of
 from gemma_spec_ros.engine.types import (EngineConfig, GenerationRequest, ModelConfig, SamplingParams,
                                          SpecConfig)
 from support.engine import collect
@@ -135,6 +137,35 @@ def test_a_grammar_whose_state_explodes_is_stopped_before_it_hangs_the_engine(en
         run(engine, "off", prompt="Write b:", grammar=exploding,
             sampling=SamplingParams(temperature=1.0, seed=1))
     assert run(engine, "off", max_tokens=4, prompt="Hello")[2].finish_reason == "length"
+
+
+def test_a_burst_of_load_during_a_probe_does_not_end_the_request(engine):
+    """A whole-row mask first times samples of the vocabulary (grammar.MASK_PROBES). A stall of the
+    host inside one probe (simulated: the first call into llama.cpp sleeps, since no real grammar is
+    slow exactly once) predicts minutes for the row; the probe is timed again and the row is masked.
+    A grammar slow at every try is still refused."""
+    grammar = GrammarVocab.of(engine.target).compile('root ::= " yes" | " no"')
+    real, calls = grammar._apply, []
+
+    def stalled_once(data):
+        calls.append(len(data))
+        if len(calls) == 1:
+            time.sleep(0.5)  # 0.5 s for 16 tokens: ~8,000 s predicted for the 262k-token row
+        real(data)
+
+    grammar._apply = stalled_once
+    masked = grammar.mask(np.zeros(engine.target.n_vocab, dtype=np.float32))
+    assert calls[0] == calls[1] and calls[-1] == engine.target.n_vocab  # probed again, then the row
+    assert 2 <= np.isfinite(masked).sum() < 100  # " yes", " no" and the pieces they start with
+
+    def stalled_always(data):
+        time.sleep(0.2)
+        real(data)
+
+    grammar._apply = stalled_always
+    with pytest.raises(GrammarError, match="state grew too large"):
+        grammar.mask(np.zeros(engine.target.n_vocab, dtype=np.float32))
+    grammar.close()
 
 
 # -- lossless: exactly constrained plain decoding ---------------------------------------------------
