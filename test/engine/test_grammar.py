@@ -24,9 +24,9 @@ from gemma_spec_ros.engine.types import (EngineConfig, GenerationRequest, ModelC
 from support.engine import collect
 
 REPO = Path(__file__).resolve().parents[2]
-SCHEMA_TEXT = (REPO / "config" / "schemas" / "robot_plan.schema.json").read_text()
+SCHEMA_TEXT = (REPO / "gemma_spec_ros" / "config" / "schemas" / "robot_plan.schema.json").read_text()
 SCHEMA = json.loads(SCHEMA_TEXT)
-_SUITE = yaml.safe_load((REPO / "prompts" / "planner.yaml").read_text())
+_SUITE = yaml.safe_load((REPO / "gemma_spec_ros" / "prompts" / "planner.yaml").read_text())
 PLANNER_PROMPT = _SUITE["system"] + "\n\n" + _SUITE["prompts"][0]["text"]  # cup-to-sink
 MODES = ("off", "lookup", "draft", "draft+lookup", "auto")
 MAX_TOKENS = 512  # the schema bounds a plan below this (see its $comment)

@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 from typing import Iterator, List, Tuple
 
-ENGINE = Path(__file__).resolve().parents[2] / "gemma_spec_ros" / "engine"
+ENGINE = Path(__file__).resolve().parents[2] / "gemma_spec_ros" / "gemma_spec_ros" / "engine"
 FORBIDDEN_EXACT = ("rclpy", "rcl_interfaces", "rosidl_runtime_py", "builtin_interfaces")
 FORBIDDEN_PREFIXES = ("launch", "ament", "rcl")
 FORBIDDEN_SUFFIXES = ("_msgs", "_srvs", "_interfaces")

@@ -240,7 +240,7 @@ def _run_script(script: Path, timeout: float, text: str) -> None:
     """Run ``text`` as a Python script in a child process with this checkout on its path; it must
     exit 0 and print OK (a crash there is a failed test, not a dead test session)."""
     script.write_text(text)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2] / "gemma_spec_ros"),
                                                         os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=timeout, env=env)

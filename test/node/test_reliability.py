@@ -154,7 +154,7 @@ def test_serve_exits_non_zero_when_the_executor_dies(tiny_model: Path, tmp_path:
     script = tmp_path / "serve_failing.py"
     script.write_text(SERVE_WITH_A_FAILING_CALLBACK)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]))
+        [str(Path(__file__).resolve().parents[2] / "gemma_spec_ros"), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
         [sys.executable, str(script), "--ros-args", "-r", "__node:=gemma_spec_dies",
          "-p", f"target.model_path:={tiny_model}", "-p", "target.n_ctx:=128",

@@ -69,7 +69,7 @@ class Reference:
 
 @pytest.fixture(scope="module")
 def reference(repo_root: Path, overrides: Dict[str, Any]) -> Iterator[Reference]:
-    values = {**defaults(), **yaml_parameters(repo_root / "config" / "embedded.yaml"), **overrides,
+    values = {**defaults(), **yaml_parameters(repo_root / "gemma_spec_ros" / "config" / "embedded.yaml"), **overrides,
               "lookup.dynamic_path": ""}
     engine = Engine(engine_config_from(values), calibrate=False)  # fixed K: costs are not used
     yield Reference(engine, values)
@@ -203,7 +203,7 @@ def test_gemma_spec_node_waits_unconfigured_and_stops_on_sigint(client: Generate
     name = "gemma_spec_no_autostart"
     process = subprocess.Popen(
         [bin_path(venv_python, "gemma_spec_node"), "--ros-args", "-r", f"__node:={name}",
-         "--params-file", "config/embedded.yaml"], cwd=repo_root,
+         "--params-file", "gemma_spec_ros/config/embedded.yaml"], cwd=repo_root,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     other = GenerateClient(f"/{name}", name="gemma_spec_no_autostart_client")
     try:
@@ -219,7 +219,7 @@ def test_gemma_spec_node_waits_unconfigured_and_stops_on_sigint(client: Generate
 def test_serve_exits_nonzero_naming_the_missing_model(venv_python: Path, repo_root: Path) -> None:
     missing = "/nonexistent/gemma_spec_test/missing.gguf"
     out = subprocess.run(
-        [bin_path(venv_python, "gemma-spec-serve"), "--params-file", "config/embedded.yaml",
+        [bin_path(venv_python, "gemma-spec-serve"), "--params-file", "gemma_spec_ros/config/embedded.yaml",
          "--node-name", "gemma_spec_serve_fail", "--ros-args", "-p", f"target.model_path:={missing}"],
         cwd=repo_root, capture_output=True, text=True, timeout=50,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -31,7 +31,7 @@ def own_domain(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def mtp_params_file(tmp: Path, repo_root: Path) -> Path:
     """config/gemma4_e4b.yaml with the tiny pair, CPU sizes, a fixed K and a fast diagnostics period."""
     target, assistant = write_gemma4_pair(tmp / "models", agreeing=True)
-    document = yaml.safe_load((repo_root / "config" / "gemma4_e4b.yaml").read_text())
+    document = yaml.safe_load((repo_root / "gemma_spec_ros" / "config" / "gemma4_e4b.yaml").read_text())
     params = document["/**"]["ros__parameters"]
     assert params["spec"]["mode"] == "mtp" and "assistant" in params["draft"]["model_path"]
     params["target"].update(model_path=str(target), n_gpu_layers=0, n_ctx=512, n_threads=1,

@@ -76,7 +76,7 @@ def serving(repo_root: Path, venv_python: Path, overrides: Dict[str, Any], log: 
         ros_args += ["-p", f"{name}:={str(value).lower() if isinstance(value, bool) else value}"]
     with open(log, "w") as out:
         process = subprocess.Popen(
-            [bin_path(venv_python, "gemma-spec-serve"), "--params-file", "config/embedded.yaml",
+            [bin_path(venv_python, "gemma-spec-serve"), "--params-file", "gemma_spec_ros/config/embedded.yaml",
              "--node-name", node, "--ros-args", *ros_args],
             cwd=repo_root, stdout=out, stderr=subprocess.STDOUT)
     process.log = log  # type: ignore[attr-defined]
@@ -104,7 +104,7 @@ def yaml_parameters(path: Path) -> Dict[str, Any]:
 def config_values(repo_root: Path, name: str) -> Dict[str, Any]:
     """Every parameter's value under config/``name``: the file's over the defaults (it may set
     only declared parameters)."""
-    flat = yaml_parameters(repo_root / "config" / name)
+    flat = yaml_parameters(repo_root / "gemma_spec_ros" / "config" / name)
     unknown = set(flat) - set(defaults())
     assert not unknown, f"{name} sets unknown parameters {sorted(unknown)}"
     return {**defaults(), **flat}

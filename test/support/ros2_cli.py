@@ -103,7 +103,7 @@ class Background:
 def params_file(tmp: Path, model: Path, **overrides: object) -> Path:
     """config/embedded.yaml with a small context, a fixed K and a dynamic cache in ``tmp``."""
     repo = Path(__file__).resolve().parents[2]
-    document = yaml.safe_load((repo / "config" / "embedded.yaml").read_text())
+    document = yaml.safe_load((repo / "gemma_spec_ros" / "config" / "embedded.yaml").read_text())
     params = document["/**"]["ros__parameters"]
     params["target"].update(model_path=str(model), n_ctx=512)
     params["spec"].update(adaptive=False, draft_max=3)

@@ -95,7 +95,7 @@ def test_native_log_parsing() -> None:
 
 # -- inputs ----------------------------------------------------------------------------------------
 def test_prompt_suites(repo_root: Path) -> None:
-    suites = bench_config.load_suites(repo_root / "prompts")
+    suites = bench_config.load_suites(repo_root / "gemma_spec_ros" / "prompts")
     assert REQUIRED_SUITES <= {s.name for s in suites}
     for suite in suites:
         assert len(suite.prompts) >= 6, suite.name
@@ -116,7 +116,7 @@ def test_random_prompts_are_drawn_from_the_corpus_by_seed(tmp_path: Path, repo_r
         body = "".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}  # line {j}\n" for j in range(80))
         (corpus_dir / "pkg" / f"m{i}.py").write_text(body)
     (corpus_dir / "blob.bin").write_bytes(bytes(range(256)) * 10)  # not a text suffix: never read
-    (corpus_dir / "prompts").symlink_to(repo_root / "prompts")  # a link: left out as well
+    (corpus_dir / "prompts").symlink_to(repo_root / "gemma_spec_ros" / "prompts")  # a link: left out as well
     suite = corpus.random_suite(5, [corpus_dir], seed=3)
     again = corpus.random_suite(5, [corpus_dir], seed=3)
     other = corpus.random_suite(5, [corpus_dir], seed=4)
@@ -175,7 +175,7 @@ def test_params_mapping_is_the_nodes_and_needs_no_ros(repo_root: Path, tmp_path:
         "import sys\n"
         "from gemma_spec_dev.bench import config as bench_config\n"
         "from gemma_spec_ros.node.parameters import EMBEDDED_MODEL_PATH\n"
-        f"configs = [bench_config.load_params(p) for p in {[str(p) for p in sorted((repo_root / 'config').glob('*.yaml'))]!r}]\n"
+        f"configs = [bench_config.load_params(p) for p in {[str(p) for p in sorted((repo_root / 'gemma_spec_ros' / 'config').glob('*.yaml'))]!r}]\n"
         "for params in configs: bench_config.base_config(params)\n"
         f"c = bench_config.base_config(bench_config.load_params({str(extra)!r}))\n"
         "assert (c.target.path, c.target.n_ctx, c.target.n_batch) == ('/m/t.gguf', 512, 64), c.target\n"

@@ -17,8 +17,8 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["skill",
 
 
 def test_the_planner_suite_declares_the_plan_schema(repo_root: Path) -> None:
-    suite = bench_config.load_suite(repo_root / "prompts" / "planner.yaml")
-    assert suite.json_schema_path == (repo_root / "config" / "schemas" / "robot_plan.schema.json").resolve()
+    suite = bench_config.load_suite(repo_root / "gemma_spec_ros" / "prompts" / "planner.yaml")
+    assert suite.json_schema_path == (repo_root / "gemma_spec_ros" / "config" / "schemas" / "robot_plan.schema.json").resolve()
     assert constrained.validate('{"skill": "pick"}', SCHEMA).startswith("invalid")
     assert constrained.validate("{", SCHEMA).startswith("not JSON")
     assert constrained.validate('{"skill": "pick", "place": "sink"}', SCHEMA) == ""

@@ -43,11 +43,10 @@ ROS_NAME_SUFFIXES = ("_msgs", "_srvs", "_interfaces")
 
 # ---------- helpers ----------
 
-def python_sources(repo_root: Path) -> List[Path]:
-    """The package's code, its rigs (gemma_spec_dev: bench and soak, installed by the same setup.py)
-    and the launch files: everything this package installs."""
-    return (sorted((repo_root / PACKAGE).rglob("*.py")) + sorted((repo_root / RIGS).rglob("*.py"))
-            + sorted((repo_root / "launch").glob("*.py")))
+def python_sources(package_dir: Path) -> List[Path]:
+    """The Python code an ament_python package folder installs: its module and its launch files."""
+    return (sorted((package_dir / package_dir.name).rglob("*.py"))
+            + sorted((package_dir / "launch").glob("*.py")))
 
 
 def _catches_import_error(node: ast.Try) -> bool:
@@ -108,7 +107,7 @@ def share_directory(venv_python: Path, ament_prefix_path: str) -> Path:
 def assert_share_layout(share: Path, repo_root: Path) -> None:
     assert (share / "package.xml").is_file()
     for pattern in ("launch/*.launch.py", "config/*.yaml", "config/aggregator/*.yaml", "prompts/*.yaml"):
-        expected = {p.name for p in repo_root.glob(pattern)}
+        expected = {p.name for p in (repo_root / PACKAGE).glob(pattern)}
         installed = {p.name for p in share.glob(pattern)}
         assert expected <= installed, f"{pattern}: {sorted(expected - installed)} not installed"
     assert (share / "launch" / LAUNCH_FILE).is_file()
@@ -127,33 +126,36 @@ def copy_of_sources(repo_root: Path, destination: Path) -> Path:
 
 # ---------- package.xml ----------
 
-def test_package_xml_is_format_3_and_matches_setup_py(repo_root: Path) -> None:
-    root = ET.parse(repo_root / "package.xml").getroot()
+@pytest.mark.parametrize("package", [PACKAGE, RIGS])
+def test_package_xml_is_format_3_and_matches_setup_py(repo_root: Path, package: str) -> None:
+    root = ET.parse(repo_root / package / "package.xml").getroot()
     assert root.tag == "package" and root.get("format") == "3"
-    assert root.findtext("name") == PACKAGE
+    assert root.findtext("name") == package
     assert root.findtext("export/build_type") == "ament_python"
-    setup_call = next(node for node in ast.walk(ast.parse((repo_root / "setup.py").read_text()))
+    assert (repo_root / package / "resource" / package).is_file()
+    setup_call = next(node for node in ast.walk(ast.parse((repo_root / package / "setup.py").read_text()))
                       if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setup")
     version = next(k.value for k in setup_call.keywords if k.arg == "version")
     assert isinstance(version, ast.Constant) and version.value == root.findtext("version")
 
 
 def test_interface_package_xml(repo_root: Path) -> None:
-    root = ET.parse(repo_root / "msg" / "package.xml").getroot()
+    root = ET.parse(repo_root / "gemma_spec_msgs" / "package.xml").getroot()
     assert root.get("format") == "3"
     assert root.findtext("name") == "gemma_spec_msgs"
     assert root.findtext("export/build_type") == "ament_cmake"
     assert root.findtext("member_of_group") == "rosidl_interface_packages"
 
 
-def test_every_imported_package_is_declared(repo_root: Path) -> None:
-    declared = runtime_dependencies(repo_root / "package.xml")
+@pytest.mark.parametrize("package", [PACKAGE, RIGS])
+def test_every_imported_package_is_declared(repo_root: Path, package: str) -> None:
+    declared = runtime_dependencies(repo_root / package / "package.xml")
     missing: List[str] = []
     unknown: List[str] = []
-    for source in python_sources(repo_root):
+    for source in python_sources(repo_root / package):
         where = source.relative_to(repo_root)
         for module in set(required_imports(ast.parse(source.read_text(), str(source)))):
-            if module in sys.stdlib_module_names or module in (PACKAGE, RIGS) or module in PIP_ONLY:
+            if module in sys.stdlib_module_names or module == package or module in PIP_ONLY:
                 continue
             if module in ROSDEP_KEY_OF_MODULE:
                 key = ROSDEP_KEY_OF_MODULE[module]
@@ -181,7 +183,7 @@ def test_import_scan_sees_what_it_should() -> None:
 # ---------- launch file and configs ----------
 
 def test_launch_file_is_conventional(repo_root: Path) -> None:
-    source = (repo_root / "launch" / LAUNCH_FILE).read_text()
+    source = (repo_root / PACKAGE / "launch" / LAUNCH_FILE).read_text()
     tree = ast.parse(source, feature_version=(3, 10))  # Humble's Python
     functions = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
     assert "generate_launch_description" in functions
@@ -198,7 +200,7 @@ def test_launch_file_is_conventional(repo_root: Path) -> None:
 def test_launch_arguments_override_the_right_parameters(repo_root: Path) -> None:
     """The launch file's pure override logic, run without launch/launch_ros (not installable
     here): its constants and ``parameter_overrides`` are executed on their own."""
-    tree = ast.parse((repo_root / "launch" / LAUNCH_FILE).read_text())
+    tree = ast.parse((repo_root / PACKAGE / "launch" / LAUNCH_FILE).read_text())
     kept = [node for node in tree.body
             if isinstance(node, ast.Assign)
             or (isinstance(node, ast.FunctionDef) and node.name == "parameter_overrides")]
@@ -215,7 +217,7 @@ def test_launch_arguments_override_the_right_parameters(repo_root: Path) -> None
 
 @pytest.mark.parametrize("config", REQUIRED_CONFIGS)
 def test_config_is_a_ros_parameter_file(repo_root: Path, config: str) -> None:
-    path = repo_root / "config" / config
+    path = repo_root / "gemma_spec_ros" / "config" / config
     assert path.is_file(), f"config/{config} is missing"
     document = yaml.safe_load(path.read_text())
     assert list(document) == ["/**"], "parameters apply to the node under any name: '/**'"
@@ -240,7 +242,7 @@ def pip_prefix(repo_root: Path, venv_python: Path,
         # before installing into the prefix, breaking every later test and `make run`.
         [str(venv_python), "-m", "pip", "install", "--no-deps", "--no-build-isolation",
          "--ignore-installed", "--disable-pip-version-check", "--no-cache-dir", "-q",
-         "--prefix", str(prefix), str(source)],
+         "--prefix", str(prefix), str(source / PACKAGE)],
         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     return prefix
@@ -271,7 +273,7 @@ def test_colcon_style_install_puts_the_executable_where_ros2_launch_finds_it(
         [str(venv_python), "setup.py", "-q", "egg_info", "--egg-base", str(build),
          "build", "--build-base", str(build), "install", "--prefix", str(prefix),
          "--record", str(build / "install.log"), "--single-version-externally-managed"],
-        cwd=source, capture_output=True, text=True, timeout=300)
+        cwd=source / PACKAGE, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     node = prefix / "lib" / PACKAGE / "gemma_spec_node"
     assert node.is_file() and os.access(node, os.X_OK), sorted(map(str, prefix.rglob("*")))[:40]

@@ -72,12 +72,12 @@ def run_soak(repo_root: Path, model: Path, out: Path, options: List[str],
                  "limits.max_prompt_tokens": 256, "limits.max_tokens": 64, "generation.max_tokens": 12,
                  "diagnostics.period": 0.5, **overrides}
     cmd = [sys.executable, "-m", "gemma_spec_dev.soak",
-           "--params-file", str(repo_root / "config" / "embedded.yaml"),
+           "--params-file", str(repo_root / "gemma_spec_ros" / "config" / "embedded.yaml"),
            "--node-name", f"gemma_spec_soak_{os.getpid()}", "--sample-period", "2",
            "--max-tokens", "12", "--out", str(out), "--no-progress", *options]
     for name, value in overrides.items():
         cmd += ["--set", f"{name}:={value}"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo_root), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo_root / "gemma_spec_ros"), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
     report = json.loads((out / "soak.json").read_text())
     failed = {name: check for name, check in report["checks"].items() if not check["pass"]}

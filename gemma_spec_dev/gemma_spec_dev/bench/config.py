@@ -51,9 +51,9 @@ class Suite:
 
 
 def share_dirs() -> List[Path]:
-    """``share/gemma_spec_ros`` folders to look in: the source tree first (the repository root, two
-    folders above this package), then installed prefixes."""
-    dirs = [Path(__file__).resolve().parents[2]]
+    """``share/gemma_spec_ros`` folders to look in: the source tree first (the package folder
+    gemma_spec_ros/ beside this one in the repository), then installed prefixes."""
+    dirs = [Path(__file__).resolve().parents[3] / PACKAGE]
     for prefix in os.environ.get("AMENT_PREFIX_PATH", "").split(os.pathsep) + [sys.prefix]:
         if prefix:
             dirs.append(Path(prefix) / "share" / PACKAGE)

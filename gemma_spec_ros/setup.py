@@ -1,18 +1,17 @@
-"""ament_python package gemma_spec_ros (the interface package lives in msg/).
+"""ament_python package gemma_spec_ros: what runs on the robot (the node, its engine, the CLIs).
 
-Two Python packages ship from here: gemma_spec_ros, what runs on the robot, and gemma_spec_dev, the
-bench and soak rigs that drive it from outside (their entry points keep their names)."""
+Its siblings in the repository: gemma_spec_msgs (the interfaces) and gemma_spec_dev (the bench and
+soak rigs that drive it from outside)."""
 from glob import glob
 
 from setuptools import find_packages, setup
 
 PACKAGE = "gemma_spec_ros"
-RIGS = "gemma_spec_dev"
 
 setup(
     name=PACKAGE,
     version="0.1.0",
-    packages=find_packages(include=[PACKAGE, PACKAGE + ".*", RIGS, RIGS + ".*"]),
+    packages=find_packages(include=[PACKAGE, PACKAGE + ".*"]),
     data_files=[
         ("share/ament_index/resource_index/packages", ["resource/" + PACKAGE]),
         ("share/" + PACKAGE, ["package.xml"]),
@@ -33,10 +32,7 @@ setup(
         "console_scripts": [
             "gemma-spec-serve = gemma_spec_ros.tools.serve:main",
             "gemma-spec-generate = gemma_spec_ros.tools.generate:main",
-            "gemma-spec-bench = gemma_spec_dev.bench:main",
-            "gemma-spec-bench-constrained = gemma_spec_dev.bench.constrained:main",
             "gemma-spec-lookup-create = gemma_spec_ros.tools.lookup_create:main",
-            "gemma-spec-soak = gemma_spec_dev.soak.cli:main",
             # ros2 run gemma_spec_ros <name>
             "gemma_spec_node = gemma_spec_ros.tools.serve:node_main",
         ],
