@@ -36,6 +36,8 @@ import time
 from dataclasses import replace
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 
 from .backend import DecodeInterrupted, LlamaBackend
 from .llama_process import return_freed_memory
@@ -57,6 +59,24 @@ from .verify import Verdict, verify_exact, verify_rejection
 
 #: The largest verify pass: pending token + a draft of SpecConfig.draft_max <= 64 tokens.
 MAX_VERIFY_ROWS = 65
+
+
+def draft_stream(rng: np.random.Generator) -> np.random.Generator:
+    """The first child stream of ``rng``'s seed: what numpy >= 1.25's ``rng.spawn(1)[0]`` returns,
+    built from the ``SeedSequence`` numpy 1.17+ keeps in every bit generator, because Ubuntu 22.04
+    (ROS 2 Humble, JetPack 6) ships numpy 1.21, whose Generator has no ``spawn``. The child depends
+    on the seed alone, so a seeded request's drafts are the same at every run.
+
+    >>> draws = draft_stream(np.random.default_rng(7)).random(3)
+    >>> bool((draws == draft_stream(np.random.default_rng(7)).random(3)).all())
+    True
+    >>> bool((draws == np.random.default_rng(7).random(3)).any())  # not the parent's stream
+    False
+    """
+    bit_generator = rng.bit_generator
+    # public as ``seed_seq`` from numpy 1.25; the same object is ``_seed_seq`` since 1.17
+    seeds = getattr(bit_generator, "seed_seq", None) or bit_generator._seed_seq
+    return np.random.Generator(type(bit_generator)(seeds.spawn(1)[0]))
 
 
 class Engine:
@@ -304,7 +324,7 @@ class Engine:
         run.stats.num_prompt_tokens_reused = reused
         run.stats.time_to_first_token = time.perf_counter() - run.started
         # Drafts sampled for rejection verification draw from their own stream of the request's seed.
-        draft_rng = run.rng.spawn(1)[0] if run.use_rejection else None
+        draft_rng = draft_stream(run.rng) if run.use_rejection else None
         for drafting in self.drafters.values():
             drafting.drafter.begin(run.prompt, run.request.sampling if run.use_rejection else None, draft_rng)
             drafting.policy.new_request()
