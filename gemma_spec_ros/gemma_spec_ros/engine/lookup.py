@@ -343,7 +343,8 @@ class LookupDrafter:
         if period and self._dynamic_changed and time.monotonic() - self._last_save >= period:
             try:
                 self.save()
-            except (OSError, CacheFormatError) as error:  # a full disk, a removed folder, ...
+            except (OSError, CacheFormatError, ValueError) as error:  # a full disk, a removed folder,
+                # a count that does not fit the file: the node's fault, never this request's error
                 self.save_error = f"saving the learned n-gram cache failed: {error}"
 
     def save(self) -> None:

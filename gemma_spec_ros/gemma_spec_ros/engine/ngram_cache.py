@@ -39,6 +39,10 @@ NGRAM_STATIC = 2
 PAD_TOKEN = -1
 
 _INT32 = np.dtype("<i4")
+#: The largest count the file's int32 holds: counts stop there (saturate) in :meth:`NgramCache.update`
+#: and :meth:`NgramCache.merge`, so a cache that learns for months still saves. A saturated count
+#: ranks its continuation first, as the true count would.
+COUNT_MAX = 2**31 - 1
 _WORD_BYTES = _INT32.itemsize
 #: int32 words before a record's (token, count) pairs: the padded n-gram and the pair count.
 _HEADER_WORDS = NGRAM_MAX + 1
@@ -165,7 +169,9 @@ class NgramCache:
                 if part is None:
                     table[ngram] = {continuation: 1}
                 else:
-                    part[continuation] = part.get(continuation, 0) + 1
+                    count = part.get(continuation, 0)
+                    if count < COUNT_MAX:
+                        part[continuation] = count + 1
 
     def prune(self, max_ngrams: int, keep_fraction: float = 0.9) -> int:
         """If the cache holds more than ``max_ngrams`` n-grams, evict the least useful down to
@@ -189,21 +195,25 @@ class NgramCache:
         return len(evict)
 
     def merge(self, other: "NgramCache") -> None:
-        """Add all counts of ``other`` to this cache (llama.cpp's ``common_ngram_cache_merge``).
+        """Add all counts of ``other`` to this cache (llama.cpp's ``common_ngram_cache_merge``),
+        each sum stopping at :data:`COUNT_MAX`.
 
         >>> a, b = NgramCache(), NgramCache()
         >>> a.update([1, 2], 1, 1); b.update([1, 2, 1, 3], 1, 1)
         >>> a.merge(b); a.get((1,))
         {2: 2, 3: 1}
+        >>> full = NgramCache.from_bytes(np.array([1, -1, -1, -1, 1, 2, COUNT_MAX], "<i4").tobytes())
+        >>> full.merge(full); full.update([1, 2], 1, 1); full.get((1,)) == {2: COUNT_MAX}
+        True
         """
         table = self._table
         for ngram, other_part in other._table.items():
             part = table.get(ngram)
             if part is None:
-                table[ngram] = dict(other_part)
+                table[ngram] = {token: min(count, COUNT_MAX) for token, count in other_part.items()}
                 continue
             for token, count in other_part.items():
-                part[token] = part.get(token, 0) + count
+                part[token] = min(part.get(token, 0) + count, COUNT_MAX)
 
     def clear(self) -> None:
         """Forget every n-gram."""
@@ -220,7 +230,7 @@ class NgramCache:
             words.extend(itertools.chain.from_iterable(part.items()))
         try:
             return np.asarray(words, dtype=_INT32).tobytes()
-        except OverflowError as error:  # counts summed by many merges past int32
+        except OverflowError as error:  # a count set past COUNT_MAX other than by update/merge
             raise ValueError(f"an n-gram count does not fit the file's int32: {error}") from None
 
     @classmethod
