@@ -8,12 +8,12 @@ import itertools
 import time
 import threading
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator
+from typing import Any, Callable, Dict, Iterator, Tuple
 
 import pytest
 from action_msgs.msg import GoalStatus
 
-from gemma_spec_ros.client import key_values, wait_until
+from gemma_spec_ros.client import GoalRun, key_values, wait_until
 from support.node import ServedNode, node_factory
 from support.tiny_gguf import write_tiny_gguf
 
@@ -207,19 +207,28 @@ def test_finished_goals_are_not_retained_for_15_minutes(serve: Any) -> None:
     wait_until(lambda: not server._goal_handles, 30, "the finished goal's handle to expire")
 
 
-def test_the_running_goal_gets_its_result_at_shutdown(serve: Any, embedded_model_path: Path) -> None:
-    """Defect 5 (found by gemma-spec-soak): shutdown with a goal running and one queued: both get a
-    result (before: the running goal's result was lost, the action server was destroyed before
-    rclpy handed it over)."""
-    served = serve(target__model_path=str(embedded_model_path), target__n_ctx=512,
-                   limits__max_tokens=200, spec__mode="off")
+def a_long_goal_running(serve: Any, model: Path) -> Tuple[ServedNode, GoalRun]:
+    """An active node of the embedded model (speculation off) and a 200-token goal whose text has
+    begun to stream: it runs for seconds, so goals sent now wait behind it."""
+    served = serve(target__model_path=str(model), target__n_ctx=512, limits__max_tokens=200,
+                   spec__mode="off")
     client = served.client
     assert client.transition("configure") and client.transition("activate")
     running = client.send(prompt="The robot moved to the kitchen. The robot", max_tokens=200,
                           temperature=0.0)
-    queued = client.send(prompt="ab", max_tokens=4, temperature=0.0)
-    assert running.accepted and queued.accepted
+    assert running.accepted
     running.wait_feedback(2)
+    return served, running
+
+
+def test_the_running_goal_gets_its_result_at_shutdown(serve: Any, embedded_model_path: Path) -> None:
+    """Defect 5 (found by gemma-spec-soak): shutdown with a goal running and one queued: both get a
+    result (before: the running goal's result was lost, the action server was destroyed before
+    rclpy handed it over)."""
+    served, running = a_long_goal_running(serve, embedded_model_path)
+    client = served.client
+    queued = client.send(prompt="ab", max_tokens=4, temperature=0.0)
+    assert queued.accepted
     assert client.transition("shutdown")
     for run in (running, queued):
         result = run.wait_result(timeout=30)
@@ -346,3 +355,151 @@ def test_two_releases_at_once_undo_configure_once(serve: Any) -> None:
     for thread in threads:
         thread.join(60)
     assert not errors and node._engine is None and engine.target._model is None
+
+
+@pytest.mark.timeout(240)
+def test_a_goal_with_a_huge_time_budget_never_stops_the_goals_behind_it(serve: Any,
+                                                                         embedded_model_path: Path) -> None:
+    """A time_budget above threading.TIMEOUT_MAX (~9.2e9 s) made the dispatcher's wait for the
+    waiting goals' deadlines raise OverflowError: the thread that starts goals died, the node still
+    looked active, and no goal started again. Now the budget is capped at generation.time_budget's
+    range (and so is the wait): the goal is served, and the goals behind it start."""
+    served, running = a_long_goal_running(serve, embedded_model_path)
+    client = served.client
+    huge = client.send(prompt="ab ab", max_tokens=4, temperature=0.0, time_budget=1e12)
+    after = client.send(prompt="ab ab", max_tokens=4, temperature=0.0)
+    assert huge.accepted and after.accepted
+    client.cancel(running)
+    for run in (huge, after):
+        assert run.wait_result(timeout=60).finish_reason in ("stop", "length")
+        assert run.status == GoalStatus.STATUS_SUCCEEDED
+    status = client.wait_status(served.status_name, lambda s: key_values(s)["requests ok"] == "2")
+    assert key_values(status)["goal dispatcher"] == "running"
+    assert key_values(status)["internal errors"] == "0"
+
+
+def test_a_goal_s_time_budget_is_capped_where_it_becomes_a_request() -> None:
+    """The goal's float32 budget has no bound of its own: it is capped at the range of the node's
+    generation.time_budget parameter (a day), so no deadline or wait of the node can overflow."""
+    from types import SimpleNamespace
+    from gemma_spec_ros.node.messages import request_from_goal
+    from gemma_spec_ros.node.parameters import PARAMETERS_BY_NAME, defaults
+    cap = PARAMETERS_BY_NAME["generation.time_budget"].value_range[1]
+    goal = SimpleNamespace(prompt="Hi", system_prompt="", use_chat_template=False, max_tokens=0,
+                           temperature=0.0, top_p=0.0, top_k=0, seed=7, stop=[], spec_mode="",
+                           time_budget=3.4e38, grammar="", json_schema="")
+    assert request_from_goal(goal, defaults()).time_budget == cap
+    goal.time_budget = 2.5
+    assert request_from_goal(goal, defaults()).time_budget == 2.5
+
+
+def test_a_waiting_goal_s_far_deadline_never_overflows_the_queue_s_wait() -> None:
+    """JobQueue.next_to_start waits for the earliest deadline of the waiting goals: a deadline
+    beyond threading.TIMEOUT_MAX raised OverflowError (a Job made directly here, as a request
+    made elsewhere than request_from_goal could carry any budget)."""
+    from gemma_spec_ros.engine.types import GenerationRequest
+    from gemma_spec_ros.node.goals import Job, JobQueue
+    jobs = JobQueue()
+    first = Job(_SlowFeedbackHandle("first", []), GenerationRequest("a"))
+    far = Job(_SlowFeedbackHandle("far", []), GenerationRequest("b", time_budget=1e12))
+    jobs.push(first)
+    jobs.push(far)
+    assert jobs.next_to_start() is first
+    got: list = []
+    thread = threading.Thread(target=lambda: got.append(jobs.next_to_start()), daemon=True)
+    thread.start()
+    time.sleep(0.2)  # the consumer waits for the far deadline (or for the running goal's end)
+    jobs.finished(first)
+    thread.join(10)
+    assert got == [far]
+
+
+def test_the_dispatcher_survives_a_fault_and_shows_it(serve: Any) -> None:
+    """An exception in the dispatcher thread (INJECTED: JobQueue.next_to_start raises once; no real
+    input makes it raise now) killed the thread that starts goals; now it is reported as an internal
+    error and the dispatcher goes on, and /diagnostics says it runs."""
+    served = serve()
+    client = served.client
+    assert client.transition("configure") and client.transition("activate")
+    jobs = served.node._goals._jobs
+    real_next = jobs.next_to_start
+    calls = {"n": 0}
+
+    def failing_next(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OverflowError("injected fault in next_to_start")
+        return real_next(*args, **kwargs)
+
+    jobs.next_to_start = failing_next  # from the dispatcher's next call on (it waits in one now)
+    for _ in range(2):  # the first goal ends that wait; the dispatcher's next call raises
+        run = client.send(prompt="ab ab", max_tokens=4, temperature=0.0)
+        assert run.accepted and run.wait_result(timeout=30).finish_reason in ("stop", "length")
+    assert calls["n"] >= 2
+    status = client.wait_status(served.status_name,
+                                lambda s: "injected fault" in key_values(s)["last internal error"])
+    assert key_values(status)["goal dispatcher"] == "running"
+
+
+@pytest.mark.timeout(240)
+def test_300_rejected_goals_log_a_few_lines_and_count_every_one(serve: Any) -> None:
+    """Every rejected goal logged a WARN line (about 74 bytes of log file each, ~1 GiB a day from one
+    client sending bad goals), and so did every refused parameter change. Now both are throttled to
+    a burst of LOG_BURST lines, then LOG_BURST per LOG_PERIOD; /diagnostics still counts every
+    rejection and keeps the last reason."""
+    from gemma_spec_ros.node.goals import LOG_BURST, LOG_PERIOD
+    served = serve()
+    client = served.client
+    assert client.transition("configure") and client.transition("activate")
+    assert client.action.wait_for_server(timeout_sec=30.0)
+    mark = client.log_mark()
+    started = time.monotonic()
+    for _ in range(300):
+        assert not client.send(prompt="", max_tokens=2).accepted
+    for _ in range(2 * LOG_BURST):
+        assert not client.set_parameters(spec__mode="hyperdrive")[0].successful
+    elapsed = time.monotonic() - started
+    status = client.wait_status(served.status_name,
+                                lambda s: key_values(s)["requests rejected"] == "300")
+    assert key_values(status)["last rejection"] == "prompt is empty"
+    time.sleep(1.0)  # /rosout is a topic: let the last lines arrive
+    lines = [m.msg for m in client.logs[mark:] if m.name == served.name]
+    allowed = LOG_BURST + int(elapsed * LOG_BURST / LOG_PERIOD) + 1
+    rejected = [line for line in lines if line.startswith("goal rejected:")]
+    refused = [line for line in lines if line.startswith("parameter change refused:")]
+    assert LOG_BURST <= len(rejected) <= allowed, (elapsed, len(rejected))
+    assert LOG_BURST <= len(refused) <= allowed, (elapsed, len(refused))
+    assert rejected[0] == "goal rejected: prompt is empty"
+
+
+def test_a_learned_count_at_int32_saturates_and_the_cache_still_saves(serve: Any, tmp_path: Path) -> None:
+    """A learned n-gram count past int32 made every later save raise ValueError (the file's counts
+    are int32): the request whose periodic save came next ended ``error`` after its text had
+    streamed, and nothing was saved again. Counts now stop at int32's maximum. The counts are
+    set near it by hand (INJECTED state: the review measured ~186 h of traffic to get there)."""
+    from gemma_spec_ros.engine import learned_cache
+    from gemma_spec_ros.engine.lookup import LookupDrafter
+    from gemma_spec_ros.engine.ngram_cache import COUNT_MAX
+    cache = tmp_path / "dynamic.bin"
+    served = serve(lookup__dynamic_path=str(cache), lookup__cache_dir=str(tmp_path),
+                   lookup__save_period=0.001)
+    client = served.client
+    assert client.transition("configure") and client.transition("activate")
+    prompt = "ab ab ab ab ab ab"
+    run = client.send(prompt=prompt, max_tokens=4, temperature=0.0)
+    assert run.accepted and run.wait_result().finish_reason in ("stop", "length")
+    learned = served.node._engine.drafters[LookupDrafter.name].drafter.dynamic_cache
+    assert len(learned) > 0
+    for _, part in learned.items():
+        for token in part:
+            part[token] = COUNT_MAX - 1
+    for _ in range(2):  # the first merge reaches COUNT_MAX, the second would pass it
+        run = client.send(prompt=prompt, max_tokens=4, temperature=0.0)
+        result = run.wait_result()
+        assert result.finish_reason in ("stop", "length"), result.error
+        assert run.status == GoalStatus.STATUS_SUCCEEDED
+    status = client.wait_status(served.status_name, lambda s: key_values(s)["requests ok"] == "3")
+    assert key_values(status)["internal errors"] == "0", key_values(status)["last internal error"]
+    _, saved = learned_cache.read(cache)
+    counts = [count for _, part in saved.items() for count in part.values()]
+    assert max(counts) == COUNT_MAX

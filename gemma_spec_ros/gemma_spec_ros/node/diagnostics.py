@@ -142,6 +142,7 @@ class NodeView:
     model_info: Mapping[str, Any]
     configure_error: str = ""
     backend: Mapping[str, Any] = field(default_factory=dict)  # the engine's status() key-values
+    dispatcher: str = ""  # the thread that starts goals: running | stopped | '' (unconfigured)
 
 
 def hardware_id(configured: str) -> str:
@@ -202,6 +203,7 @@ def spec_status(view: NodeView, log: RequestLog, rolling: Optional[SpecStats]) -
         ("queue depth", view.queue_depth),
         ("queue max depth", view.queue_max_depth),
         ("running", view.running),
+        ("goal dispatcher", view.dispatcher),
         ("requests ok", log.ok),
         ("requests failed", log.failed),
         ("requests cancelled", log.cancelled),

@@ -51,7 +51,7 @@ from ..engine.api import GenerationEngine
 from ..engine.stats import SpecStats
 from ..engine.types import CountedPrompt, EngineError, GenerationRequest, Step
 from . import messages
-from .goals import Job, JobQueue, check_fits
+from .goals import Job, JobQueue, LogBudget, check_fits
 from .messages import GoalRejected, check_input_bounds, clip, request_from_goal
 
 #: Seconds a transition waits for the running goal to stop (it stops at its next step).
@@ -66,6 +66,9 @@ FEEDBACK_DEPTH = 1000
 CANCELING_GRACE = 1.0
 #: Seconds between the dispatcher's looks at a waiting goal whose cancel rclpy has not marked yet.
 CANCEL_POLL = 0.01
+#: Seconds the dispatcher pauses after a fault of its own before it goes on (a fault that repeats
+#: then costs one report per pause, not a busy loop).
+DISPATCH_RETRY = 1.0
 
 #: A goal ended: its result, seconds since it was accepted, the engine's stats (None: no step made).
 Ended = Callable[[Generate.Result, float, Optional[SpecStats]], None]
@@ -96,6 +99,7 @@ class GoalServer:
         # the goal the goal callback accepted last, with its request and prompt (see rclpy timing)
         self._checked: Optional[Tuple[Generate.Goal, GenerationRequest, CountedPrompt]] = None
         self._orphans: Dict[bytes, str] = {}  # accepted goals that could not be queued -> why
+        self._rejection_log = LogBudget()  # a client sending bad goals in a loop must not fill the disk
         # queue-position feedback comes from the executor (a goal queued) and the dispatcher (a
         # goal started): one at a time, so a stale position is never published last
         self._positions_lock = threading.Lock()
@@ -161,6 +165,14 @@ class GoalServer:
         jobs = self._jobs
         return jobs.busy() if jobs is not None else False
 
+    def dispatcher_state(self) -> str:
+        """'running', 'stopped' (its thread ended while configured: no goal starts) or '' when
+        unconfigured."""
+        dispatcher = self._dispatcher
+        if dispatcher is None:
+            return ""
+        return "running" if dispatcher.is_alive() else "stopped"
+
     # -- goal, accepted and cancel callbacks (executor) ---------------------------------------------
     def _on_goal(self, goal: Generate.Goal) -> GoalResponse:
         """Accept or reject a goal without blocking; a rejection's reason is logged and kept."""
@@ -174,7 +186,9 @@ class GoalServer:
                 self._report_fault(reason)
             reason = clip(reason)
             self._rejected(reason)
-            self._node.get_logger().warning(f"goal rejected: {reason}")
+            line = self._rejection_log.line(f"goal rejected: {reason}", "rejections")
+            if line:
+                self._node.get_logger().warning(line)
             return GoalResponse.REJECT
         self._checked = (goal, request, prompt)
         return GoalResponse.ACCEPT
@@ -243,16 +257,24 @@ class GoalServer:
 
     # -- the dispatcher thread ----------------------------------------------------------------------
     def _dispatch(self) -> None:
-        """Execute goals one at a time, in queue order (see JobQueue)."""
+        """Execute goals one at a time, in queue order (see JobQueue), until the queue is closed.
+
+        A fault of the loop itself is reported and the loop goes on: this thread is the only one
+        that starts goals, and a node that looks active but starts nothing loses every goal."""
         jobs = self._jobs
         while jobs is not None:
-            job = jobs.next_to_start(poll=CANCEL_POLL)
+            try:
+                job = jobs.next_to_start(poll=CANCEL_POLL)
+            except Exception as exc:  # noqa: BLE001
+                self._report_fault(f"the goal dispatcher failed and goes on: {exc!r}")
+                time.sleep(DISPATCH_RETRY)
+                continue
             if job is None:
                 return
-            self._publish_queue_positions(jobs)
             try:
+                self._publish_queue_positions(jobs)
                 self._start(job.goal_handle)
-            except Exception as exc:  # noqa: BLE001  the context went away; nothing to serve
+            except Exception as exc:  # noqa: BLE001  e.g. the context went away; nothing to serve
                 self._report_fault(f"cannot start a goal: {exc!r}")
                 jobs.finished(job)
 
@@ -333,7 +355,10 @@ class GoalServer:
             return self._failed(parts, step, "the engine produced no step"), None
         step.stats.queue_wait = queue_wait
         finish_reason, error = job.outcome(step)
-        return messages.result("".join(parts), finish_reason, error, step, self._stamp()), step.stats
+        try:
+            return messages.result("".join(parts), finish_reason, error, step, self._stamp()), step.stats
+        except Exception as exc:  # noqa: BLE001  stats the message cannot carry: the text still goes back
+            return self._failed(parts, None, f"internal error: the result cannot be built: {exc!r}"), None
 
     def _failed(self, parts: List[str], step: Optional[Step], error: str) -> Generate.Result:
         self._node.get_logger().error(f"request failed: {error}")

@@ -11,7 +11,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Deque, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Deque, Dict, List, Optional, Tuple
 
 from ..engine.api import GenerationEngine
 from ..engine.types import CountedPrompt, EngineError, GenerationRequest, Step
@@ -19,6 +19,14 @@ from .messages import GoalRejected
 
 if TYPE_CHECKING:
     from rclpy.action.server import ServerGoalHandle
+
+#: Longest single wait of :meth:`JobQueue.next_to_start` for a waiting goal's deadline. It waits
+#: again after waking, so the bound costs nothing; it keeps every wait far below
+#: ``threading.TIMEOUT_MAX`` (~9.2e9 s: a longer wait raises OverflowError) whatever a budget says.
+MAX_WAIT = 3600.0
+#: Log lines a :class:`LogBudget` lets through at once, and the seconds in which it earns them back.
+LOG_BURST = 30
+LOG_PERIOD = 60.0
 
 
 def check_fits(engine: GenerationEngine, request: GenerationRequest,
@@ -42,6 +50,47 @@ def check_fits(engine: GenerationEngine, request: GenerationRequest,
     except (EngineError, ValueError) as exc:
         raise GoalRejected(str(exc)) from exc
     return prompt
+
+
+class LogBudget:
+    """How many lines of one kind (rejected goals, refused parameter changes) reach the log: a
+    burst of ``burst`` lines, then one per ``period / burst`` seconds (a token bucket). An
+    occasional refusal is always logged with its reason; a client refusing itself in a loop costs
+    ``burst`` lines per ``period`` (~5 MB a day at the defaults, not ~1 GiB), and the counts stay
+    on /diagnostics. Thread-safe; ``clock`` is injectable for tests.
+
+    >>> now = [0.0]
+    >>> budget = LogBudget(burst=2, period=10.0, clock=lambda: now[0])
+    >>> [budget.line(f"goal rejected: {i}", "rejections") for i in range(3)]
+    ['goal rejected: 0', 'goal rejected: 1', '']
+    >>> now[0] = 5.0; budget.line("goal rejected: 3", "rejections")
+    'goal rejected: 3 (1 more rejections not logged since the last line; /diagnostics counts them all)'
+    """
+
+    def __init__(self, burst: int = LOG_BURST, period: float = LOG_PERIOD,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._burst, self._rate, self._clock = burst, burst / period, clock
+        self._tokens = float(burst)
+        self._refilled_at = clock()
+        self._left_out = 0
+        self._lock = threading.Lock()
+
+    def line(self, text: str, what: str) -> str:
+        """``text`` to log now (with how many ``what`` were left out before it), or '' to log
+        nothing."""
+        with self._lock:
+            now = self._clock()
+            self._tokens = min(self._burst, self._tokens + (now - self._refilled_at) * self._rate)
+            self._refilled_at = now
+            if self._tokens < 1.0:
+                self._left_out += 1
+                return ""
+            self._tokens -= 1.0
+            left_out, self._left_out = self._left_out, 0
+        if not left_out:
+            return text
+        return (f"{text} ({left_out} more {what} not logged since the last line; /diagnostics "
+                "counts them all)")
 
 
 @dataclass(eq=False)
@@ -234,7 +283,7 @@ class JobQueue:
                 wake = min((job.deadline for job in self._waiting), default=math.inf) - time.monotonic()
                 if self._cancel_in_flight():
                     wake = min(wake, poll)
-                self._cond.wait(None if wake == math.inf else max(wake, 0.0))
+                self._cond.wait(None if wake == math.inf else min(max(wake, 0.0), MAX_WAIT))
             return None
 
     def _pick(self) -> Optional[Job]:

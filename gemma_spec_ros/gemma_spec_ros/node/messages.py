@@ -15,9 +15,14 @@ from gemma_spec_msgs.msg import SpecStats as SpecStatsMsg
 
 from ..engine.stats import SpecStats
 from ..engine.types import SPEC_MODES, GenerationRequest, SamplingParams, Step
+from .parameters import PARAMETERS_BY_NAME
 
 #: Characters of a client's string (or a reason quoting one) kept in logs and /diagnostics.
 MAX_ECHO = 256
+#: Seconds a goal's time_budget counts at most: the top of ``generation.time_budget``'s range (a
+#: day). The goal's float32 field reaches 3.4e38 s; a deadline that far away overflows the
+#: node's waits (threading.TIMEOUT_MAX is ~9.2e9 s), and no goal can use more than a day.
+MAX_TIME_BUDGET = PARAMETERS_BY_NAME["generation.time_budget"].value_range[1]
 
 
 class GoalRejected(ValueError):
@@ -53,7 +58,8 @@ def request_from_goal(goal: Any, values: Mapping[str, Any]) -> GenerationRequest
     Goal conventions (see Generate.action): ``max_tokens`` 0 = ``generation.max_tokens``; ``top_p`` 0
     = ``generation.top_p``; ``temperature`` -1 = ``generation.temperature``; ``top_k`` -1 =
     ``generation.top_k``; ``seed`` -1 = ``generation.seed`` (itself -1 = random by default); empty
-    ``spec_mode`` = the node's ``spec.mode``; ``time_budget`` 0 = ``generation.time_budget``;
+    ``spec_mode`` = the node's ``spec.mode``; ``time_budget`` 0 = ``generation.time_budget``, and
+    a budget above :data:`MAX_TIME_BUDGET` counts as that;
     ``grammar`` and ``json_schema`` both empty = the node's ``generation.grammar`` /
     ``generation.json_schema`` (a goal that sets one replaces both defaults). A zero-initialised goal
     is greedy whatever the node's defaults: 0 is a real temperature, so "use the default" needs its
@@ -103,7 +109,8 @@ def request_from_goal(goal: Any, values: Mapping[str, Any]) -> GenerationRequest
                                  system_prompt=goal.system_prompt,
                                  use_chat_template=bool(goal.use_chat_template),
                                  stop=tuple(goal.stop), spec_mode=goal.spec_mode or None,
-                                 time_budget=float(goal.time_budget or values["generation.time_budget"]),
+                                 time_budget=min(float(goal.time_budget or values["generation.time_budget"]),
+                                                 MAX_TIME_BUDGET),
                                  reuse_prompt=bool(values["generation.prompt_cache"]),
                                  grammar=grammar, json_schema=json_schema)
     except ValueError as exc:
@@ -131,8 +138,8 @@ def result(text: str, finish_reason: str, error: str, last: Optional[Step], stam
     msg = Generate.Result(text=text, finish_reason=finish_reason, error=error)
     if last is not None:
         msg.spec_mode = last.spec_mode
-        msg.prompt_tokens = last.stats.num_prompt_tokens
-        msg.completion_tokens = last.stats.num_generated_tokens
+        msg.prompt_tokens = _fit("uint32", last.stats.num_prompt_tokens)
+        msg.completion_tokens = _fit("uint32", last.stats.num_generated_tokens)
         msg.stats = spec_stats_msg(last.stats, stamp)
     return msg
 
@@ -151,10 +158,22 @@ def spec_stats_msg(stats: SpecStats, stamp: Time) -> SpecStatsMsg:
         elif ros_type.startswith("sequence<"):
             setattr(msg, name, [float(v) for v in value])
         elif ros_type.startswith(("uint", "int")):
-            setattr(msg, name, int(value))
+            setattr(msg, name, _fit(ros_type, value))
         else:
             setattr(msg, name, float(value))
     return msg
+
+
+def _fit(ros_type: str, value: Any) -> int:
+    """``value`` as an int within the range of the integer field type ``ros_type`` (a count out of
+    range, e.g. from a broken server, must not fail the message's setter and lose the result).
+
+    >>> _fit("uint32", -3), _fit("uint32", 2**40), _fit("int64", 7)
+    (0, 4294967295, 7)
+    """
+    bits = int("".join(c for c in ros_type if c.isdigit()) or 64)
+    low, high = (0, 2**bits - 1) if ros_type.startswith("uint") else (-2**(bits - 1), 2**(bits - 1) - 1)
+    return min(max(int(value), low), high)
 
 
 def clip(text: str, limit: int = MAX_ECHO) -> str:

@@ -45,6 +45,7 @@ from ..engine.stats import SpecStats
 from . import NODE_NAME, diagnostics
 from .engine_factory import build_engine, plan_engine
 from .goal_server import GoalServer
+from .goals import LogBudget
 from .messages import MAX_ECHO, clip, spec_stats_msg
 from .parameters import PARAMETERS, PARAMETERS_BY_NAME, as_declared, check_values, spec_config_from
 
@@ -81,6 +82,7 @@ class GemmaSpecNode(LifecycleNode):
         # the other finds nothing left to undo
         self._release_lock = threading.Lock()
         self._requests = diagnostics.RequestLog()
+        self._refusal_log = LogBudget()  # refused parameter changes: a peer looping must not fill the disk
         super().__init__(node_name, **kwargs)
 
         self._group = ReentrantCallbackGroup()
@@ -127,7 +129,9 @@ class GemmaSpecNode(LifecycleNode):
                 reason = str(exc)
         if reason:
             reason = clip(reason)
-            self.get_logger().warning(f"parameter change refused: {reason}")
+            line = self._refusal_log.line(f"parameter change refused: {reason}", "refusals")
+            if line:
+                self.get_logger().warning(line)
             return SetParametersResult(successful=False, reason=reason)
         if "diagnostics.period" in changes and self._diag_timer is not None:
             self._diag_timer.timer_period_ns = int(changes["diagnostics.period"] * 1e9)
@@ -284,6 +288,7 @@ class GemmaSpecNode(LifecycleNode):
             hardware_id=clip(diagnostics.hardware_id(self._value("diagnostics.hardware_id")), 64),
             lifecycle_state=self._state, queue_depth=self._goals.depth(),
             queue_max_depth=self._value("queue.max_depth"), running=self._goals.running(),
+            dispatcher=self._goals.dispatcher_state(),
             spec=engine.spec if engine is not None else None, model_info=self._model_info,
             configure_error=self._configure_error, backend=engine.status() if engine is not None else {})
 
