@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import json
 import os
 import signal
 import socket
@@ -20,7 +21,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Mapping, Optional, Tuple
 
 import pytest
 
@@ -144,29 +145,45 @@ def running_llama_cpp_server(model: Path, log_dir: Path) -> Iterator[Server]:
         server.stop()
 
 
+#: A script of :class:`ScriptedStreamServer`: writes the raw response with ``send`` (False once the
+#: client is gone).
+Script = Callable[[Callable[[bytes], bool]], None]
+
+
 class ScriptedStreamServer:
     """A fake OpenAI-compatible server on 127.0.0.1 whose ``POST /v1/completions`` answer is
     ``script(send)``: the raw bytes of the response, status line and headers included, written with
-    ``send`` (False once the client is gone). Every other request gets an empty 404, so the engine
-    sees a plain OpenAI-compatible server. A fake, for what no real server does on demand: a
-    generation that hangs while keep-alive comments flow (sse-starlette pings every 15 s), a stream
-    without chunked encoding (HTTP/1.0 proxies, ``Connection: close`` servers), a line with no end."""
+    ``send`` (False once the client is gone). ``routes`` maps other requests (``"GET /props"``,
+    ``"POST /tokenize"``) to scripts of their own; every other request gets an empty 404, so
+    without routes the engine sees a plain OpenAI-compatible server. ``port`` 0 = a free one; a
+    given port is reused (a server "replaced" at the same address). Each request's line and body are
+    kept in ``requests``. A fake, for what no real server does on demand: a generation that hangs
+    while keep-alive comments flow (sse-starlette pings every 15 s), a stream without chunked
+    encoding (HTTP/1.0 proxies, ``Connection: close`` servers), a line with no end, an answer that
+    trickles, a server of another kind behind the same address, hostile numbers."""
 
-    def __init__(self, script: Callable[[Callable[[bytes], bool]], None]) -> None:
+    def __init__(self, script: Script, routes: Optional[Mapping[str, Script]] = None, port: int = 0) -> None:
         outer = self
+        self.requests: List[Tuple[str, bytes]] = []
+        routes = {"POST /v1/completions": script, **(routes or {})}
 
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
-                request = outer._read_request(self.request)
-                if request.startswith(b"POST") and b"/v1/completions" in request.split(b"\r\n", 1)[0]:
-                    script(lambda data: outer._send(self.request, data))
+                line, body = outer._read_request(self.request)
+                outer.requests.append((line, body))
+                method, _, rest = line.partition(" ")
+                path = rest.split(" ", 1)[0].split("?", 1)[0]
+                route = routes.get(f"{method} {path}")
+                if route is not None:
+                    route(lambda data: outer._send(self.request, data))
                 else:
                     outer._send(self.request, b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
 
         socketserver.ThreadingTCPServer.allow_reuse_address = True
-        self._server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+        self._server = socketserver.ThreadingTCPServer(("127.0.0.1", port), Handler)
         self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self.port = self._server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     def __enter__(self) -> "ScriptedStreamServer":
@@ -177,14 +194,18 @@ class ScriptedStreamServer:
         self._server.shutdown()
         self._server.server_close()
 
+    def bodies(self, request_line_start: str) -> List[bytes]:
+        """The bodies of the requests whose line starts with ``request_line_start``."""
+        return [body for line, body in self.requests if line.startswith(request_line_start)]
+
     @staticmethod
-    def _read_request(sock: socket.socket) -> bytes:
-        """Headers and body (by Content-Length) of one request."""
+    def _read_request(sock: socket.socket) -> Tuple[str, bytes]:
+        """The request line and the body (by Content-Length) of one request."""
         data = b""
         while b"\r\n\r\n" not in data:
             chunk = sock.recv(65536)
             if not chunk:
-                return data
+                return data.split(b"\r\n", 1)[0].decode("latin-1"), b""
             data += chunk
         head, _, body = data.partition(b"\r\n\r\n")
         length = 0
@@ -196,7 +217,7 @@ class ScriptedStreamServer:
             if not chunk:
                 break
             body += chunk
-        return head
+        return head.split(b"\r\n", 1)[0].decode("latin-1"), body
 
     @staticmethod
     def _send(sock: socket.socket, data: bytes) -> bool:
@@ -205,6 +226,17 @@ class ScriptedStreamServer:
             return True
         except OSError:
             return False
+
+
+def json_answer(payload: Any, status: str = "200 OK") -> Script:
+    """A script answering ``payload`` as JSON (``payload`` bytes: sent as they are)."""
+    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    head = (f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+
+    def answer(send: Callable[[bytes], bool]) -> None:
+        send(head + body)
+    return answer
 
 
 #: Response heads of :class:`ScriptedStreamServer` scripts: chunked (as llama-server, vLLM), and

@@ -21,7 +21,7 @@ from .api import GenerationEngine
 from .remote.engine import RemoteEngine
 from .remote.http import ServerUnreachableError
 from .stats import SpecStats
-from .types import CountedPrompt, GenerationRequest, SpecConfig, Step
+from .types import CountedPrompt, EngineError, GenerationRequest, PromptTooLongError, SpecConfig, Step
 
 
 class FallbackEngine:
@@ -88,8 +88,19 @@ class FallbackEngine:
 
     def _locally(self, request: GenerationRequest, cancel: Optional[threading.Event],
                  reason: str) -> Iterator[Step]:
+        """The local engine's steps, after its own count of the prompt passed the limits the
+        goal check could only estimate (``limits.max_prompt_tokens``, the local n_ctx)."""
         self._note("local", reason)
-        yield from self.local.generate(request, cancel)
+        try:  # the checks the node's goal check makes on the engine that serves (node/goals.py)
+            prompt = self.local.count_prompt(request)
+            limit = self.primary.config.max_prompt_tokens
+            if limit and prompt.n_tokens > limit:
+                raise PromptTooLongError(f"prompt has {prompt.n_tokens} tokens, more than "
+                                         f"limits.max_prompt_tokens={limit} (counted by the local fallback)")
+            self.local.check_request(request, prompt.n_tokens)
+        except ValueError as exc:  # e.g. a chat template the local model lacks: this request's error
+            raise EngineError(f"the local fallback cannot serve this request: {exc}") from None
+        yield from self.local.generate(request, cancel, prompt)
 
     def _note(self, backend: str, reason: str) -> None:
         with self._lock:

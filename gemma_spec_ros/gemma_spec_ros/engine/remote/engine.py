@@ -12,7 +12,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional
 
 from ..stats import SpecStats
 from ..types import CountedPrompt, GenerationRequest, PromptTooLongError, RemoteConfig, SpecConfig, Step
-from .http import HttpClient, ServerUnreachableError
+from .http import HttpClient, RemoteError, ServerUnreachableError
 from .metrics import Counters, TauAttribution, fill_stats
 from .payload import completion_request, parse_json_schema
 from .server import ServerProbe, read_counters
@@ -116,31 +116,50 @@ class RemoteEngine:
         cancel = cancel if cancel is not None else threading.Event()
         parse_json_schema(request.json_schema)
         budget_ends = time.monotonic() + request.time_budget if request.time_budget else math.inf
-        n_prompt = self._count_exactly(request, budget_ends)
-        if (request.grammar or request.json_schema) and not self.server.kind and not self.server.probe():
-            raise ServerUnreachableError(self.server.last.error)  # its kind decides the fields
-        path, body = completion_request(request, self.server.kind, self.config.model)
-        with self._lock:
-            before = self._tau.before_request()
-            try:
-                stream = open_stream(self._http, path, body, cancel, budget_ends)
-            except EndedBeforeResponse as ended:
+        try:
+            if request.grammar or request.json_schema:
+                self._check_identified()  # its kind decides the fields
+            n_prompt = self._count_exactly(request, budget_ends, cancel)
+            path, body = completion_request(request, self.server.kind, self.config.model)
+            with self._lock:
+                before = self._tau.before_request()
+                try:
+                    stream = open_stream(self._http, path, body, cancel, budget_ends)
+                except EndedBeforeResponse as ended:
+                    self._note_served()
+                    stats = SpecStats(spec_mode=REMOTE_MODE, verification="server", num_prompt_tokens=n_prompt)
+                    yield Step((), "", stats, REMOTE_MODE, 0, ended.finish_reason)
+                    return
+                except ServerUnreachableError as exc:
+                    self.server.mark(False, math.nan, str(exc))
+                    raise
                 self._note_served()
-                stats = SpecStats(spec_mode=REMOTE_MODE, verification="server", num_prompt_tokens=n_prompt)
-                yield Step((), "", stats, REMOTE_MODE, 0, ended.finish_reason)
-                return
-            except ServerUnreachableError as exc:
-                self.server.mark(False, math.nan, str(exc))
-                raise
-            self._note_served()
-            yield from self._steps(stream, before, n_prompt, cancel)
+                yield from self._steps(stream, before, n_prompt, cancel)
+        except RemoteError:  # unreachable, an HTTP error, a broken stream: it may be another server now
+            self.server.forget_identity()
+            raise
 
-    def _count_exactly(self, request: GenerationRequest, budget_ends: float) -> int:
+    def _check_identified(self) -> None:
+        """Probe the server now unless the prober identified it within its last two periods;
+        ServerUnreachableError if it cannot be reached (the fallback may serve), RemoteError if it
+        answers but is not identified: a constrained request is refused rather than sent with
+        fields another kind of server ignores (it would return unconstrained text)."""
+        server = self.server
+        if not (server.identified and server.recently_probed()) and not server.probe():
+            raise ServerUnreachableError(server.last.error)
+        if not server.identified:
+            why = server.last.error or "no answer to the identifying requests since it changed or failed"
+            raise RemoteError(f"constrained output (grammar / json_schema) needs to know which server "
+                              f"{self.config.url} is, and it is not identified now ({why}): refused "
+                              "rather than sent unconstrained; try again")
+
+    def _count_exactly(self, request: GenerationRequest, budget_ends: float, cancel: threading.Event) -> int:
         """The prompt's tokens by the server's tokenizer (0 if it has none), checked against the
         limits. Here rather than in the goal check (see count_prompt_tokens); before the lock:
-        llama_cpp.server's tokenizer is asked only while this engine does not stream."""
+        llama_cpp.server's tokenizer is asked only while this engine does not stream. The call
+        ends within connect_timeout and the request's budget, or at its cancel."""
         timeout = min(self.config.connect_timeout, max(0.01, budget_ends - time.monotonic()))
-        counted = self.server.count_tokens(request.plain_prompt, timeout)
+        counted = self.server.count_tokens(request.plain_prompt, timeout, cancel)
         if counted is None:
             return 0
         n_prompt = counted + _template_tokens(request)

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import os
 import socket
+import threading
+import time
 import urllib.parse
 from typing import Any, Dict, Mapping, Optional, Tuple
 
@@ -22,6 +25,12 @@ from ..types import EngineError, RemoteConfig
 MAX_BODY_BYTES = 1 << 22
 #: Exceptions of a failed connection, request or read.
 TRANSPORT_ERRORS = (OSError, http.client.HTTPException)
+#: Seconds between two checks of the cancel event and the deadline by a call's watcher thread.
+CANCEL_POLL = 0.02
+#: Why a watcher shut its socket down (besides a cancel): the call's (or request's) deadline.
+DEADLINE = "deadline"
+#: The largest count a server may report (the node's result fields are uint32).
+MAX_COUNT = 2**32 - 1
 
 
 class RemoteError(EngineError):
@@ -30,6 +39,76 @@ class RemoteError(EngineError):
 
 class ServerUnreachableError(RemoteError):
     """No connection could be made (refused, no route, connect timeout): the fallback may serve."""
+
+
+class CallGuard:
+    """A watcher thread that shuts a connection's socket down when ``cancel`` is set or when
+    ``ends`` (time.monotonic()) passes, so that a read blocked on a hung or trickling server
+    returns at once: a socket timeout bounds one read, not a call. ``expired`` says which deadline
+    passed ('' for none or a cancel). Set ``done`` when the call is over: the thread exits.
+
+    The socket is the one the connection made: http.client sets ``conn.sock`` to None once a
+    response that ends with the connection (no chunked encoding) owns it."""
+
+    def __init__(self, sock: socket.socket, cancel: Optional[threading.Event], ends: float) -> None:
+        self._sock, self._cancel, self._ends = sock, cancel or threading.Event(), ends
+        self.expired = ""
+        self.done = threading.Event()
+        threading.Thread(target=self._watch, daemon=True, name="gemma_spec_remote_watch").start()
+
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def budget_spent(self) -> bool:
+        return time.monotonic() >= self._ends
+
+    def deadline_passed(self, now: float) -> str:
+        """Which deadline has passed at ``now`` ('' = none); subclasses add their own."""
+        return DEADLINE if now >= self._ends else ""
+
+    def _watch(self) -> None:
+        while not self.done.is_set():
+            if self._cancel.wait(CANCEL_POLL):
+                break
+            self.expired = self.deadline_passed(time.monotonic())
+            if self.expired:
+                break
+        if not self.done.is_set():
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # already closed
+                pass
+
+
+def server_count(value: Any, what: str) -> int:
+    """A count the server reported (tokens, context length) as an int; RemoteError if it is not a
+    whole number in [0, :data:`MAX_COUNT`]. The one check of every number a server sends, so a
+    hostile or broken server ends the request with a reason, never an internal error.
+
+    >>> server_count(12, "usage.completion_tokens"), server_count(12.0, "n_ctx")
+    (12, 12)
+    >>> server_count(-1, "usage.completion_tokens")
+    Traceback (most recent call last):
+    ...
+    gemma_spec_ros.engine.remote.http.RemoteError: the server reported usage.completion_tokens=-1: not a count (a whole number >= 0)
+    """
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COUNT:
+        raise RemoteError(f"the server reported {what}={str(value)[:40]}: not a count (a whole number >= 0)")
+    return value
+
+
+def server_seconds(value: Any, what: str, scale: float = 1.0) -> float:
+    """A duration the server reported, times ``scale`` (1e-3 for milliseconds); RemoteError if it
+    is not a finite number >= 0.
+
+    >>> server_seconds(250, "timings.prompt_ms", 1e-3)
+    0.25
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
+        raise RemoteError(f"the server reported {what}={str(value)[:40]}: not a duration (a number >= 0)")
+    return float(value) * scale
 
 
 class HttpClient:
@@ -67,19 +146,34 @@ class HttpClient:
             conn.sock.settimeout(read_timeout)
         return conn
 
-    def call(self, method: str, path: str, body: Optional[bytes], timeout: float) -> Tuple[int, bytes]:
-        """(status, body) of one request; RemoteError if it could not be made or read."""
+    def call(self, method: str, path: str, body: Optional[bytes], timeout: float,
+             cancel: Optional[threading.Event] = None) -> Tuple[int, bytes]:
+        """(status, body) of one request, whole within ``timeout`` seconds (connect, send, read:
+        a server trickling its answer a byte at a time is cut there) or until ``cancel`` is set;
+        RemoteError if it could not be made, read, or finished in time."""
+        ends = time.monotonic() + timeout
         conn = self.connect(timeout)
+        guard = CallGuard(conn.sock, cancel, ends)
         try:
             conn.request(method, self.base + path, body=body, headers=self.headers())
             response = conn.getresponse()
-            return response.status, response.read(MAX_BODY_BYTES)
+            answer = response.read(MAX_BODY_BYTES)
+            guard.done.set()
+            failure = None
         except TRANSPORT_ERRORS as exc:
-            raise RemoteError(f"{method} {path} on {self.config.url}: {describe(exc)}") from None
+            guard.done.set()
+            answer, failure = b"", describe(exc)
         finally:
             conn.close()
+        # a socket the guard shut down reads as the end of the answer: cut, not whole
+        if guard.cancelled() or guard.expired or failure is not None:
+            why = ("cancelled" if guard.cancelled() else
+                   f"no whole answer within {timeout:g} s" if guard.expired else failure)
+            raise RemoteError(f"{method} {path} on {self.config.url}: {why}")
+        return response.status, answer
 
     def get(self, path: str) -> Tuple[int, bytes]:
+        """GET ``path``, whole within ``connect_timeout`` (probes, /props, /metrics)."""
         return self.call("GET", path, None, self.config.connect_timeout)
 
     def get_json(self, path: str) -> Optional[Any]:
@@ -90,10 +184,12 @@ class HttpClient:
         except (RemoteError, ValueError):
             return None
 
-    def post_json(self, path: str, payload: Mapping[str, Any], timeout: float) -> Optional[Any]:
-        """The JSON of a 200 answer to ``payload``; None on any other answer or failure."""
+    def post_json(self, path: str, payload: Mapping[str, Any], timeout: float,
+                  cancel: Optional[threading.Event] = None) -> Optional[Any]:
+        """The JSON of a 200 answer to ``payload`` within ``timeout`` (see :meth:`call`); None on
+        any other answer, failure, or a cancel."""
         try:
-            status, body = self.call("POST", path, json.dumps(payload).encode(), timeout)
+            status, body = self.call("POST", path, json.dumps(payload).encode(), timeout, cancel)
             return json.loads(body) if status == 200 else None
         except (RemoteError, ValueError):
             return None
@@ -129,5 +225,6 @@ def describe(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-__all__ = ["HttpClient", "MAX_BODY_BYTES", "RemoteError", "ServerUnreachableError", "TRANSPORT_ERRORS",
-           "describe", "error_message"]
+__all__ = ["CANCEL_POLL", "CallGuard", "DEADLINE", "HttpClient", "MAX_BODY_BYTES", "MAX_COUNT", "RemoteError",
+           "ServerUnreachableError", "TRANSPORT_ERRORS", "describe", "error_message", "server_count",
+           "server_seconds"]

@@ -13,11 +13,13 @@
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from typing import Any, Callable, Dict, Mapping, Optional
 
 from ..stats import SpecStats
+from .http import RemoteError, server_count, server_seconds
 
 #: Attempts to see the server's counters include a finished request (they update after the stream).
 METRICS_SETTLE_TRIES = 5
@@ -33,7 +35,8 @@ Counters = Dict[str, float]
 def parse_prometheus(text: str) -> Counters:
     """The counters this module reads, summed over label sets, from Prometheus text.
 
-    Names lose their ``vllm:`` / ``llamacpp:`` prefix and ``_total`` suffix.
+    Names lose their ``vllm:`` / ``llamacpp:`` prefix and ``_total`` suffix. A sample that is not a
+    finite number >= 0 (``NaN``, ``+Inf``, a negative) is no counter reading: it is left out.
 
     >>> parse_prometheus('# HELP x\\nvllm:spec_decode_num_drafts_total{model_name="m"} 3.0\\n'
     ...                  'vllm:spec_decode_num_drafts_total{model_name="n"} 2\\n'
@@ -57,6 +60,8 @@ def parse_prometheus(text: str) -> Counters:
             value = float(rest.split()[0])
         except (IndexError, ValueError):
             continue
+        if not (math.isfinite(value) and value >= 0):
+            continue
         out[name] = out.get(name, 0.0) + value
     return out
 
@@ -74,22 +79,47 @@ def delta(after: Mapping[str, float], before: Mapping[str, float], name: str) ->
 
 def fill_stats(stats: SpecStats, chunks: int, first_at: float, last_at: float,
                usage: Mapping[str, Any], timings: Mapping[str, Any]) -> None:
-    """Counts and rates of a request from what the server reported, else from the chunks."""
-    generated = usage.get("completion_tokens") or timings.get("predicted_n") or chunks
-    stats.num_generated_tokens = int(generated)
-    prompt = usage.get("prompt_tokens")
+    """Counts and rates of a request from what the server reported, else from the chunks.
+    RemoteError if a reported number is not a count or a duration (:func:`~.http.server_count`)."""
+    usage, timings = _as_mapping(usage, "usage"), _as_mapping(timings, "timings")
+    generated = (_count(usage, "completion_tokens", "usage") or _count(timings, "predicted_n", "timings")
+                 or chunks)
+    stats.num_generated_tokens = generated
+    prompt = _count(usage, "prompt_tokens", "usage")
     if prompt is None and "prompt_n" in timings:
-        prompt = int(timings.get("prompt_n") or 0) + int(timings.get("cache_n") or 0)
+        prompt = (_count(timings, "prompt_n", "timings") or 0) + (_count(timings, "cache_n", "timings") or 0)
     if prompt is not None:
-        stats.num_prompt_tokens = int(prompt)
+        stats.num_prompt_tokens = prompt
     if "prompt_ms" in timings:
-        stats.prompt_time = float(timings["prompt_ms"]) / 1e3
+        stats.prompt_time = server_seconds(timings["prompt_ms"], "timings.prompt_ms", 1e-3)
     # Decode rate as local mode defines it: tokens after the first / time after the first.
     stats.num_step_tokens = max(0, stats.num_generated_tokens - 1)
     stats.generation_time = (last_at - first_at) if chunks > 1 else 0.0
     if "draft_n" in timings:
-        set_acceptance(stats, 0, int(timings.get("draft_n") or 0),
-                       int(timings.get("draft_n_accepted") or 0))
+        set_acceptance(stats, 0, _count(timings, "draft_n", "timings") or 0,
+                       _count(timings, "draft_n_accepted", "timings") or 0)
+
+
+def draft_counts(timings: Mapping[str, Any]) -> Optional[tuple]:
+    """(drafted, accepted) of llama-server's per-request ``timings``; None without them."""
+    if "draft_n" not in timings:
+        return None
+    return (_count(timings, "draft_n", "timings") or 0, _count(timings, "draft_n_accepted", "timings") or 0)
+
+
+def _as_mapping(value: Any, what: str) -> Mapping[str, Any]:
+    """The server's ``usage`` / ``timings`` object ({} when absent); RemoteError if it is no object."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise RemoteError(f"the server reported {what} as {type(value).__name__}, not an object")
+    return value
+
+
+def _count(fields: Mapping[str, Any], name: str, where: str) -> Optional[int]:
+    """``fields[name]`` checked as a count; None when absent or null."""
+    value = fields.get(name)
+    return None if value is None else server_count(value, f"{where}.{name}")
 
 
 def set_acceptance(stats: SpecStats, drafts: int, drafted: int, accepted: int) -> None:
@@ -140,11 +170,28 @@ class TauAttribution:
         if counters is None:
             return
         with self._lock:
-            if self._baseline is None:
-                self._baseline = counters
-            self._last = counters
+            self._note(counters)
             if self._source == "none":
                 self._source = "server /metrics"
+
+    def _note(self, counters: Counters) -> None:
+        """Take a reading as the latest (under the lock). A counter that went down means the server
+        restarted (its counters start again from 0): the baseline moves down by the last reading,
+        so the counts since configure keep what came before the restart and add what comes after.
+
+        >>> tau = TauAttribution(lambda: None)
+        >>> for reading in ({"spec_decode_num_drafts": 5.0}, {"spec_decode_num_drafts": 9.0},
+        ...                 {"spec_decode_num_drafts": 2.0}):   # restarted after 9
+        ...     tau._note(reading)
+        >>> tau._last["spec_decode_num_drafts"] - tau._baseline["spec_decode_num_drafts"]
+        6.0
+        """
+        baseline, last = self._baseline, self._last
+        if baseline is None:
+            self._baseline = dict(counters)
+        elif last is not None and any(counters[name] < last[name] for name in counters if name in last):
+            self._baseline = {name: baseline.get(name, 0.0) - last.get(name, 0.0) for name in counters}
+        self._last = dict(counters)
 
     def before_request(self) -> Optional[Counters]:
         """The reading a request's deltas start from (None without counters)."""
@@ -167,11 +214,11 @@ class TauAttribution:
                 break
             time.sleep(METRICS_SETTLE_SLEEP)
         with self._lock:
-            self._last = after
-        if moved != mine:  # another client generated meanwhile: not attributable
+            self._note(after)
+        if moved != mine:  # another client generated meanwhile (or the server restarted): not attributable
             return
-        if "draft_n" in timings:
-            reported = (int(timings.get("draft_n") or 0), int(timings.get("draft_n_accepted") or 0))
+        reported = draft_counts(timings)
+        if reported is not None:
             if (delta(after, before, "spec_decode_num_draft_tokens"),
                     delta(after, before, "spec_decode_num_accepted_tokens")) != reported:
                 return

@@ -7,9 +7,17 @@ Kinds, told apart by the endpoints they answer: llama.cpp's ``llama-server`` (``
 request at a time and, by default, a new request interrupts the running stream: it is asked for
 anything that needs its model (tokenize, /v1/models) only while the engine is not streaming, and
 one such server should serve one robot (or run with ``--interrupt_requests false``).
+
+The kind, n_ctx and model are detected again after the server was unreachable, answered an
+error, or answered ``/health`` otherwise than before (its fingerprint: a box behind ``remote.url``
+may have been replaced by another server meanwhile): until then they are *stale*
+(:attr:`ServerProbe.identified` is False). A constrained request is sent only to a server
+identified by a probe of the last two probe periods (one is made first otherwise), and refused
+rather than sent with another kind's fields, which that server would ignore (unconstrained text).
 """
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
@@ -17,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, TypeVar
 
 from ..types import RemoteConfig
-from .http import HttpClient, RemoteError
+from .http import HttpClient, RemoteError, server_count
 from .metrics import Counters, TauAttribution, parse_prometheus
 
 KIND_LLAMA_SERVER = "llama.cpp server"
@@ -67,6 +75,9 @@ class ServerProbe:
         self.n_ctx = 0  # as the server reports it; 0 = unknown
         self.model = ""  # the server's model id, '' if it names none
         self.tokenizer = "estimate"  # what counted the last request's prompt
+        # kind/n_ctx/model not detected since the server last failed (or ever): detect again
+        self._stale = True
+        self._identified_by: Optional[tuple] = None  # the /health answer (status, body start) at detection
         self._closed = threading.Event()
         self.probe()
         self._thread: Optional[threading.Thread] = None
@@ -79,19 +90,40 @@ class ServerProbe:
         with self._lock:
             return replace(self._last)
 
+    @property
+    def identified(self) -> bool:
+        """True if the kind was detected since the server last failed (a fresh kind)."""
+        return bool(self.kind) and not self._stale
+
+    def recently_probed(self) -> bool:
+        """True if the running prober probed within its last two periods (False without one)."""
+        if self._thread is None:
+            return False
+        return time.monotonic() - self.last.checked_at <= 2 * self._config.probe_period
+
+    def forget_identity(self) -> None:
+        """The server was unreachable or answered an error: detect its kind and n_ctx again at the
+        next probe that finds it answering (the values stay, marked stale, until then)."""
+        self._stale = True
+
     def probe(self) -> bool:
         """GET /health once: reachability and round-trip time (any HTTP answer counts: llama_cpp.server
         has no /health and answers 404 without touching its model lock). Detects the server's kind
-        the first time it is reachable and reads /metrics. Returns reachability."""
+        when it is not freshly known and reads /metrics. Returns reachability."""
         started = time.perf_counter()
         try:
-            status, _ = self._client.get("/health")
+            status, body = self._client.get("/health")
         except RemoteError as exc:
             self.mark(False, math.nan, str(exc))
+            self.forget_identity()
             return False
         self.mark(True, time.perf_counter() - started, "" if status < 500 else f"/health: HTTP {status}")
-        if not self.kind and status < 500:  # llama-server answers 503 while it loads the model
-            self.when_idle(self._detect)
+        fingerprint = (status, bytes(body[:256]))
+        if status >= 500:  # llama-server answers 503 while it loads the model
+            self.forget_identity()
+        elif not self.identified or fingerprint != self._identified_by:
+            self.forget_identity()
+            self.when_idle(lambda: self._detect(fingerprint))
         self._tau.observe()
         return True
 
@@ -120,24 +152,29 @@ class ServerProbe:
         finally:
             self._busy.release()
 
-    def count_tokens(self, text: str, timeout: float) -> Optional[int]:
-        """``text``'s tokens by the server's tokenizer; None if it has none or did not answer."""
+    def count_tokens(self, text: str, timeout: float, cancel: Optional[threading.Event] = None) -> Optional[int]:
+        """``text``'s tokens by the server's tokenizer, asked within ``timeout`` or until ``cancel``;
+        None if it has none or did not answer. RemoteError if it answers a count that is none."""
         kind = "" if self.last.reachable is False else self.kind  # no wait on a server found down
-        post = self._client.post_json
+        def post(path: str, body: Any) -> Optional[Any]:
+            return self._client.post_json(path, body, timeout, cancel)
         reply: Optional[Any] = None
         count = None
         if kind == KIND_LLAMA_SERVER:
-            reply = post("/tokenize", {"content": text, "add_special": True}, timeout)
-            count = len(reply["tokens"]) if isinstance(reply, dict) and "tokens" in reply else None
+            reply = post("/tokenize", {"content": text, "add_special": True})
+            tokens = reply.get("tokens") if isinstance(reply, dict) else None
+            if tokens is not None and not isinstance(tokens, list):
+                raise RemoteError(f"the server's /tokenize answered tokens as {type(tokens).__name__}, not a list")
+            count = len(tokens) if tokens is not None else None
         elif kind == KIND_VLLM:
             body = {"prompt": text, **({"model": self._config.model} if self._config.model else {})}
-            reply = post("/tokenize", body, timeout)
+            reply = post("/tokenize", body)
             count = reply.get("count") if isinstance(reply, dict) else None
         elif kind == KIND_LLAMA_CPP_PYTHON:
-            reply = self.when_idle(lambda: post("/extras/tokenize/count", {"input": text}, timeout))
+            reply = self.when_idle(lambda: post("/extras/tokenize/count", {"input": text}))
             count = reply.get("count") if isinstance(reply, dict) else None
         self.tokenizer = f"{kind} tokenizer" if count is not None else "estimate"
-        return int(count) if count is not None else None
+        return server_count(count, "the prompt's token count") if count is not None else None
 
     def close(self) -> None:
         """Stop the prober (it may be inside a probe: up to a few connect timeouts)."""
@@ -153,26 +190,50 @@ class ServerProbe:
             except Exception as exc:  # noqa: BLE001  a probe must never kill its thread
                 self.mark(False, math.nan, f"probe failed: {exc!r}")
 
-    def _detect(self) -> None:
-        """Which server this is, from the endpoints it answers; its n_ctx and /metrics."""
-        kind = KIND_OPENAI
-        props = self._client.get_json("/props")
-        models = self._client.get_json("/v1/models")
+    def _detect(self, fingerprint: tuple) -> None:
+        """Which server this is, from the endpoints it answers; its n_ctx and /metrics.
+        ``fingerprint`` is the /health answer it is known by from now on. A server that stops
+        answering meanwhile leaves the kind stale (detected at a later probe)."""
+        try:
+            props, models = self._answer("/props"), self._answer("/v1/models")
+        except RemoteError:
+            return
+        kind, n_ctx = KIND_OPENAI, 0
         data = models.get("data") if isinstance(models, dict) else None
         entry = data[0] if isinstance(data, list) and data and isinstance(data[0], dict) else {}
         if isinstance(props, dict) and "default_generation_settings" in props:
             kind = KIND_LLAMA_SERVER
-            settings = props.get("default_generation_settings") or {}
-            self.n_ctx = int(settings.get("n_ctx") or props.get("n_ctx") or 0)
+            settings = props.get("default_generation_settings")
+            settings = settings if isinstance(settings, dict) else {}
+            n_ctx = _context_length(settings.get("n_ctx") or props.get("n_ctx"))
         elif "max_model_len" in entry:
             kind = KIND_VLLM
-            self.n_ctx = int(entry.get("max_model_len") or 0)
+            n_ctx = _context_length(entry.get("max_model_len"))
         elif self._client.post_json("/extras/tokenize/count", {"input": "a"}, self._config.connect_timeout):
             kind = KIND_LLAMA_CPP_PYTHON
-        self.model = str(entry.get("id") or "")
-        self.kind = kind
+        self.n_ctx, self.model = n_ctx, str(entry.get("id") or "")[:200]
+        self.kind, self._identified_by = kind, fingerprint
+        self._stale = False
         self._tau.available = (kind in (KIND_LLAMA_SERVER, KIND_VLLM)
                                and read_counters(self._client) is not None)
+
+    def _answer(self, path: str) -> Optional[Any]:
+        """The JSON of a 200 answer to GET ``path``; None for another answer or a body that is not
+        JSON; RemoteError if the server did not answer."""
+        status, body = self._client.get(path)
+        try:
+            return json.loads(body) if status == 200 else None
+        except ValueError:
+            return None
+
+
+def _context_length(value: Any) -> int:
+    """The server's reported context length; 0 (unknown: no goal check against it) for a value
+    that is not a count."""
+    try:
+        return server_count(value, "n_ctx") if value is not None else 0
+    except RemoteError:
+        return 0
 
 
 __all__ = ["KIND_LLAMA_CPP_PYTHON", "KIND_LLAMA_SERVER", "KIND_OPENAI", "KIND_VLLM", "LLAMA_CPP_KINDS",

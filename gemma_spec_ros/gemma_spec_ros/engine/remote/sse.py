@@ -17,12 +17,10 @@ import json
 import socket
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
-from .http import TRANSPORT_ERRORS, HttpClient, RemoteError, describe, error_message
+from .http import CANCEL_POLL, TRANSPORT_ERRORS, CallGuard, HttpClient, RemoteError, describe, error_message
 
-#: Seconds between two checks of the cancel event and the deadlines by a stream's watcher thread.
-CANCEL_POLL = 0.02
 #: Longest line of an event stream: a completion chunk is a few hundred bytes, so a longer line is
 #: a broken or hostile server, refused before it holds memory and a core.
 MAX_EVENT_LINE_BYTES = 1 << 20
@@ -43,64 +41,63 @@ class SseReader:
 
     def __init__(self, read1: Callable[[int], bytes]) -> None:
         self._read1 = read1
-        self._tail = b""  # the unfinished last line, as bytes (never longer than MAX_EVENT_LINE_BYTES)
+        # the unfinished last line, as the reads' pieces (joined once, when its newline comes:
+        # each byte is searched and copied once, however small the reads); at most
+        # MAX_EVENT_LINE_BYTES in all
+        self._pending: List[bytes] = []
+        self._pending_bytes = 0
 
     def __iter__(self) -> Iterator[str]:
         while True:
             data = self._read1(READ_BYTES)
             if not data:
                 return
-            # Lines are split as bytes: a newline byte never occurs inside a UTF-8 sequence, so every
-            # line decodes to whole characters, and the tail costs one copy per read, not a rescan.
-            *lines, self._tail = (self._tail + data).split(b"\n")
-            if len(self._tail) > MAX_EVENT_LINE_BYTES:
-                raise RemoteError(f"the server sent a line of more than {MAX_EVENT_LINE_BYTES} bytes "
-                                  "without an end: not an event stream of completions")
-            for line in lines:
+            # Lines are split as bytes: a newline byte never occurs inside a UTF-8 sequence, so
+            # every line decodes to whole characters.
+            for line in self._lines(data):
                 text = line.rstrip(b"\r").decode("utf-8", "replace")
                 if text.startswith("data:"):
                     yield text[len("data:"):].strip()
 
+    def _lines(self, data: bytes) -> List[bytes]:
+        """The lines ``data`` ends (the first one joined with the pending pieces); keeps the rest
+        pending. Only ``data`` is searched for newlines."""
+        lines = data.split(b"\n")
+        rest = lines.pop()
+        if lines and self._pending:
+            self._pending.append(lines[0])
+            lines[0] = b"".join(self._pending)
+            self._pending, self._pending_bytes = [], 0
+        if rest:
+            self._pending.append(rest)
+            self._pending_bytes += len(rest)
+            if self._pending_bytes > MAX_EVENT_LINE_BYTES:
+                raise RemoteError(f"the server sent a line of more than {MAX_EVENT_LINE_BYTES} bytes "
+                                  "without an end: not an event stream of completions")
+        return lines
 
-class StreamGuard:
-    """A watcher thread that shuts a stream's socket down when ``cancel`` is set, when the
-    request's time budget ends (``budget_ends``, time.monotonic(); inf = none) or when no data
-    event came for ``read_timeout`` (:meth:`saw_data` restarts that clock; keep-alive comments keep
-    bytes flowing, so the socket's own timeout never fires). A blocked read then returns and the
-    server sees the client gone (it stops generating). ``expired`` says which deadline passed.
 
-    The socket is the one the connection made: http.client sets ``conn.sock`` to None once a
-    response that ends with the connection (no chunked encoding) owns it. Set ``done`` when the
-    stream is over: the thread exits."""
+class StreamGuard(CallGuard):
+    """The watcher of a stream (see :class:`~.http.CallGuard`): its socket is shut down when
+    ``cancel`` is set, when the request's time budget ends (``budget_ends``, time.monotonic(); inf
+    = none) or when no data event came for ``read_timeout`` (:meth:`saw_data` restarts that clock;
+    keep-alive comments keep bytes flowing, so the socket's own timeout never fires). A blocked
+    read then returns and the server sees the client gone (it stops generating). ``expired`` says
+    which deadline passed."""
 
     def __init__(self, sock: socket.socket, cancel: threading.Event, read_timeout: float,
                  budget_ends: float) -> None:
-        self._sock, self._cancel, self._read_timeout = sock, cancel, read_timeout
-        self._budget_ends = budget_ends
+        self._read_timeout = read_timeout
         self._silence_ends = time.monotonic() + read_timeout
-        self.expired = ""
-        self.done = threading.Event()
-        threading.Thread(target=self._watch, daemon=True, name="gemma_spec_remote_watch").start()
+        super().__init__(sock, cancel, budget_ends)
 
     def saw_data(self) -> None:
         self._silence_ends = time.monotonic() + self._read_timeout
 
-    def budget_spent(self) -> bool:
-        return time.monotonic() >= self._budget_ends
-
-    def _watch(self) -> None:
-        while not self.done.is_set():
-            if self._cancel.wait(CANCEL_POLL):
-                break
-            now = time.monotonic()
-            if now >= self._budget_ends or now >= self._silence_ends:
-                self.expired = BUDGET if now >= self._budget_ends else SILENCE
-                break
-        if not self.done.is_set():
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)
-            except OSError:  # already closed
-                pass
+    def deadline_passed(self, now: float) -> str:
+        if self.budget_spent():
+            return BUDGET
+        return SILENCE if now >= self._silence_ends else ""
 
 
 class EndedBeforeResponse(Exception):
@@ -226,11 +223,18 @@ def choice(chunk: Mapping[str, Any]) -> Tuple[str, Optional[str]]:
     choices = chunk.get("choices") or []
     if not choices:
         return "", None
-    first = choices[0]
+    first = choices[0] if isinstance(choices, list) else None
+    if not isinstance(first, dict):
+        raise RemoteError(f"the server sent a chunk whose choices are not objects: {str(choices)[:200]!r}")
     text = first.get("text")
     if text is None:
-        text = (first.get("delta") or {}).get("content")
-    return text or "", first.get("finish_reason")
+        delta = first.get("delta") or {}
+        text = delta.get("content") if isinstance(delta, dict) else None
+    finish = first.get("finish_reason")
+    if not isinstance(text or "", str) or not isinstance(finish, (str, type(None))):
+        raise RemoteError(f"the server sent a chunk with a text or finish_reason that is not a string: "
+                          f"{str(first)[:200]!r}")
+    return text or "", finish
 
 
 __all__ = ["CANCEL_POLL", "MAX_EVENT_LINE_BYTES", "EndedBeforeResponse", "SseReader", "Stream",
