@@ -503,3 +503,58 @@ def test_a_learned_count_at_int32_saturates_and_the_cache_still_saves(serve: Any
     _, saved = learned_cache.read(cache)
     counts = [count for _, part in saved.items() for count in part.values()]
     assert max(counts) == COUNT_MAX
+
+
+def launch_sigterm_timeout(repo_root: Path) -> float:
+    """The SIGTERM timeout orin.launch.py gives the node's process (launch waits that long after
+    Ctrl-C before SIGTERM, then SIGKILL): read from the launch file, which needs launch_ros."""
+    import importlib.util
+    pytest.importorskip("launch_ros", reason="launch_ros is not installed (../shared/ros2-tools)")
+    spec = importlib.util.spec_from_file_location(
+        "orin_launch", repo_root / "gemma_spec_ros" / "launch" / "orin.launch.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return float(module.SIGTERM_TIMEOUT)
+
+
+@pytest.mark.timeout(300)
+def test_a_grammar_bomb_on_a_served_node_is_cancelled_within_1_s_and_sigterm_ends_it(
+        ros: None, repo_root: Path, venv_python: Path, tmp_path: Path) -> None:
+    """gemma-spec-serve and a goal under an ambiguous grammar whose parse states double with each
+    character (the grammar engine's work per token grew without bound: a cancel a dozen characters
+    in waited seconds for the token under way, minutes later on; deactivate and SIGTERM did nothing
+    for over a minute). Its cancel ends it within 1 s; a second one still
+    running when SIGTERM comes ends with the process within the launch file's SIGTERM timeout."""
+    import os
+    import signal
+    from gemma_spec_dev.soak.scenario import BOMB_GRAMMAR, HOSTILE_PROMPT
+    from gemma_spec_ros.client import GenerateClient
+    from support.node import serving
+    sigterm_timeout = launch_sigterm_timeout(repo_root)
+    name = f"gemma_spec_bomb_{os.getpid()}"
+    overrides = {"target.n_ctx": 512, "lookup.dynamic_path": str(tmp_path / "dynamic.bin"),
+                 "lookup.cache_dir": str(tmp_path), "limits.max_tokens": 400}
+    with serving(repo_root, venv_python, overrides, tmp_path / "serve.log", node=name) as process:
+        client = GenerateClient(f"/{name}", name=f"{name}_client")
+        try:
+            runs = []
+            for _ in range(2):
+                run = client.send(prompt=HOSTILE_PROMPT, max_tokens=400, temperature=0.0, grammar=BOMB_GRAMMAR)
+                assert run.accepted, client.logs[-1].msg if client.logs else "rejected"
+                # a dozen characters in: the old engine's parse states had doubled a dozen times
+                wait_until(lambda: len(run.streamed_text) >= 12, 60, "12 characters of text")
+                runs.append(run)
+                if len(runs) == 1:
+                    cancel_at = time.monotonic()
+                    client.cancel(run)
+                    result = run.wait_result(timeout=30)
+                    assert result.finish_reason == "cancelled", result
+                    assert run.result_at - cancel_at <= 1.0, run.result_at - cancel_at
+            signalled = time.monotonic()
+            process.send_signal(signal.SIGTERM)
+            code = process.wait(timeout=sigterm_timeout + 30)
+            took = time.monotonic() - signalled
+        finally:
+            client.close()
+        assert took <= sigterm_timeout, (took, sigterm_timeout)
+        assert code == 0, process.log.read_text()[-3000:]  # type: ignore[attr-defined]

@@ -1,8 +1,12 @@
 """gemma-spec-soak's smoke profile: the real server subprocess (embedded model, one thread) driven by
-the soak tool over loopback DDS. Invariants only (no timing assertions): 0 lost goals, invalid goals
-and parameters refused with a reason, cancels end CANCELED, streamed == result text, the same greedy
-output at the end, exit status 0 after SIGINT with goals running and queued, a valid cache file.
-The remote phase's profile runs the same with a real llama-server frozen (SIGSTOP) for 5 s."""
+the soak tool over loopback DDS, with the whole goal mix: valid goals, JSON-schema goals (every stop
+result valid), hostile grammars and schemas (refused or served, never fatal), invalid goals and
+parameters (bad default constraints among them) refused with a reason, cancels, lifecycle cycles.
+The soak's own checks must pass: 0 lost goals, goal responses within 1 s and results within their
+budget + 5 s (the soak's acceptance bounds, not a speed goal), cancels end CANCELED, streamed ==
+result text, the same greedy output at the end, exit status 0 after SIGINT with goals running and
+queued, a valid cache file. The remote phase's profile runs the same with a real llama-server
+frozen (SIGSTOP) for 5 s."""
 from __future__ import annotations
 
 import json
@@ -16,10 +20,14 @@ from typing import Any, Dict, List, Tuple
 
 import pytest
 
+from gemma_spec_dev.soak.records import GoalRecord
 from gemma_spec_dev.soak.remote_phase import DEFAULT_LLAMA_SERVER
-from gemma_spec_dev.soak.report import percentiles, render_svg, slope
-from gemma_spec_dev.soak.scenario import cycle_plan
+from gemma_spec_dev.soak.report import percentiles, render_svg, schema_check, slope, timing_checks
+from gemma_spec_dev.soak.scenario import BAD_DEFAULT_CONSTRAINTS, SCHEMAS, cycle_plan, hostile_goals
 from gemma_spec_ros.client import GoalRun, NoAnswer
+
+#: The hostile kinds the scenario sends (each must show in a run's report).
+HOSTILE_KINDS = {kind for kind, _ in hostile_goals({"max_grammar_bytes": 1024}, 8)}
 
 
 def test_helpers() -> None:
@@ -30,6 +38,27 @@ def test_helpers() -> None:
     assert cycle_plan(random.Random(0), cycles, 2) == [(1, "remote")]
     assert slope([0, 10], [100, 101]) == pytest.approx(0.1)
     assert "<polyline" in render_svg([{"t": 0.0, "rss_mib": 1.0}, {"t": 1.0, "rss_mib": 2.0}])
+
+
+def test_the_new_checks_fail_what_they_must() -> None:
+    """The report's checks on hand-made records: a stop text that is not valid for its schema, a
+    slow goal response, a result past its budget + 5 s each fail; the hostile goals fit the size
+    limit and the bad default constraints are among the invalid parameter draws."""
+    schema = json.dumps(SCHEMAS[1])  # an integer 0..99
+    def stopped(text: str) -> GoalRecord:
+        return GoalRecord(0, "json schema", False, json_schema=schema, accepted=True, finish_reason="stop",
+                          text=text, sent_at=1.0, accepted_at=1.1, result_at=2.0)
+    assert schema_check([stopped("42")])["pass"]
+    assert not schema_check([stopped("142")])["pass"] and not schema_check([stopped("4 2")])["pass"]
+    slow = GoalRecord(1, "greedy", False, accepted=False, sent_at=1.0, accepted_at=2.5)
+    late = GoalRecord(2, "greedy", False, accepted=True, sent_at=1.0, accepted_at=1.1, result_at=20.0,
+                      time_budget=10.0, finish_reason="timeout")
+    checks = timing_checks([slow, late, stopped("7")])
+    assert [check["pass"] for check in checks.values()] == [False, False]
+    assert [check["pass"] for check in timing_checks([stopped("7")]).values()] == [True, True]
+    for _, fields in hostile_goals({"max_grammar_bytes": 65536}, 8):
+        assert len((fields.get("grammar") or fields.get("json_schema")).encode()) <= 65536
+    assert ("generation.grammar", "root ::= nope") in BAD_DEFAULT_CONSTRAINTS
 
 
 class _Handle:
@@ -92,10 +121,16 @@ def test_smoke_profile(repo_root: Path, embedded_model_path: Path, tmp_path: Pat
     cache = tmp_path / "dynamic.bin"
     _, report = run_soak(
         repo_root, embedded_model_path, out,
-        ["--goals", "40", "--clients", "2", "--cycles", "1", "--cleanup-cycles", "1",
+        ["--goals", "48", "--clients", "2", "--cycles", "1", "--cleanup-cycles", "1",
+         "--hostile-share", "0.25", "--schema-share", "0.35", "--goal-budget", "20",
          "--flip-period", "0.5", "1.5", "--warmup", "5", "--goal-timeout", "120", "--final-goals", "3"],
         {"lookup.dynamic_path": str(cache), "lookup.cache_dir": str(tmp_path), "lookup.save_period": 2.0})
-    assert report["metrics"]["accepted"] > 0 and report["metrics"]["rejected"] > 0
+    metrics, checks = report["metrics"], report["checks"]
+    assert metrics["accepted"] > 0 and metrics["rejected"] > 0
+    sent = {r["kind"] for r in metrics["goal_records"] if r["hostile"]}
+    assert sent == HOSTILE_KINDS, sent
+    assert metrics["schema_goals"] > 0 and "stop results checked" in checks["schema goals: stop results valid"]["detail"]
+    assert checks["bad default constraints refused"]["pass"]
     assert (out / "soak.md").is_file() and (out / "rss.svg").is_file()
 
 

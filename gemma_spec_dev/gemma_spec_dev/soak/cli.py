@@ -6,21 +6,28 @@
 What it does (seeded, so a run can be repeated):
 
 - ``--clients`` threads send ``--goals`` goals in all: valid ones (greedy, seeded-sampled, chat
-  template, stop lists, prompts near the limits, priorities) and invalid ones of every kind the node
-  must refuse; a share of the accepted goals is cancelled at a random point: in the goal-response
+  template, stop lists, prompts near the limits, priorities, small JSON Schemas), hostile ones
+  (``--hostile-share``: an ambiguous grammar, a recursive anyOf schema, a maxLength 20000 schema, a
+  grammar nested up to ``limits.max_grammar_bytes``, in turn), which the node may refuse or serve,
+  and invalid ones of every kind the node must refuse; every goal but the invalid ones carries
+  ``--goal-budget``; a share of the accepted goals is cancelled at a random point: in the goal-response
   callback, right after acceptance (queued or in prompt evaluation), mid-stream after k feedback
   messages, or after a random delay (near or after the last feedback);
 - a parameter thread sets runtime parameters every ``--flip-period`` seconds (valid values, which
-  must be accepted, and invalid ones, which must be refused with a reason) and runs the lifecycle
+  must be accepted, and invalid ones, default constraints that do not parse among them, which must
+  be refused with a reason) and runs the lifecycle
   cycles (``--cycles`` deactivate/activate, ``--cleanup-cycles`` cleanup/configure/activate, and
   with ``--remote-phase`` a phase on ``backend: remote`` with a real llama-server frozen by SIGSTOP
   for ``--freeze`` seconds: see :mod:`.remote_phase`);
 - at the end it sends a few goals and, with them running and queued, stops the server with SIGINT.
 
-Checks (each PASS/FAIL in the report): every accepted goal got one result (0 lost); every invalid
-goal and parameter was refused (with a reason logged / returned); a goal whose cancel was accepted
-ended CANCELED (or SUCCEEDED if it finished first); streamed text equals the result text; the same
-greedy output at the end as at the start; exit status 0; the dynamic cache file valid afterwards.
+Checks (each PASS/FAIL in the report): every accepted goal got one result (0 lost); every goal
+response within 1 s of its request; every result within its budget + 5 s; every invalid goal and
+parameter refused (rejections counted on /diagnostics and logged, refusals with a reason); a goal
+whose cancel was accepted ended CANCELED (or SUCCEEDED if it finished first); every schema goal that
+ended ``stop`` is JSON valid for its schema (jsonschema); streamed text equals the result text;
+the same greedy output at the end as at the start; exit status 0; the dynamic cache file valid
+afterwards.
 Opt-in checks for long runs: ``--max-rss-slope`` (RSS slope after warm-up) and ``--cancel-bound``
 (p99 cancel-to-result within one prompt chunk + 2 target passes, both taken from the results' own
 timings: p99 of prompt time per ``n_batch`` chunk and of verify time per pass).
@@ -60,6 +67,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="keep sending goals until this long has passed, even past --goals")
     parser.add_argument("--clients", type=int, default=3)
     parser.add_argument("--invalid-share", type=float, default=0.15)
+    parser.add_argument("--hostile-share", type=float, default=0.05,
+                        help="share of the other goals whose constraint attacks the grammar engine")
+    parser.add_argument("--schema-share", type=float, default=0.1,
+                        help="share of the remaining goals constrained by a small JSON Schema")
+    parser.add_argument("--goal-budget", type=float, default=30.0, metavar="SECONDS",
+                        help="time_budget of every goal but the invalid ones (checked: result within "
+                             "budget + 5 s)")
     parser.add_argument("--cancel-share", type=float, default=0.25)
     parser.add_argument("--max-tokens", type=int, default=24, help="largest max_tokens of a valid goal")
     parser.add_argument("--flip-period", type=float, nargs=2, default=(0.5, 2.0), metavar=("MIN", "MAX"))

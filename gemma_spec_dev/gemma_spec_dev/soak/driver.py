@@ -28,12 +28,15 @@ from gemma_spec_ros.client import GenerateClient, GoalRun, NoAnswer, action_name
 from . import remote_phase
 from .procfs import proc_sample
 from .records import GoalRecord, Sample, SoakRun
-from .scenario import (CANCEL_POINTS, COMPLETION_PROMPTS, GOLDEN, INVALID_PARAMETER_SHARE, cycle_plan,
-                       invalid_goals, parameter_draws, valid_goal)
+from .scenario import (BAD_DEFAULT_CONSTRAINTS, CANCEL_POINTS, COMPLETION_PROMPTS, GOLDEN,
+                       INVALID_PARAMETER_SHARE, cycle_plan, hostile_goals, invalid_goals, parameter_draws,
+                       schema_goal, valid_goal)
 
-#: The node's limits.* parameters the invalid goals are made to exceed.
+#: The node's limits.* parameters the invalid goals are made to exceed (and the hostile ones to fill).
 LIMITS = ("limits.max_tokens", "limits.max_prompt_tokens", "limits.max_prompt_bytes",
-          "limits.max_stop_strings", "limits.max_stop_length")
+          "limits.max_stop_strings", "limits.max_stop_length", "limits.max_grammar_bytes")
+#: Seconds the end of the run waits for /diagnostics to count the last rejections.
+DIAGNOSTICS_WAIT = 10.0
 
 
 def server_n_batch(params_files: Sequence[str], overrides: Dict[str, str]) -> int:
@@ -59,6 +62,7 @@ class Soak:
         self.records: List[GoalRecord] = []
         self.lock = threading.Lock()
         self.next_index = 0
+        self.hostile_sent = 0  # the hostile goals go round their kinds in order (each one is sent)
         self.param_results: List[Dict[str, Any]] = []
         self.transitions: List[Dict[str, Any]] = []
         self.samples: List[Sample] = []
@@ -135,6 +139,7 @@ class Soak:
         flipper.join()
         self._ensure_active()
         golden_end = self._golden()
+        node_rejected = self._node_rejected()
         finals = self._final_sigint()
         sampler.join(timeout=self.args.sample_period + 5)
         exit_status = self.server.wait(timeout=120)
@@ -142,7 +147,24 @@ class Soak:
         return SoakRun(records=self.records + finals, golden_start=golden_start, golden_end=golden_end,
                        exit_status=exit_status, seconds=time.monotonic() - started, samples=self.samples,
                        param_results=self.param_results, transitions=self.transitions,
-                       serve_log=(self.out / "serve.log").read_text(errors="replace"), remote=self.remote)
+                       serve_log=(self.out / "serve.log").read_text(errors="replace"), remote=self.remote,
+                       node_rejected=node_rejected)
+
+    def _node_rejected(self) -> int:
+        """"requests rejected" on the node's /diagnostics once it counts every goal the clients saw
+        rejected (or after DIAGNOSTICS_WAIT seconds: the last count it gave)."""
+        with self.lock:
+            seen = sum(1 for r in self.records if r.accepted is False)
+        deadline = time.monotonic() + DIAGNOSTICS_WAIT
+        count = -1
+        while time.monotonic() < deadline:
+            status = self.client.latest_status(spec_status_name(self.args.node_name))
+            values = {kv.key: kv.value for kv in status.values} if status is not None else {}
+            count = int(values.get("requests rejected", -1))
+            if count >= seen:
+                break
+            time.sleep(0.2)
+        return count
 
     def model_path(self) -> str:
         """The node's target.model_path, for the remote phase's server."""
@@ -199,17 +221,12 @@ class Soak:
             index = self._take_index()
             if index is None:
                 return
-            if rng.random() < self.args.invalid_share:
-                kind, fields = rng.choice(invalid)
-                record = GoalRecord(index, kind, invalid=True)
-            else:
-                kind, fields = valid_goal(rng, self.limits, self.args.max_tokens)
-                record = GoalRecord(index, kind, invalid=False)
-                if rng.random() < self.args.cancel_share:
-                    record.cancel_point = rng.choice(CANCEL_POINTS)
+            record, fields = self._draw_goal(rng, index, invalid)
+            if not record.invalid:  # the report checks that each result comes within its budget
+                fields["time_budget"] = record.time_budget = self.args.goal_budget
             if self.remote is not None and self.remote.active:
                 record.remote = True
-                if not record.invalid:  # the phase checks that each goal ends within its budget
+                if not record.invalid:  # the phase checks its goals against its own budget
                     fields["time_budget"] = record.time_budget = self.remote.budget
             with self.lock:
                 self.records.append(record)
@@ -219,12 +236,35 @@ class Soak:
             finally:
                 with self.lock:
                     self.in_flight -= 1
-            if record.accepted is False and not record.invalid:
+            if record.accepted is False and not (record.invalid or record.hostile):
                 # a valid goal refused (queue full, node inactive): a client retries later, as a
                 # planner would; without a pause the goal count would be spent in rejections
                 # whenever the node is inactive (a rejection takes ~2 ms)
                 time.sleep(rng.uniform(0.1, 0.5))
             self._progress()
+
+    def _draw_goal(self, rng: random.Random, index: int,
+                   invalid: List[Tuple[str, Dict[str, Any]]]) -> Tuple[GoalRecord, Dict[str, Any]]:
+        """The next goal of a client: invalid, hostile (their kinds in turn), constrained by a
+        schema, or another valid one (which may get a cancel point)."""
+        if rng.random() < self.args.invalid_share:
+            kind, fields = rng.choice(invalid)
+            return GoalRecord(index, kind, invalid=True), fields
+        if rng.random() < self.args.hostile_share:
+            hostile = hostile_goals(self.limits, self.args.max_tokens)
+            with self.lock:
+                kind, fields = hostile[self.hostile_sent % len(hostile)]
+                self.hostile_sent += 1
+            record = GoalRecord(index, kind, invalid=False, hostile=True)
+        elif rng.random() < self.args.schema_share:
+            kind, fields = schema_goal(rng)
+            record = GoalRecord(index, kind, invalid=False, json_schema=fields["json_schema"])
+        else:
+            kind, fields = valid_goal(rng, self.limits, self.args.max_tokens)
+            record = GoalRecord(index, kind, invalid=False)
+        if rng.random() < self.args.cancel_share:
+            record.cancel_point = rng.choice(CANCEL_POINTS)
+        return record, dict(fields)
 
     def _run_goal(self, record: GoalRecord, fields: Dict[str, Any], rng: random.Random) -> None:
         """Send one goal, cancel it at its cancel point, wait for its result, and write down what
@@ -309,21 +349,27 @@ class Soak:
         cycles = ["deactivate"] * self.args.cycles + ["cleanup"] * self.args.cleanup_cycles
         cycles += ["remote"] if self.remote is not None else []
         plan = cycle_plan(rng, cycles, self.args.goals)
+        first = list(BAD_DEFAULT_CONSTRAINTS)  # each once, early: a short run sets them too
         while not self.stop_event.wait(rng.uniform(*self.args.flip_period)):
             if plan and self.next_index >= plan[0][0]:
                 self._cycle(plan.pop(0)[1])
                 continue
+            if first:
+                name, value = first.pop(0)
+                self._set_and_note(name, value, valid=False)
+                continue
             is_valid = rng.random() >= INVALID_PARAMETER_SHARE
             name, value_of = rng.choice(valid if is_valid else invalid)
-            value = value_of()
-            try:
-                ok, reason = self._set(name, value)
-            except NoAnswer as exc:
-                ok, reason = False, f"no answer: {exc}"
-            self.param_results.append({"name": name, "value": value, "valid": is_valid,
-                                       "ok": ok, "reason": reason})
+            self._set_and_note(name, value_of(), is_valid)
         for _, label in plan:  # cycles the goals finished too early for
             self._cycle(label)
+
+    def _set_and_note(self, name: str, value: Any, valid: bool) -> None:
+        try:
+            ok, reason = self._set(name, value)
+        except NoAnswer as exc:
+            ok, reason = False, f"no answer: {exc}"
+        self.param_results.append({"name": name, "value": value, "valid": valid, "ok": ok, "reason": reason})
 
     def _cycle(self, label: str) -> None:
         if label == "deactivate":

@@ -14,6 +14,8 @@ class GoalRecord:
     index: int
     kind: str
     invalid: bool
+    hostile: bool = False  # a constraint that attacks the grammar engine: refused or served, never fatal
+    json_schema: str = ""  # the goal's schema: a text that ends ``stop`` must be valid for it
     cancel_point: str = ""
     accepted: Optional[bool] = None
     status: int = 0
@@ -65,6 +67,7 @@ class SoakRun:
     transitions: List[Dict[str, Any]]  # transition, ok, seconds of every lifecycle transition
     serve_log: str  # the server's output
     remote: Optional[Any] = None  # the remote phase (remote_phase.RemotePhase), if it ran
+    node_rejected: int = -1  # "requests rejected" on the node's /diagnostics at the end (-1: not read)
 
 
 @dataclass

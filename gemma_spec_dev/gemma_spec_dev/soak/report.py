@@ -3,15 +3,25 @@ slopes), and soak.md / rss.svg, all from the :class:`~.records.SoakRun` the driv
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 from dataclasses import asdict
 from typing import Any, Dict, List, Sequence
 
+import jsonschema
+
 from gemma_spec_ros.engine import learned_cache
 from gemma_spec_ros.node.diagnostics import percentile
 
 from .records import GoalRecord, Report, SoakRun
+from .scenario import BAD_DEFAULT_CONSTRAINTS
+
+#: The longest a goal response may take (from the request to the accept/reject answer).
+RESPONSE_BOUND = 1.0
+#: Seconds a result may come after its goal's time budget ran out (the budget counts from
+#: acceptance; this covers the last step, the result's delivery and the client's side).
+RESULT_MARGIN = 5.0
 
 
 def percentiles(values: Sequence[float]) -> Dict[str, float]:
@@ -60,14 +70,28 @@ def build_report(run: SoakRun, args: argparse.Namespace) -> Report:
     report = Report(config={k: v for k, v in vars(args).items()})
     checks = report.checks
     checks["0 lost"] = {"pass": not lost, "detail": f"{len(accepted)} accepted, lost: {lost[:20]}"}
+    checks.update(timing_checks(records))
     checks["invalid goals refused"] = {
         "pass": not invalid_accepted,
         "detail": f"{sum(r.invalid for r in records)} invalid sent; accepted: {invalid_accepted[:10]}"}
-    checks["rejections logged with a reason"] = {
-        "pass": rejections_logged >= rejected,
-        "detail": f"{rejected} rejected, {rejections_logged} 'goal rejected: <reason>' log lines"}
+    checks["hostile goals refused or served"] = hostile_check(records)
+    checks["schema goals: stop results valid"] = schema_check(records)
+    before_final = sum(1 for r in records if r.accepted is False and r.kind != "final")
+    checks["rejections counted and logged"] = {
+        # the node logs a burst of rejections, then a few per minute (a client refused in a loop
+        # must not fill the disk); /diagnostics counts every one
+        "pass": run.node_rejected >= before_final and (rejections_logged >= 1 or not rejected),
+        "detail": f"{rejected} rejected; /diagnostics counted {run.node_rejected} before the final "
+                  f"goals; {rejections_logged} 'goal rejected: <reason>' log lines"}
     checks["parameters"] = {"pass": not params_bad,
                             "detail": f"{len(run.param_results)} sets; wrong: {params_bad[:5]}"}
+    bad_defaults = [p for p in run.param_results if p["name"].startswith("generation.")
+                    and (p["name"], p["value"]) in BAD_DEFAULT_CONSTRAINTS]
+    checks["bad default constraints refused"] = {
+        "pass": len(bad_defaults) >= len(BAD_DEFAULT_CONSTRAINTS)
+                and not any(p["ok"] or not p["reason"] for p in bad_defaults),
+        "detail": f"{len(bad_defaults)} sets; accepted or without a reason: "
+                  f"{[p['name'] for p in bad_defaults if p['ok'] or not p['reason']][:5]}"}
     checks["cancel accepted -> CANCELED"] = {
         "pass": not bad_cancels, "detail": f"violations (index, point, status): {bad_cancels[:10]}"}
     checks["streamed == result"] = {"pass": not mismatched, "detail": f"mismatches: {mismatched[:10]}"}
@@ -108,6 +132,60 @@ def build_report(run: SoakRun, args: argparse.Namespace) -> Report:
     return report
 
 
+def timing_checks(records: Sequence[GoalRecord]) -> Dict[str, Dict[str, Any]]:
+    """Every goal response within :data:`RESPONSE_BOUND`; every result within its budget +
+    :data:`RESULT_MARGIN` (from the request: the budget counts from acceptance)."""
+    answered = [r for r in records if r.accepted is not None and r.accepted_at]
+    slow = [(r.index, r.kind, round(r.accepted_at - r.sent_at, 3)) for r in answered
+            if r.accepted_at - r.sent_at > RESPONSE_BOUND]
+    budgeted = [r for r in records if r.accepted and r.result_at and r.time_budget]
+    late = [(r.index, r.kind, r.finish_reason, round(r.result_at - r.sent_at, 1), r.time_budget)
+            for r in budgeted if r.result_at - r.sent_at > r.time_budget + RESULT_MARGIN]
+    worst = max((r.accepted_at - r.sent_at for r in answered), default=math.nan)
+    return {
+        f"goal responses within {RESPONSE_BOUND:g} s": {
+            "pass": not slow,
+            "detail": f"{len(answered)} answered, slowest {worst:.3f} s; slower (index, kind, s): {slow[:10]}"},
+        f"results within budget + {RESULT_MARGIN:g} s": {
+            "pass": not late,
+            "detail": f"{len(budgeted)} results with a budget; late (index, kind, reason, s, budget): {late[:10]}"},
+    }
+
+
+def hostile_check(records: Sequence[GoalRecord]) -> Dict[str, Any]:
+    """Each hostile kind was sent, and each such goal was refused or got its result (how they
+    ended, by kind, in the detail)."""
+    outcomes: Dict[str, Dict[str, int]] = {}
+    unanswered = []
+    for r in records:
+        if not r.hostile:
+            continue
+        outcome = ("rejected" if r.accepted is False else r.finish_reason if r.result_at else "no result")
+        by_kind = outcomes.setdefault(r.kind, {})
+        by_kind[outcome] = by_kind.get(outcome, 0) + 1
+        if outcome == "no result" or r.accepted is None:
+            unanswered.append(r.index)
+    return {"pass": bool(outcomes) and not unanswered,
+            "detail": f"{outcomes}; without an answer or result: {unanswered[:10]}"}
+
+
+def schema_check(records: Sequence[GoalRecord]) -> Dict[str, Any]:
+    """Every schema goal that ended ``stop`` holds a JSON text valid for its schema (jsonschema)."""
+    done = [r for r in records if r.json_schema and r.result_at]
+    stopped = [r for r in done if r.finish_reason == "stop"]
+    invalid = []
+    for r in stopped:
+        try:
+            jsonschema.validate(json.loads(r.text), json.loads(r.json_schema))
+        except (ValueError, jsonschema.ValidationError) as exc:
+            invalid.append((r.index, r.text[:40], str(exc).splitlines()[0][:80]))
+    reasons: Dict[str, int] = {}
+    for r in done:
+        reasons[r.finish_reason] = reasons.get(r.finish_reason, 0) + 1
+    return {"pass": bool(stopped) and not invalid,
+            "detail": f"{len(done)} ended {reasons}; {len(stopped)} stop results checked; not valid: {invalid[:5]}"}
+
+
 def check_cache(args: argparse.Namespace) -> Dict[str, Any]:
     """The dynamic n-gram cache file the server wrote (``--set lookup.dynamic_path:=...``) reads back."""
     path = dict(item.split(":=", 1) for item in args.set).get("lookup.dynamic_path", "")
@@ -125,6 +203,8 @@ def metrics(run: SoakRun, args: argparse.Namespace, rejected: int) -> Dict[str, 
     samples = run.samples
     done = [r for r in records if r.result_at]
     latency = percentiles([r.result_at - r.sent_at for r in done])
+    response = percentiles([r.accepted_at - r.sent_at for r in records if r.accepted is not None and r.accepted_at])
+    over_budget = percentiles([r.result_at - r.sent_at - r.time_budget for r in done if r.time_budget])
     cancel = percentiles([r.result_at - r.cancel_at for r in done if r.cancel_at])
     queue = percentiles([r.queue_wait for r in done])
     warm = [s for s in samples if s.goals_done >= args.warmup and s.serving]
@@ -140,6 +220,9 @@ def metrics(run: SoakRun, args: argparse.Namespace, rejected: int) -> Dict[str, 
         "rejected": rejected, "finish_reasons": statuses,
         "cancels": sum(1 for r in records if r.cancel_at),
         "latency_s": latency, "queue_wait_s": queue, "cancel_to_result_s": cancel,
+        "goal_response_s": response, "result_minus_budget_s": over_budget,
+        "hostile_sent": sum(1 for r in records if r.hostile),
+        "schema_goals": sum(1 for r in records if r.json_schema),
         "rss_mib_first": samples[0].rss_mib if samples else math.nan,
         "rss_mib_last": samples[-1].rss_mib if samples else math.nan,
         "rss_slope_mib_per_1000_goals": per_goal * 1000,
@@ -167,7 +250,8 @@ def render_markdown(report: Report) -> str:
     for name, check in report.checks.items():
         lines.append(f"| {name} | {'PASS' if check['pass'] else 'FAIL'} | {check['detail']} |")
     lines += ["", "| measure | p50 | p95 | p99 | n |", "|---|---|---|---|---|"]
-    for key, label in (("latency_s", "latency (s)"), ("queue_wait_s", "queue wait (s)"),
+    for key, label in (("goal_response_s", "goal response (s)"), ("latency_s", "latency (s)"),
+                       ("result_minus_budget_s", "result minus budget (s)"), ("queue_wait_s", "queue wait (s)"),
                        ("cancel_to_result_s", "cancel to result (s)"), ("step_ms", "target pass (ms)"),
                        ("chunk_ms", "prompt chunk (ms)")):
         p = m[key]

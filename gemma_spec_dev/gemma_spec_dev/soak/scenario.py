@@ -1,8 +1,10 @@
-"""What the soak sends: the goals (valid ones of every kind, and the invalid ones the node must
+"""What the soak sends: the goals (valid ones of every kind, constrained ones whose text must
+follow their JSON Schema, hostile ones the node must survive, and the invalid ones it must
 refuse), where a goal is cancelled, the parameter values it sets, and when the lifecycle cycles
 come. Pure data and seeded draws: the same seed gives the same run."""
 from __future__ import annotations
 
+import json
 import random
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
@@ -20,6 +22,38 @@ GOLDEN = dict(prompt="def mul(a, b):\n    return a * b\n\ndef div(a, b):\n", max
               temperature=0.0, seed=1, spec_mode="off")
 #: The share of parameter sets that use an invalid value (which the node must refuse).
 INVALID_PARAMETER_SHARE = 0.2
+#: JSON Schemas of the valid constrained goals: small and bounded, so that
+#: :data:`SCHEMA_MAX_TOKENS` lets the text complete; every such goal that ends ``stop`` must be
+#: JSON valid for its schema.
+SCHEMAS = (
+    {"type": "boolean"},
+    {"type": "integer", "minimum": 0, "maximum": 99},
+    {"enum": ["kitchen", "hallway", "office", "lab"]},
+    {"type": "object", "properties": {"room": {"enum": ["kitchen", "lab"]},
+                                      "steps": {"type": "integer", "minimum": 1, "maximum": 9}},
+     "required": ["room", "steps"], "additionalProperties": False},
+)
+SCHEMA_MAX_TOKENS = 32
+#: The prompt of the hostile goals (a plain completion: the constraint is the attack).
+HOSTILE_PROMPT = "Write a short story about a robot:"
+#: An ambiguous grammar whose parse states double with every character (39 bytes of rules): the
+#: work per token of a grammar engine that keeps every stack grows without bound.
+BOMB_GRAMMAR = 'root ::= x\nx ::= . x "1" | . x "2" | ""'
+#: A recursive anyOf of two array schemas that share a prefix (the same growth through a schema).
+RECURSIVE_ANYOF_SCHEMA = json.dumps(
+    {"$defs": {"n": {"anyOf": [{"type": "array", "items": {"$ref": "#/$defs/n"}},
+                               {"type": "array", "items": {"$ref": "#/$defs/n"}, "maxItems": 1}]}},
+     "$ref": "#/$defs/n"})
+#: 38 bytes that a converter writing one nested group per character expands into 20,000 levels.
+LONG_STRING_SCHEMA = '{"type": "string", "maxLength": 20000}'
+#: Default constraints that cannot serve a goal: each must be refused when set (the parameter
+#: thread sets each once first, then among the other invalid values), never accepted and then
+#: refusing every goal that sets no constraint of its own.
+BAD_DEFAULT_CONSTRAINTS = (
+    ("generation.grammar", "root ::= nope"),
+    ("generation.json_schema", '{"type": "strin'),
+    ("generation.grammar", BOMB_GRAMMAR + "\nbroken ::= ("),
+)
 
 #: (parameter name, a draw of its value) for the parameter thread.
 ParameterDraws = List[Tuple[str, Callable[[], Any]]]
@@ -48,6 +82,37 @@ def invalid_goals(limits: Dict[str, int]) -> List[Tuple[str, Dict[str, Any]]]:
                                                           limits["max_prompt_bytes"] // 6))))),
         ("draft mode without a draft model", dict(prompt="hi", spec_mode="draft")),
     ]
+
+
+def nested_grammar(max_bytes: int) -> str:
+    """A grammar of nested groups as deep as ``max_bytes`` (limits.max_grammar_bytes) allows.
+
+    >>> print(nested_grammar(20))
+    root ::= (((("a"))))
+    """
+    depth = max(1, (max_bytes - len('root ::= "a"')) // 2)
+    return "root ::= " + "(" * depth + '"a"' + ")" * depth
+
+
+def hostile_goals(limits: Dict[str, int], max_tokens: int) -> List[Tuple[str, Dict[str, Any]]]:
+    """(kind, goal fields) of goals whose constraint attacks the grammar engine: the node may
+    refuse each with a reason or serve it, but must answer at once, end it within its budget and
+    keep serving (the caller adds the budget)."""
+    base = dict(prompt=HOSTILE_PROMPT, max_tokens=max_tokens, temperature=0.0)
+    return [
+        ("hostile: ambiguous grammar", dict(base, grammar=BOMB_GRAMMAR)),
+        ("hostile: recursive anyOf schema", dict(base, json_schema=RECURSIVE_ANYOF_SCHEMA)),
+        ("hostile: maxLength 20000 schema", dict(base, json_schema=LONG_STRING_SCHEMA)),
+        ("hostile: grammar nested to the size limit", dict(base, grammar=nested_grammar(limits["max_grammar_bytes"]))),
+    ]
+
+
+def schema_goal(rng: random.Random) -> Tuple[str, Dict[str, Any]]:
+    """(kind, goal fields) of a valid constrained goal (its schema as text in ``json_schema``)."""
+    schema = rng.choice(SCHEMAS)
+    return "json schema", dict(prompt=rng.choice(COMPLETION_PROMPTS), max_tokens=SCHEMA_MAX_TOKENS,
+                               temperature=rng.choice([0.0, 0.8]), seed=rng.randint(0, 1 << 30),
+                               json_schema=json.dumps(schema))
 
 
 def valid_goal(rng: random.Random, limits: Dict[str, int], max_tokens: int) -> Tuple[str, Dict[str, Any]]:
@@ -86,7 +151,8 @@ def parameter_draws(rng: random.Random) -> Tuple[ParameterDraws, ParameterDraws]
     invalid = [("spec.mode", lambda: "hyperdrive"), ("spec.draft_max", lambda: 999),
                ("spec.verification", lambda: "maybe"), ("spec.mode", lambda: "draft"),
                ("generation.max_tokens", lambda: 10 ** 7),
-               ("target.n_ctx", lambda: 4096)]  # configure-time: refused while configured
+               ("target.n_ctx", lambda: 4096),  # configure-time: refused while configured
+               *((name, lambda value=value: value) for name, value in BAD_DEFAULT_CONSTRAINTS)]
     return valid, invalid
 
 
