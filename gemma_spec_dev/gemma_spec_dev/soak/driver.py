@@ -294,6 +294,7 @@ class Soak:
             record.accepted, record.lost = None, True
             return
         record.accepted_at, record.accepted = run.accepted_at, run.accepted
+        record.response_lost = bool(getattr(run, "response_lost", False))
         if not record.accepted:
             return
         if record.cancel_point == "accepted":

@@ -31,6 +31,9 @@ class GoalRecord:
     accepted_at: float = 0.0
     started_at: float = 0.0
     lost: bool = False
+    # the goal response never reached the client (ros2/rclpy#1123, goal side); the client found the
+    # goal accepted in the action's status later: a client-side delay, not the server's answer time
+    response_lost: bool = False
     # the result came only for a re-sent result request: the first one's response was dropped by
     # the client (ros2/rclpy#1123, result side; the driver logs "Ignoring unexpected result response")
     result_resent: bool = False
