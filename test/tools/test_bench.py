@@ -255,7 +255,7 @@ def test_report_only_remakes_the_same_files_from_unrounded_runs(tmp_path: Path, 
     read the rounded ones. Both must give the same results.json and tables, byte for byte (a ratio
     computed from unrounded rates once landed on the other side of a table's rounding, 1.00x vs 0.99x).
     The runs are a committed bench's, each float nudged off its 6-digit rounding."""
-    results = json.loads((repo_root / "docs/bench/cpu_random/results.json").read_text())
+    results = json.loads((repo_root / "docs/bench/cpu_ksweep_native/results.json").read_text())
 
     def nudge(value: Any, i: int) -> Any:
         if isinstance(value, float):
