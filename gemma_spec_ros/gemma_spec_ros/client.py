@@ -8,6 +8,16 @@ bench's ``--via-action`` runner and the node tests all drive the node through th
 Blocking: each call returns when the node has answered, or raises :class:`NoAnswer`. The few hooks
 (``on_feedback``, ``on_accepted`` of :meth:`GenerateClient.send_goal`) run on the executor's
 threads: they must not block (a cancel from there is :meth:`GoalRun.cancel_async`).
+
+Lost responses. rclpy's ActionClient (Humble's before its late-2025 releases, Jazzy's 7.1 too:
+ros2/rclpy#1123) registers a request only after sending it, so a response that its executor takes
+in between is dropped ("Ignoring unexpected goal response" / "... result response") and the
+request's future never completes. A result is asked for again (:meth:`GoalRun.wait_result`'s
+``resend_after``). A goal response is not sent again, but the goal's id is ours: when none came
+within :data:`GOAL_RESPONSE_GRACE` seconds, the client looks for that id in the action's status
+topic, which lists every goal the server accepted; found, the goal counts as accepted (its result,
+feedback and cancel work as usual); never found, :meth:`GenerateClient.send_goal` raises
+:class:`NoAnswer` at its timeout (rejected or lost: a rejected goal is in no status list).
 """
 from __future__ import annotations
 
@@ -20,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import rclpy
+from action_msgs.msg import GoalStatusArray
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from gemma_spec_msgs.action import Generate
 from gemma_spec_msgs.msg import SpecStats as SpecStatsMsg
@@ -28,6 +39,7 @@ from lifecycle_msgs.srv import ChangeState, GetState
 from rcl_interfaces.msg import Log, SetParametersResult
 from rcl_interfaces.srv import GetParameters, SetParameters
 from rclpy.action import ActionClient
+from rclpy.action.client import ClientGoalHandle
 from .executors import MultiThreadedExecutor
 from rclpy.parameter import Parameter, parameter_value_to_python
 from rclpy.qos import QoSDurabilityPolicy, QoSProfile, QoSReliabilityPolicy
@@ -42,6 +54,13 @@ TRANSITIONS = {"configure": Transition.TRANSITION_CONFIGURE,
                "shutdown": Transition.TRANSITION_UNCONFIGURED_SHUTDOWN}
 _SHUTDOWN_FROM = {"inactive": Transition.TRANSITION_INACTIVE_SHUTDOWN,
                   "active": Transition.TRANSITION_ACTIVE_SHUTDOWN}
+
+
+#: Seconds without a goal response after which the client looks for the goal in the action's status
+#: (see "Lost responses" above); a response normally takes milliseconds.
+GOAL_RESPONSE_GRACE = 5.0
+#: Seconds between looks at the status once that grace has passed.
+STATUS_POLL = 0.05
 
 
 class NoAnswer(AssertionError):
@@ -97,6 +116,9 @@ class GoalRun:
     _result_future: Any = None  # the first result request's future
     _on_feedback: Optional[Callable[[Any], None]] = None  # send_goal's on_feedback hook
     _responded: threading.Event = field(default_factory=threading.Event)
+    _respond_lock: threading.Lock = field(default_factory=threading.Lock)
+    #: the goal came as accepted from the action's status, its response having been lost
+    response_lost: bool = False
     _finished: threading.Event = field(default_factory=threading.Event)
 
     def wait_feedback(self, count: int = 1, timeout: float = 60.0) -> Any:
@@ -129,14 +151,21 @@ class GoalRun:
         return self.handle.cancel_goal_async()
 
     def _on_response(self, future: Any, on_accepted: Optional[Callable[["GoalRun"], None]]) -> None:
-        self.handle = future.result()
-        self.accepted_at = time.monotonic()
-        self.accepted = bool(self.handle.accepted)
-        if self.accepted:
-            if on_accepted is not None:  # before the result request: a cancel from here goes first
-                on_accepted(self)
-            self._result_future = self._request_result(resent=False)
-        self._responded.set()
+        self._responded_with(future.result(), on_accepted)
+
+    def _responded_with(self, handle: Any, on_accepted: Optional[Callable[["GoalRun"], None]]) -> None:
+        """The goal's handle, from its response or from the status (the first of the two wins)."""
+        with self._respond_lock:
+            if self._responded.is_set():
+                return
+            self.handle = handle
+            self.accepted_at = time.monotonic()
+            self.accepted = bool(handle.accepted)
+            if self.accepted:
+                if on_accepted is not None:  # before the result request: a cancel from here goes first
+                    on_accepted(self)
+                self._result_future = self._request_result(resent=False)
+            self._responded.set()
 
     def _request_result(self, resent: bool) -> Any:
         future = self.handle.get_result_async()
@@ -190,6 +219,14 @@ class GenerateClient:
         self.node.create_subscription(Generate.Impl.FeedbackMessage,
                                       f"{action_name(self.node_path)}/_action/feedback",
                                       self._on_feedback_message, QoSProfile(depth=1000))
+        # The ids of the goals the server lists as accepted, kept only for goals whose response has
+        # not come (see "Lost responses"); the status topic's QoS is the server's (rcl_action's).
+        self._listed: Dict[bytes, Any] = {}  # goal id -> its GoalInfo in the server's status
+        self._awaiting: Dict[bytes, GoalRun] = {}
+        self.node.create_subscription(GoalStatusArray, f"{action_name(self.node_path)}/_action/status",
+                                      self._on_status, QoSProfile(
+                                          depth=1, reliability=QoSReliabilityPolicy.RELIABLE,
+                                          durability=QoSDurabilityPolicy.TRANSIENT_LOCAL))
         self._keep_history = keep_history
         self.diagnostics: List[DiagnosticStatus] = []
         self._latest: Dict[str, DiagnosticStatus] = {}
@@ -284,20 +321,58 @@ class GenerateClient:
         # _runs_by_goal (weak values) until a garbage collection
         run._on_feedback = guarded(on_feedback, who) if on_feedback is not None else None
         goal_id = UUID(uuid=list(uuid.uuid4().bytes))
+        key = bytes(goal_id.uuid)
         with self._lock:
-            self._runs_by_goal[bytes(goal_id.uuid)] = run
+            self._runs_by_goal[key] = run
+            self._awaiting[key] = run
         run.sent_at = time.monotonic()
-        future = self.action.send_goal_async(goal, goal_uuid=goal_id)
         accepted_hook = guarded(on_accepted, who) if on_accepted is not None else None
-        future.add_done_callback(guarded(lambda done: run._on_response(done, accepted_hook), who))
-        if not run._responded.wait(timeout):
-            raise NoAnswer(f"timed out after {timeout:.0f} s waiting for the goal response")
+        try:
+            future = self.action.send_goal_async(goal, goal_uuid=goal_id)
+            future.add_done_callback(guarded(lambda done: run._on_response(done, accepted_hook), who))
+            self._wait_response(run, goal_id, timeout, accepted_hook)
+        finally:
+            with self._lock:
+                self._awaiting.pop(key, None)
+                self._listed.pop(key, None)
         return run
+
+    def _wait_response(self, run: GoalRun, goal_id: UUID, timeout: Optional[float],
+                       on_accepted: Optional[Callable[[GoalRun], None]]) -> None:
+        """Until the goal's response, or its id in the server's status once
+        :data:`GOAL_RESPONSE_GRACE` seconds have passed without one (a lost response: see the
+        module docstring); :class:`NoAnswer` after ``timeout`` seconds (None: no limit)."""
+        deadline = None if timeout is None else run.sent_at + timeout
+        while True:
+            waited = time.monotonic() - run.sent_at
+            wait = STATUS_POLL if waited >= GOAL_RESPONSE_GRACE else GOAL_RESPONSE_GRACE - waited
+            if deadline is not None:
+                wait = min(wait, max(0.0, deadline - time.monotonic()))
+            if run._responded.wait(wait):
+                return
+            with self._lock:
+                listed = self._listed.get(bytes(goal_id.uuid))
+            if listed is not None and time.monotonic() - run.sent_at >= GOAL_RESPONSE_GRACE:
+                self.node.get_logger().warning(
+                    "no goal response (lost: ros2/rclpy#1123); the server lists the goal as accepted")
+                response = Generate.Impl.SendGoalService.Response(accepted=True, stamp=listed.stamp)
+                run.response_lost = True
+                run._responded_with(ClientGoalHandle(self.action, goal_id, response), on_accepted)
+            elif deadline is not None and time.monotonic() >= deadline:
+                raise NoAnswer(f"timed out after {timeout:.0f} s waiting for the goal response (and "
+                               "the server does not list the goal: rejected, or never received)")
 
     def cancel(self, run: GoalRun, timeout: float = 30.0) -> Any:
         return wait_future(run.handle.cancel_goal_async(), timeout, "cancel response")
 
     # -- topics ------------------------------------------------------------------------------------
+    def _on_status(self, message: GoalStatusArray) -> None:
+        with self._lock:
+            for status in message.status_list:
+                key = bytes(status.goal_info.goal_id.uuid)
+                if key in self._awaiting:
+                    self._listed[key] = status.goal_info
+
     def _on_feedback_message(self, message: Any) -> None:
         with self._lock:
             run = self._runs_by_goal.get(bytes(message.goal_id.uuid))
