@@ -2,11 +2,24 @@
 
     ros2 launch gemma_spec_ros orin.launch.py models_dir:=/opt/models spec_mode:=draft
 
-The lifecycle node is configured (models load) and then activated (goals accepted) automatically.
-Arguments:
+The lifecycle node configures (the models load) and activates itself at every start of its process,
+a respawned one too. Arguments:
     params_file  parameter file            (default: <share>/gemma_spec_ros/config/orin.yaml)
     models_dir   folder with the GGUFs     (default: '' = the model paths written in params_file)
     spec_mode    off | draft | lookup | draft+lookup | auto | mtp  (default: '' = params_file's spec.mode)
+    respawn      true | false: start the node again when its process dies (default: true)
+    autostart    true | false: false leaves the transitions to a lifecycle manager (nav2's, or
+                 ``ros2 lifecycle set``) (default: true)
+
+Why the node starts itself rather than this file sending it ``configure`` when its process starts:
+after a ``kill -9`` the launch's ChangeState client stays matched to the dead process's service
+until DDS's lease on it runs out, so a request sent at the respawn goes to the dead process and is
+lost, and the new node stayed unconfigured (tried with launch_ros's LifecycleNode + OnProcessStart).
+``gemma_spec_node --autostart`` runs the transitions in its own process: nothing to lose.
+
+Ctrl-C: the node ends within SHUTDOWN_BOUND seconds (gemma_spec_ros.node); launch sends SIGTERM only
+after :data:`SIGTERM_TIMEOUT` and SIGKILL :data:`SIGKILL_TIMEOUT` seconds later (launch's defaults,
+5 + 5, would kill a node that is still saving its learned cache).
 """
 from __future__ import annotations
 
@@ -15,17 +28,21 @@ from typing import Any, Dict, List
 
 from ament_index_python.packages import get_package_share_directory
 from launch import LaunchContext, LaunchDescription
-from launch.actions import DeclareLaunchArgument, EmitEvent, OpaqueFunction, RegisterEventHandler
-from launch.events import matches_action
+from launch.actions import DeclareLaunchArgument, OpaqueFunction
 from launch.substitutions import LaunchConfiguration
 from launch_ros.actions import LifecycleNode
-from launch_ros.event_handlers import OnStateTransition
-from launch_ros.events.lifecycle import ChangeState
-from lifecycle_msgs.msg import Transition
+
+from gemma_spec_ros.node import NODE_NAME, SHUTDOWN_BOUND
 
 PACKAGE = "gemma_spec_ros"
 TARGET_MODEL_FILE = "gemma-3-4b-it-q4_0.gguf"  # Gemma 3 4B-it, Google's QAT Q4_0 release
 DRAFT_MODEL_FILE = "gemma-3-1b-it-q4_0.gguf"  # Gemma 3 1B-it, same tokenizer
+#: Seconds from Ctrl-C to launch's SIGTERM: the node's own bound, and time for its process to end.
+SIGTERM_TIMEOUT = SHUTDOWN_BOUND + 5.0
+#: Seconds from SIGTERM to SIGKILL (the node treats SIGTERM as Ctrl-C; it is already ending).
+SIGKILL_TIMEOUT = 5.0
+#: Seconds before a dead node's process starts again (the models load again then).
+RESPAWN_DELAY = 2.0
 
 
 def parameter_overrides(models_dir: str, spec_mode: str) -> Dict[str, Any]:
@@ -39,34 +56,32 @@ def parameter_overrides(models_dir: str, spec_mode: str) -> Dict[str, Any]:
     return overrides
 
 
+def flag(context: LaunchContext, name: str) -> bool:
+    """A true/false launch argument (YAML's spellings, as ``ros2 launch`` users write them)."""
+    value = LaunchConfiguration(name).perform(context).strip().lower()
+    if value not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+        raise ValueError(f"launch argument {name}:={value}: expected true or false")
+    return value in ("true", "1", "yes", "on")
+
+
 def launch_node(context: LaunchContext) -> List[Any]:
-    """The node, plus the events that configure it at start and activate it once it is inactive."""
+    """The lifecycle node; it runs its own configure + activate at each start unless autostart:=false."""
     params_file = LaunchConfiguration("params_file").perform(context)
     overrides = parameter_overrides(LaunchConfiguration("models_dir").perform(context),
                                     LaunchConfiguration("spec_mode").perform(context))
-    node = LifecycleNode(
+    return [LifecycleNode(
         package=PACKAGE,
         executable="gemma_spec_node",
-        name="gemma_spec",
+        name=NODE_NAME,
         namespace="",
         output="screen",
+        arguments=["--autostart"] if flag(context, "autostart") else [],
         parameters=[params_file, overrides] if overrides else [params_file],
-    )
-    # Only after configure (configuring -> inactive): a later manual deactivate must stay inactive.
-    activate_after_configure = RegisterEventHandler(OnStateTransition(
-        target_lifecycle_node=node,
-        start_state="configuring",
-        goal_state="inactive",
-        entities=[EmitEvent(event=ChangeState(
-            lifecycle_node_matcher=matches_action(node),
-            transition_id=Transition.TRANSITION_ACTIVATE,
-        ))],
-    ))
-    configure_at_start = EmitEvent(event=ChangeState(
-        lifecycle_node_matcher=matches_action(node),
-        transition_id=Transition.TRANSITION_CONFIGURE,
-    ))
-    return [activate_after_configure, node, configure_at_start]
+        respawn=flag(context, "respawn"),
+        respawn_delay=RESPAWN_DELAY,
+        sigterm_timeout=str(SIGTERM_TIMEOUT),
+        sigkill_timeout=str(SIGKILL_TIMEOUT),
+    )]
 
 
 def generate_launch_description() -> LaunchDescription:
@@ -81,5 +96,10 @@ def generate_launch_description() -> LaunchDescription:
         DeclareLaunchArgument("spec_mode", default_value="",
                               description="off | draft | lookup | draft+lookup | auto | mtp; "
                                           "empty: params_file's spec.mode"),
+        DeclareLaunchArgument("respawn", default_value="true",
+                              description="start the node again when its process dies"),
+        DeclareLaunchArgument("autostart", default_value="true",
+                              description="configure + activate at every process start; false: "
+                                          "a lifecycle manager drives the transitions"),
         OpaqueFunction(function=launch_node),
     ])

@@ -90,8 +90,8 @@ def test_configure_fails_on_bad_models_then_recovers(client: GenerateClient, emb
         assert client.transition("configure") is False
         assert client.state() == "unconfigured"
         client.wait_log(MISSING, since=mark)
-        stale = client.wait_status(SPEC_STATUS, lambda s: MISSING in s.message)
-        assert stale.level == DiagnosticStatus.STALE
+        failed = client.wait_status(SPEC_STATUS, lambda s: MISSING in s.message)
+        assert failed.level == DiagnosticStatus.ERROR and failed.message.startswith("configure failed")
 
         results = client.set_parameters(target__model_path=str(embedded_model_path),
                                         draft__model_path=str(other_vocab_model_path))
@@ -314,7 +314,7 @@ def test_diagnostics_carry_the_named_status(client: GenerateClient, node: GemmaS
     engine's lifetime stats; lookup on this code (adaptive off) has tau > 1."""
     assert client.send(prompt=PROMPT, max_tokens=48, seed=1).wait_result().finish_reason == "length"
     rolling = node._engine.rolling_stats()  # no other request runs: these are the published ones
-    status = client.wait_status(SPEC_STATUS, lambda s: s.level != DiagnosticStatus.STALE and
+    status = client.wait_status(SPEC_STATUS, lambda s: key_values(s)["state"] == "active" and
                                 int(key_values(s)["requests ok"]) >= 1)
     values = key_values(status)
     for key in ("mode", "tau (mean acceptance length)", "acceptance rate", "K (draft_max)", "tokens/s",
@@ -356,9 +356,10 @@ def test_engine_error_aborts_the_goal_and_the_node_keeps_serving(client: Generat
 
 
 @pytest.mark.timeout(120)
-def test_deactivate_cancels_the_running_goal_and_goes_stale(client: GenerateClient) -> None:
+def test_deactivate_cancels_the_running_goal_and_reports_inactive(client: GenerateClient) -> None:
     """active -> inactive while a goal runs: it ends cancelled (ABORTED: not its client's cancel);
-    diagnostics go STALE; goals are rejected; activate serves again."""
+    diagnostics say "inactive" at level OK (never STALE: the node is alive); goals are rejected;
+    activate serves again."""
     run = client.send(**long_goal())
     run.wait_feedback(1)
     waiting = client.send(prompt="Hello", max_tokens=2)
@@ -369,7 +370,7 @@ def test_deactivate_cancels_the_running_goal_and_goes_stale(client: GenerateClie
         assert result.finish_reason == "cancelled" and "deactivated" in result.error
     assert waiting.result.completion_tokens == 0
     assert client.state() == "inactive"
-    client.wait_status(SPEC_STATUS, lambda s: s.level == DiagnosticStatus.STALE)
+    client.wait_status(SPEC_STATUS, lambda s: s.level == DiagnosticStatus.OK and s.message == "inactive")
     assert not client.send(prompt="Hello", max_tokens=2).accepted
     assert client.transition("activate") is True
     assert client.send(prompt="Hello", max_tokens=2).wait_result().finish_reason == "length"

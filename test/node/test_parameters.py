@@ -166,9 +166,13 @@ def log_with(*finished: SpecStats, failed: bool = False) -> diagnostics.RequestL
 
 
 @pytest.mark.parametrize("node_view, log, level, message", [
-    (view(lifecycle_state="inactive"), log_with(stats()), DiagnosticStatus.STALE, "inactive"),
+    (view(lifecycle_state="inactive"), log_with(stats()), DiagnosticStatus.OK, "inactive"),
+    (view(lifecycle_state="unconfigured"), log_with(), DiagnosticStatus.OK, "unconfigured"),
+    (view(lifecycle_state="configuring"), log_with(), DiagnosticStatus.OK, "configuring"),
     (view(lifecycle_state="unconfigured", configure_error="cannot load /m.gguf"), log_with(),
-     DiagnosticStatus.STALE, "configure failed: cannot load /m.gguf"),
+     DiagnosticStatus.ERROR, "configure failed: cannot load /m.gguf"),
+    (view(lifecycle_state="configuring", configure_error="cannot load /m.gguf"), log_with(),
+     DiagnosticStatus.OK, "configuring"),
     (view(), log_with(stats(), failed=True), DiagnosticStatus.ERROR, "rollback failed"),
     (view(), log_with(stats()), DiagnosticStatus.OK, "ready"),
     (view(queue_depth=4), log_with(stats()), DiagnosticStatus.WARN, "queue backing up"),
@@ -193,6 +197,11 @@ def test_status_key_values_and_models_status() -> None:
     assert values["latency p50 s"] == "1" and values["tokens/s"] == "10"
     models = diagnostics.models_status(view())
     assert diagnostics.key_values(models) == {"target.path": "/m.gguf", "target.n_vocab": "262144"}
+    unloaded = diagnostics.models_status(view(lifecycle_state="unconfigured", model_info={}))
+    assert (unloaded.level, unloaded.message) == (DiagnosticStatus.OK, "no models loaded")
+    failed = diagnostics.models_status(view(lifecycle_state="unconfigured", model_info={},
+                                            configure_error="cannot load /m.gguf"))
+    assert failed.level == DiagnosticStatus.ERROR and "cannot load /m.gguf" in failed.message
 
 
 class GoalHandle:

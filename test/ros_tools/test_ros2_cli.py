@@ -223,7 +223,7 @@ def test_ros2_run_with_spec_mode_off_on_the_command_line(
 def test_missing_model_fails_configure_with_the_reason_then_is_fixed(
         tmp_path: Path, embedded_model_path: Path, own_domain: None) -> None:
     """A missing model: configure fails, the reason is printed, nothing hangs, the node stays
-    unconfigured and running (README: fix the path and configure; the launch then activates it).
+    unconfigured and running (README: fix the path, then configure and activate).
     ``spec.mode: off`` is written unquoted in the parameter file (YAML's boolean)."""
     missing = tmp_path / "no-such-model.gguf"
     params = params_file(tmp_path, missing)
@@ -238,7 +238,8 @@ def test_missing_model_fails_configure_with_the_reason_then_is_fixed(
         assert "Set parameter successful" in ros2("param", "set", NODE, "target.model_path",
                                                    str(embedded_model_path))
         assert "Transitioning successful" in ros2("lifecycle", "set", NODE, "configure", timeout=120)
-        wait_state("active", timeout=60)  # the launch file activates a node once it is configured
+        assert "Transitioning successful" in ros2("lifecycle", "set", NODE, "activate")
+        wait_state("active", timeout=60)
         goal = send_goal(tmp_path, 8, name="fixed")
         goal.proc.wait(120)
         out = goal.output

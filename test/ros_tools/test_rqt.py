@@ -247,15 +247,17 @@ def test_robot_monitor_remapped_shows_both_statuses(
 
 
 @pytest.mark.timeout(300)
-def test_runtime_monitor_shows_stale_while_the_node_is_inactive(
+def test_runtime_monitor_shows_an_inactive_node_as_ok_inactive(
         client: GenerateClient, rqt: Dict[str, RqtProbe]) -> None:
-    """The node's own STALE (message "inactive"), not the monitor's timeout, which would keep the
-    old message; back to active afterwards."""
+    """A deliberately inactive node is not a fault and not a dead node: OK with the message
+    "inactive", never Stale (which the monitor keeps for a node that stopped publishing); back to
+    active afterwards."""
     monitor = rqt["runtime_monitor"]
     try:
         assert client.transition("deactivate")
         shown = wait_monitor_shows_latest(client, monitor, "the inactive node's status", "state", "inactive")
-        assert f"{SPEC_STATUS}: inactive" in shown["groups"]["Stale"], shown["groups"]
+        assert f"{SPEC_STATUS}: inactive" in shown["groups"]["Ok"], shown["groups"]
+        assert not any(SPEC_STATUS in line for line in shown["groups"].get("Stale", [])), shown["groups"]
     finally:
         assert client.transition("activate")
     wait_monitor_shows_latest(client, monitor, "the active node's status again", "state", "active")

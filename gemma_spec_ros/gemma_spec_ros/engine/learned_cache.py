@@ -25,7 +25,7 @@ import struct
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 from .ngram_cache import NgramCache, PathLike, read_cache_file, write_atomically
 from .types import CacheFormatError
@@ -70,12 +70,16 @@ def _is_learned(data: bytes) -> bool:
     return data[:len(MAGIC)] == MAGIC
 
 
+def _not_ours(source: str) -> ForeignFileError:
+    return ForeignFileError(
+        f"{source} is not a learned n-gram cache written by gemma_spec (no header): it is left "
+        "untouched and not used; point lookup.dynamic_path at a new file or at one this node wrote")
+
+
 def _split(data: bytes, source: str) -> Tuple[str, bytes]:
     """(vocabulary tag, records) of a learned-cache file; raises as :func:`decode`."""
     if not _is_learned(data):
-        raise ForeignFileError(
-            f"{source} is not a learned n-gram cache written by gemma_spec (no header): it is left "
-            "untouched and not used; point lookup.dynamic_path at a new file or at one this node wrote")
+        raise _not_ours(source)
     if len(data) < _PREFIX.size:
         raise CorruptLearnedCacheError(f"learned n-gram cache {source}: header truncated")
     _, version, tag_bytes = _PREFIX.unpack_from(data)
@@ -133,31 +137,105 @@ def load_static(path: PathLike, tag: str, max_ngrams: Optional[int] = None) -> N
     return NgramCache.from_bytes(data, source=os.fspath(path), max_ngrams=max_ngrams)
 
 
-def check_owned(path: PathLike) -> None:
-    """Raise :class:`ForeignFileError` unless ``path`` is absent or a regular file with the header.
+def _owned(path: PathLike) -> Optional[bool]:
+    """None if ``path`` does not exist, else whether it is a regular file with the header.
 
     Opened without blocking and checked on the descriptor (a FIFO cannot hang the caller)."""
     try:
         fd = os.open(os.fspath(path), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
-        return
+        return None
     except OSError as error:
-        raise ForeignFileError(f"cannot check {os.fspath(path)} before writing the learned n-gram "
-                               f"cache: {error.strerror or error}") from None
+        raise ForeignFileError(f"cannot check {os.fspath(path)} (the learned n-gram cache): "
+                               f"{error.strerror or error}") from None
     try:
-        owned = stat.S_ISREG(os.fstat(fd).st_mode) and os.read(fd, len(MAGIC)) == MAGIC
+        return stat.S_ISREG(os.fstat(fd).st_mode) and os.read(fd, len(MAGIC)) == MAGIC
     finally:
         os.close(fd)
-    if not owned:
+
+
+def check_owned(path: PathLike) -> None:
+    """Raise :class:`ForeignFileError` unless ``path`` is absent or a regular file with the header
+    (before writing over it)."""
+    if _owned(path) is False:
         raise ForeignFileError(
             f"refusing to overwrite {os.fspath(path)} with the learned n-gram cache: the file was "
             "not written by gemma_spec (no header)")
+
+
+def check_loadable(path: PathLike) -> None:
+    """Raise :class:`ForeignFileError` as :func:`load` would, unless ``path`` is absent or a
+    regular file with the header: reads the header only (the node's check before it loads models;
+    the vocabulary and the records are checked at the load)."""
+    if _owned(path) is False:
+        raise _not_ours(os.fspath(path))
 
 
 def save(cache: NgramCache, path: PathLike, tag: str) -> None:
     """Write ``cache`` to ``path`` atomically, only over a file this engine wrote (or none)."""
     check_owned(path)
     write_atomically(path, encode(cache, tag))
+
+
+#: Mode of every folder the engine creates for its learned cache: the cache holds the token ids of
+#: past prompts, so only the node's user may list or read it (XDG asks the same of ~/.cache).
+FOLDER_MODE = 0o700
+
+
+def prepare_folder(path: PathLike, cache_dir: str) -> List[str]:
+    """Make sure the folder of the learned-cache file ``path`` exists and is writable; the folders
+    created (outermost first), each :data:`FOLDER_MODE`.
+
+    A folder is created only where the engine owns the place: ``cache_dir`` (the folder the learned
+    cache must lie in, ``lookup.cache_dir``), its missing parents and folders below it, as
+    ``mkdir -p`` would. Without a ``cache_dir`` nothing is created, and a missing folder raises
+    :class:`CacheFormatError` with what to do. A robot's first launch then needs no setup step: the
+    shipped profiles put the cache at ``~/.cache/gemma_spec_ros/...``, which a fresh home lacks.
+
+    >>> import tempfile; home = tempfile.mkdtemp()
+    >>> created = prepare_folder(f"{home}/.cache/node/learned.bin", f"{home}/.cache/node")
+    >>> [p[len(home):] for p in created], oct(os.stat(created[-1]).st_mode & 0o777)
+    (['/.cache', '/.cache/node'], '0o700')
+    >>> prepare_folder(f"{home}/.cache/node/learned.bin", f"{home}/.cache/node")  # there: nothing to do
+    []
+    """
+    folder = Path(os.path.abspath(os.fspath(path))).parent
+    if folder.is_dir():
+        _check_writable(folder)
+        return []
+    if not cache_dir or not _inside(folder, Path(os.path.abspath(cache_dir))):
+        raise CacheFormatError(
+            f"the folder of the dynamic n-gram cache {os.fspath(path)} does not exist: create it, "
+            "or set lookup.dynamic_path to '' (memory only)")
+    missing = [p for p in (folder, *folder.parents) if not p.exists()][::-1]
+    created: List[str] = []
+    for step in missing:
+        try:
+            step.mkdir(mode=FOLDER_MODE)
+        except FileExistsError:  # made meanwhile (another node of this user): use it if a folder
+            pass
+        except OSError as error:
+            raise CacheFormatError(f"cannot create {step} for the dynamic n-gram cache: "
+                                   f"{error.strerror or error}") from None
+        else:
+            created.append(os.fspath(step))
+    if not folder.is_dir():
+        raise CacheFormatError(f"{folder} is not a folder: the dynamic n-gram cache cannot go there")
+    _check_writable(folder)
+    return created
+
+
+def _inside(folder: Path, root: Path) -> bool:
+    """Whether ``folder`` is ``root`` or below it (both absolute; the existing part of ``folder`` is
+    resolved, so a link inside ``root`` that leads out of it does not count as inside)."""
+    real_root = os.path.realpath(root)
+    return os.path.commonpath([os.path.realpath(folder), real_root]) == real_root
+
+
+def _check_writable(folder: Path) -> None:
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise CacheFormatError(f"the folder of the dynamic n-gram cache {folder} is not writable by "
+                               "this user: the learned cache could not be saved there")
 
 
 def move_aside(path: PathLike) -> str:

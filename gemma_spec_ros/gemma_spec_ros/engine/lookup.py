@@ -241,11 +241,9 @@ class LookupDrafter:
         else:  # a configured static cache must exist: it was built on purpose
             self._static_cache = (learned_cache.load_static(self._static_path, vocab_tag, MAX_STATIC_NGRAMS)
                                   if self._static_path else NgramCache())
-        if self._dynamic_path and not Path(self._dynamic_path).parent.is_dir():
-            raise CacheFormatError(
-                f"the folder of the dynamic n-gram cache {self._dynamic_path} does not exist: "
-                "create it, or set lookup.dynamic_path to '' (memory only)")
         self.warnings: List[str] = []  # for the owner to log (e.g. a corrupt cache moved aside)
+        if self._dynamic_path:  # its folder: created inside lookup.cache_dir, else it must exist
+            learned_cache.prepare_folder(self._dynamic_path, expand_path(config.cache_dir))
         #: a periodic save's failure not yet taken by the owner (who reports it as a fault and
         #: resets it to None); it never fails the request that triggered the save
         self.save_error: Optional[str] = None

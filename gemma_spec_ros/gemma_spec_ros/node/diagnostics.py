@@ -7,13 +7,19 @@ things the node itself measures (request latency percentiles, counters) and
 
 Status levels of ``<node>: speculative decoding`` (the convention rqt_robot_monitor reads):
 
-- STALE: the node is not active (unconfigured or inactive).
-- ERROR: the last request failed in the engine (cleared by the next request that does not).
+- ERROR: the last configure failed (the message says why; cleared by a configure that succeeds),
+  or, while active, the last request failed in the engine (cleared by the next one that does not).
+- OK with the state as the message while the node is not active ("unconfigured", "inactive", or a
+  transition such as "configuring"): a node that was deliberately left inactive is not a fault.
 - WARN: speculation measured slower than plain decoding over the window
   (``measured_speedup`` < :data:`SLOWER_THAN_PLAIN`), the policy predicts no gain
   (``predicted_speedup`` < 1, i.e. tau below break-even), the goal queue is full, or (backend
   remote) the inference server is unreachable.
 - OK otherwise.
+
+The node never publishes STALE: to diagnostic_aggregator and rqt_robot_monitor STALE means "no
+fresh status from this node" (the shipped analyzer's ``timeout``), i.e. a node that died or hangs;
+a node that publishes is alive, whatever its state.
 
 With ``backend: remote`` the status also carries the remote engine's key-values (server url,
 reachable, RTT, which backend served, where tau comes from); ``mode`` reads "set by the server".
@@ -38,8 +44,7 @@ SLOWER_THAN_PLAIN = 0.95
 #: Finished requests kept for the latency percentiles and the windowed stats.
 WINDOW = 50
 
-OK, WARN, ERROR, STALE = (DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.ERROR,
-                          DiagnosticStatus.STALE)
+OK, WARN, ERROR = DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.ERROR
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -134,7 +139,7 @@ class NodeView:
 
     node_name: str
     hardware_id: str
-    lifecycle_state: str  # unconfigured | inactive | active | ...
+    lifecycle_state: str  # unconfigured | configuring | inactive | active | deactivating | ...
     queue_depth: int
     queue_max_depth: int
     running: bool
@@ -222,9 +227,10 @@ def spec_status(view: NodeView, log: RequestLog, rolling: Optional[SpecStats]) -
 
 
 def _spec_level(view: NodeView, log: RequestLog, window: Optional[SpecStats]) -> Tuple[bytes, str]:
+    if view.configure_error and view.lifecycle_state == "unconfigured":
+        return ERROR, f"configure failed: {view.configure_error}"
     if view.lifecycle_state != "active":
-        note = f": configure failed: {view.configure_error}" if view.configure_error else ""
-        return STALE, f"{view.lifecycle_state}{note}"
+        return OK, view.lifecycle_state
     if log.last_failed:
         return ERROR, f"last request failed: {log.last_error}"
     warnings = []
@@ -245,8 +251,14 @@ def _spec_level(view: NodeView, log: RequestLog, window: Optional[SpecStats]) ->
 
 
 def models_status(view: NodeView) -> DiagnosticStatus:
-    """``<node>: models``: paths, sizes, n_gpu_layers, vocabulary, from ``engine.model_info()``."""
-    level, message = (OK, "loaded") if view.model_info else (STALE, "no models loaded")
+    """``<node>: models``: paths, sizes, n_gpu_layers, vocabulary, from ``engine.model_info()``;
+    ERROR after a failed configure (with its reason), OK "no models loaded" otherwise."""
+    if view.model_info:
+        level, message = OK, "loaded"
+    elif view.configure_error and view.lifecycle_state == "unconfigured":
+        level, message = ERROR, f"not loaded: {view.configure_error}"
+    else:
+        level, message = OK, "no models loaded"
     pairs = list(_flatten(view.model_info))
     return DiagnosticStatus(level=level, name=f"{view.node_name}: models", message=message,
                             hardware_id=view.hardware_id, values=_kv(pairs))

@@ -8,14 +8,17 @@ the result as a :class:`~gemma_spec_ros.engine.api.GenerationEngine` and calls n
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, List, Mapping, Optional
 
+from ..engine import learned_cache
 from ..engine.api import GenerationEngine
 from ..engine.engine import Engine
 from ..engine.fallback import FallbackEngine
 from ..engine.remote import RemoteEngine
-from ..engine.types import EngineConfig, RemoteConfig
+from ..engine.ngram_cache import CacheFileNotFoundError
+from ..engine.types import EngineConfig, ModelLoadError, RemoteConfig, expand_path
 from .parameters import engine_config_from, remote_config_from
 
 
@@ -49,6 +52,50 @@ def plan_engine(values: Mapping[str, Any]) -> EnginePlan:
     return EnginePlan(config, remote_config_from(values), values["remote.fallback"] == "local")
 
 
+def check_model_file(path: str) -> None:
+    """Raise ModelLoadError unless ``path`` is a readable file that starts as a GGUF does (4 bytes
+    read; the load itself says the same of the file it opens, in the same words)."""
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"model file not found: {path}")
+    try:
+        with open(path, "rb") as fh:
+            magic = fh.read(4)
+    except OSError as error:
+        raise ModelLoadError(f"cannot read model file {path}: {error.strerror or error}") from None
+    if magic != b"GGUF":
+        raise ModelLoadError(f"not a GGUF file (bad magic): {path}")
+
+
+def check_files(plan: EnginePlan) -> List[str]:
+    """Check every local file the plan reads or writes before any model loads; the folders created
+    for the learned n-gram cache (see :func:`~gemma_spec_ros.engine.learned_cache.prepare_folder`).
+
+    Loading a 4 GB target takes tens of seconds on an Orin: a missing draft file, static cache or
+    cache folder must fail configure at once, not after that load. Raises an EngineError naming the
+    file: a model that is not a readable GGUF, a static cache that does not exist, a learned-cache
+    folder that cannot be made, or a file at ``lookup.dynamic_path`` this node did not write (it is
+    never overwritten). What needs the loaded target (the learned cache's vocabulary, a corrupt
+    record) is checked when it loads.
+    """
+    if not plan.loads_models:
+        return []
+    config = plan.config
+    for model in (config.target, config.draft):
+        if model is not None:
+            check_model_file(model.resolved_path)
+    lookup = config.lookup
+    static = expand_path(lookup.static_path)
+    if static and not os.path.isfile(static):
+        raise CacheFileNotFoundError(f"n-gram cache file {static} (lookup.static_path) does not exist "
+                                     "(build a static cache with gemma-spec-lookup-create)")
+    dynamic = expand_path(lookup.dynamic_path)
+    if not dynamic:
+        return []
+    created = learned_cache.prepare_folder(dynamic, expand_path(lookup.cache_dir))
+    learned_cache.check_loadable(dynamic)
+    return created
+
+
 def build_engine(plan: EnginePlan) -> GenerationEngine:
     """Build the planned engine; a local engine already loaded is closed if the rest fails."""
     if plan.remote is None:
@@ -63,4 +110,4 @@ def build_engine(plan: EnginePlan) -> GenerationEngine:
     return primary if local is None else FallbackEngine(primary, local)
 
 
-__all__ = ["EnginePlan", "build_engine", "plan_engine"]
+__all__ = ["EnginePlan", "build_engine", "check_files", "plan_engine"]

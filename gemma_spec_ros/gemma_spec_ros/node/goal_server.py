@@ -56,9 +56,14 @@ from .messages import GoalRejected, check_input_bounds, clip, request_from_goal
 
 #: Seconds a transition waits for the running goal to stop (it stops at its next step).
 STOP_TIMEOUT = 30.0
+#: The same wait at shutdown, which must end within SHUTDOWN_BOUND (node/__init__.py): a step or
+#: prompt chunk takes well under a second on an Orin; one that takes longer is left to the exit.
+SHUTDOWN_STOP_TIMEOUT = 6.0
 #: Seconds close() waits for rclpy to hand the last results to the action server before
 #: destroying it (the goals themselves have ended by then).
 RESULT_GRACE = 2.0
+#: Seconds close() waits for the dispatcher thread to end after the queue is closed.
+DISPATCHER_JOIN = 1.0
 #: Feedback messages the action server keeps per writer (rclpy's default, 10, lets a burst of
 #: one-token steps overwrite messages a busy client has not read: streamed text != result text).
 FEEDBACK_DEPTH = 1000
@@ -126,25 +131,26 @@ class GoalServer:
             self._jobs.resume()
         self._accepting = True
 
-    def stop(self, reason: str) -> None:
+    def stop(self, reason: str, timeout: float = STOP_TIMEOUT) -> None:
         """Refuse new goals; stop the running one at its next step; end the waiting ones unstarted
-        (waits up to :data:`STOP_TIMEOUT` for that)."""
+        (waits up to ``timeout`` seconds for that)."""
         self._stop_reason = reason
         self._accepting = False
         jobs = self._jobs
         if jobs is None:
             return
         jobs.drop_all(reason)
-        if not jobs.wait_idle(STOP_TIMEOUT):
-            self._node.get_logger().error(f"goals still running {STOP_TIMEOUT:.0f} s after: {reason}")
+        if not jobs.wait_idle(timeout):
+            self._node.get_logger().error(f"goals still running {timeout:.0f} s after: {reason}")
 
-    def close(self, reason: str) -> None:
-        """:meth:`stop`, then end the dispatcher and destroy the action server (cleanup)."""
-        self.stop(reason)
+    def close(self, reason: str, stop_timeout: float = STOP_TIMEOUT) -> None:
+        """:meth:`stop`, then end the dispatcher and destroy the action server (cleanup).
+        Waits at most ``stop_timeout`` + :data:`DISPATCHER_JOIN` + :data:`RESULT_GRACE` seconds."""
+        self.stop(reason, stop_timeout)
         if self._jobs is not None:
             self._jobs.close()
-        if self._dispatcher is not None:
-            self._dispatcher.join(timeout=STOP_TIMEOUT)
+        if self._dispatcher is not None:  # it ends once the queue is closed (it starts no goal)
+            self._dispatcher.join(timeout=DISPATCHER_JOIN)
         if self._action_server is not None:
             self._wait_results_sent(self._action_server, RESULT_GRACE)
             self._action_server.destroy()

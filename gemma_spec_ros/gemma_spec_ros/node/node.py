@@ -3,24 +3,32 @@
 Thin by design: the engine does the work, :class:`~gemma_spec_ros.node.goal_server.GoalServer`
 runs the goals; this module holds the parameters, the transitions and the diagnostics.
 
-Lifecycle (the standard ``~/change_state`` / ``~/get_state`` services):
+Lifecycle (the standard ``~/change_state`` / ``~/get_state`` services, in a callback group of their
+own: ``~/get_state`` and the parameter services answer while a transition loads the models or waits
+for goals to stop; one transition runs at a time, and a request the current state has no transition
+for is answered ``success: false``, never an exception that would stop the executor):
 
-- configure: parameters -> engine (:mod:`~gemma_spec_ros.node.engine_factory`: the local models, or
-  the inference server at ``remote.url``); the ``~/generate`` action server and the stats
-  publishers. A missing/corrupt file, an out-of-memory load or a vocabulary mismatch returns FAILURE
-  with the reason (naming the files) logged and shown in diagnostics; the node stays unconfigured
-  and configures again once the parameter is fixed. An unreachable server is logged and shown in
-  diagnostics, not a failure.
+- configure: parameters -> every model and cache path checked (the learned cache's folder created
+  inside ``lookup.cache_dir`` if missing), then the engine
+  (:mod:`~gemma_spec_ros.node.engine_factory`: the local models, or the inference server at
+  ``remote.url``); the ``~/generate`` action server and the stats publishers. A missing/corrupt
+  file, an out-of-memory load or a vocabulary mismatch returns FAILURE with the reason (naming the
+  files) logged and shown in diagnostics (ERROR); the node stays unconfigured and configures again
+  once the parameter is fixed. An unreachable server is logged and shown in diagnostics, not a
+  failure. Parameters cannot change while it runs (the values it read would no longer hold).
 - activate: goals are accepted. deactivate: no new goals; the running goal stops at its next step
   (result ``finish_reason`` cancelled, status ABORTED unless its client cancelled it) and waiting
   goals end unstarted the same way.
 - cleanup / shutdown (from any state) / error: stop goals as in deactivate, then ``engine.close()``
-  (frees the models, saves the dynamic n-gram cache).
+  (frees the models, saves the dynamic n-gram cache). Shutdown waits less for each (its waits sum
+  to less than :data:`~gemma_spec_ros.node.SHUTDOWN_BOUND`).
 
 Run the node with a ``MultiThreadedExecutor`` of at least :data:`MIN_EXECUTOR_THREADS` threads.
 ``/diagnostics`` uses a plain publisher created with the node (not a lifecycle publisher), so the
-status is published in every state: STALE while unconfigured/inactive, with the last configure
-failure in its message, which is where an operator looks first.
+status is published in every state: OK "unconfigured" / "inactive" (its state key-value also reads
+the transition states, e.g. ``configuring``), ERROR with the reason after a failed configure, which
+is where an operator looks first; never STALE, which the aggregator reserves for a node it no longer
+hears (see :mod:`~gemma_spec_ros.node.diagnostics`).
 """
 from __future__ import annotations
 
@@ -31,20 +39,22 @@ from typing import Any, Dict, List, Optional
 from diagnostic_msgs.msg import DiagnosticArray
 from gemma_spec_msgs.action import Generate
 from gemma_spec_msgs.msg import SpecStats as SpecStatsMsg
+from lifecycle_msgs.srv import ChangeState
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.callback_groups import ReentrantCallbackGroup
-from rclpy.lifecycle import Node as LifecycleNode
+from rclpy.lifecycle import LifecycleNodeMixin
 from rclpy.lifecycle import Publisher as LifecyclePublisher
 from rclpy.lifecycle import State as LifecycleState
 from rclpy.lifecycle import TransitionCallbackReturn
+from rclpy.node import Node
 from rclpy.parameter import Parameter
 from rclpy.timer import Timer
 
 from ..engine.api import GenerationEngine
 from ..engine.stats import SpecStats
 from . import NODE_NAME, diagnostics
-from .engine_factory import build_engine, plan_engine
-from .goal_server import GoalServer
+from .engine_factory import build_engine, check_files, plan_engine
+from .goal_server import SHUTDOWN_STOP_TIMEOUT, STOP_TIMEOUT, GoalServer
 from .goals import LogBudget
 from .messages import MAX_ECHO, clip, spec_stats_msg
 from .parameters import PARAMETERS, PARAMETERS_BY_NAME, as_declared, check_values, spec_config_from
@@ -55,17 +65,26 @@ MIN_EXECUTOR_THREADS = 4
 #: Seconds release() waits for the engine to be idle before leaving the freeing of the models to
 #: the running step (a step or prompt chunk on a slow, shared CPU can outlast the goals' stop).
 CLOSE_TIMEOUT = 5.0
+#: The same wait at shutdown, which must end within SHUTDOWN_BOUND (a launch file escalates to
+#: SIGTERM and SIGKILL after that): the step then frees the models itself, if it ever ends.
+SHUTDOWN_CLOSE_TIMEOUT = 3.0
 
 _SUCCESS = TransitionCallbackReturn.SUCCESS
 _FAILURE = TransitionCallbackReturn.FAILURE
 
 
-class GemmaSpecNode(LifecycleNode):
+class GemmaSpecNode(LifecycleNodeMixin, Node):
     """Lifecycle node serving ``~/generate`` (gemma_spec_msgs/action/Generate) with speculation.
 
     Topics: ``/diagnostics`` (DiagnosticArray), ``~/spec_stats`` (SpecStats of each finished
     request), ``~/spec_stats_rolling`` (the engine's lifetime SpecStats every diagnostics.period).
     Parameters: see :mod:`gemma_spec_ros.node.parameters` and docs/parameters.md.
+
+    Built as rclpy's own ``LifecycleNode`` is (``Node`` + ``LifecycleNodeMixin``, the same on Humble's
+    rclpy 3.3 and Jazzy's 7.1), but with ``callback_group``, which ``LifecycleNode.__init__`` does
+    not pass on: its lifecycle services would share the node's default mutually exclusive group with
+    the parameter services, and ``ros2 lifecycle get`` / ``ros2 param get`` would hang for as long
+    as configure loads the models.
     """
 
     def __init__(self, node_name: str = NODE_NAME, **kwargs: Any) -> None:
@@ -83,7 +102,11 @@ class GemmaSpecNode(LifecycleNode):
         self._release_lock = threading.Lock()
         self._requests = diagnostics.RequestLog()
         self._refusal_log = LogBudget()  # refused parameter changes: a peer looping must not fill the disk
-        super().__init__(node_name, **kwargs)
+        self._transition_lock = threading.Lock()  # one transition at a time (see _change_state)
+        Node.__init__(self, node_name, **kwargs)
+        LifecycleNodeMixin.__init__(self, callback_group=ReentrantCallbackGroup())
+        self._answer_change_state = self._service_change_state.callback
+        self._service_change_state.callback = self._change_state
 
         self._group = ReentrantCallbackGroup()
         self._goals = GoalServer(self, values=self._values, state=lambda: self._state,
@@ -141,6 +164,8 @@ class GemmaSpecNode(LifecycleNode):
         """'' if the changes can be accepted in the current state, else the reason."""
         if any(value is None for value in changes.values()):
             return "the node's parameters cannot be undeclared"
+        if self._state == "configuring":  # it has read the values it builds the engine from
+            return "the node is configuring (loading the models): set parameters once it is inactive"
         frozen = sorted(n for n in changes if PARAMETERS_BY_NAME[n].configure_time)
         if frozen and self._engine is not None:
             return (f"{', '.join(frozen)} can only change while unconfigured (the node is "
@@ -148,14 +173,53 @@ class GemmaSpecNode(LifecycleNode):
         return check_values({**self._values(), **changes}, configured=self._engine is not None)
 
     # -- lifecycle ---------------------------------------------------------------------------------
+    def _change_state(self, request: ChangeState.Request,
+                      response: ChangeState.Response) -> ChangeState.Response:
+        """The ``~/change_state`` service: rclpy's, one request at a time, never raising.
+
+        The lifecycle services run in a reentrant group (so that ``~/get_state`` answers during a
+        transition); a second request while a transition runs is refused (rcl's state machine
+        has no transition from a transition state anyway). A transition the current state does
+        not have makes rclpy raise RCLError inside the callback, which would stop the executor,
+        and the node with it (``ros2 lifecycle set configure`` on an active node did): refused too.
+        """
+        transition = request.transition.label or str(request.transition.id)
+        if not self._transition_lock.acquire(blocking=False):
+            self.get_logger().warning(f"transition {transition} refused: the node is {self._state} "
+                                      "(one transition at a time)")
+            response.success = False
+            return response
+        try:
+            return self._answer_change_state(request, response)
+        except Exception as exc:  # noqa: BLE001  an exception here would stop the executor
+            self.get_logger().warning(f"transition {transition} refused in state {self._state}: {exc}")
+            response.success = False
+            return response
+        finally:
+            self._transition_lock.release()
+
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
-        """Load the models and create the action server; FAILURE (logged) if a file is unusable."""
+        """Check every path, load the models and create the action server; FAILURE (logged) if a
+        file is unusable."""
+        self._state = "configuring"
+        try:
+            return self._configure()
+        finally:
+            if self._state == "configuring":
+                self._state = "unconfigured"
+
+    def _configure(self) -> TransitionCallbackReturn:
         values = self._values()  # construction-time values (YAML, launch) bypass the callback
         reason = check_values(values, configured=False)
         if reason:
             return self._configure_failed(f"invalid parameters: {reason}")
         plan = plan_engine(values)
         remote, files = plan.remote is not None, plan.describe()
+        try:  # before any model loads: a 4 GB target must not load for a missing draft or folder
+            for folder in check_files(plan):
+                self.get_logger().info(f"created {folder} (mode 0700) for the learned n-gram cache")
+        except Exception as exc:  # noqa: BLE001
+            return self._configure_failed(f"cannot {'use' if remote else 'load'} {files}: {exc}")
         self.get_logger().info(f"configuring: {'loading' if plan.loads_models else 'using'} {files}")
         started = time.monotonic()
         try:
@@ -209,9 +273,11 @@ class GemmaSpecNode(LifecycleNode):
         return _SUCCESS
 
     def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
-        """From any state: stop goals, free everything, save the dynamic cache."""
+        """From any state: stop goals, free everything, save the dynamic cache (with the shorter
+        waits of a shutdown)."""
         self._state = "shuttingdown"
-        self.release("the node is shutting down")
+        self.release("the node is shutting down", stop_timeout=SHUTDOWN_STOP_TIMEOUT,
+                     close_timeout=SHUTDOWN_CLOSE_TIMEOUT)
         self._state = "finalized"
         return _SUCCESS
 
@@ -223,16 +289,18 @@ class GemmaSpecNode(LifecycleNode):
         self._state = "unconfigured"
         return _SUCCESS
 
-    def release(self, reason: str) -> None:
+    def release(self, reason: str, stop_timeout: float = STOP_TIMEOUT,
+                close_timeout: float = CLOSE_TIMEOUT) -> None:
         """Stop goals and undo configure (free the models, save the dynamic cache). Idempotent.
 
-        What cleanup and shutdown do; callable directly when no transition can run.
+        What cleanup and shutdown do; callable directly when no transition can run. Waits up to
+        ``stop_timeout`` for the running goal to stop and ``close_timeout`` for the engine to be idle.
         """
         with self._release_lock:
-            self._release(reason)
+            self._release(reason, stop_timeout, close_timeout)
 
-    def _release(self, reason: str) -> None:
-        self._goals.close(reason)
+    def _release(self, reason: str, stop_timeout: float, close_timeout: float) -> None:
+        self._goals.close(reason, stop_timeout)
         for publisher in (self._stats_pub, self._rolling_pub):
             if publisher is not None:
                 self.destroy_lifecycle_publisher(publisher)
@@ -242,14 +310,14 @@ class GemmaSpecNode(LifecycleNode):
         if engine is not None:
             cache = self._value("lookup.dynamic_path")
             try:
-                freed = engine.close(timeout=CLOSE_TIMEOUT)
+                freed = engine.close(timeout=close_timeout)
             except Exception as exc:  # noqa: BLE001  the models are freed; the save failed
                 self._report_fault(f"dynamic n-gram cache not saved to {cache}: {exc!r}")
                 return
             if not freed:  # never free under a running llama_decode: the step frees it when done
                 self.get_logger().warning(
-                    f"a generation step is still running {CLOSE_TIMEOUT:.0f} s after {reason}: the "
-                    "engine frees the models when that step ends")
+                    f"a generation step is still running {close_timeout:.0f} s after {reason}: the "
+                    "engine frees the models (and saves the dynamic n-gram cache) when that step ends")
                 return
             self.get_logger().info("engine closed: models freed"
                                    + (f", dynamic n-gram cache saved to {cache}" if cache else ""))
@@ -272,8 +340,15 @@ class GemmaSpecNode(LifecycleNode):
 
     @property
     def lifecycle_state(self) -> str:
-        """unconfigured | inactive | active | finalized (as of the last completed transition)."""
+        """unconfigured | inactive | active | finalized, or the transition state running
+        (configuring, deactivating, ...)."""
         return self._state
+
+    @property
+    def transition_lock(self) -> threading.Lock:
+        """Held while a transition runs; whoever triggers one in-process (``trigger_*``) takes it
+        too, so that it never runs beside one the ``~/change_state`` service started."""
+        return self._transition_lock
 
     @property
     def configure_error(self) -> str:
