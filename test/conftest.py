@@ -49,7 +49,7 @@ def venv_python() -> Path:
     """The interpreter running the tests: the project's venv, with rclpy and llama_cpp.
 
     Run child Python processes with it from a file or ``-m``/``-c``, never a script piped on
-    stdin: the ROS wheels re-execute the interpreter at startup (ENV.md).
+    stdin: the ROS wheels re-execute the interpreter at startup (docs/design.md, "Toolchain facts").
     """
     return Path(sys.executable)
 

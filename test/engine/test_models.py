@@ -1,6 +1,6 @@
 """The engine on real GGUF files: lossless parity, sampling, errors, memory, runtime switching.
 
-Target for exact parity: an F16 copy of the PyPI Gemma 3 270M (batch-invariant logits, ENV.md);
+Target for exact parity: an F16 copy of the PyPI Gemma 3 270M (batch-invariant logits, docs/design.md);
 draft model: the Q4_K_M original (same vocabulary). Quantized targets get the weaker check that
 every emitted token is the target's own choice at its position.
 """
@@ -358,8 +358,8 @@ def test_dynamic_cache_is_saved_and_reloaded_by_the_next_engine(tmp_path, f16_mo
 
 
 def test_quantized_target_emits_only_its_own_choices(embedded_model_path):
-    """Q4_K_M: logits of a verify batch differ slightly from one-token decodes (ENV.md), so parity
-    with `off` is not exact. What must hold: each emitted token is the target's argmax at its
+    """Q4_K_M: logits of a verify batch differ slightly from one-token decodes (docs/design.md), so
+    parity with `off` is not exact. What must hold: each emitted token is the target's argmax at its
     position, up to near-ties (where those small batch effects can flip the order)."""
     engine = Engine(EngineConfig(target=ModelConfig(str(embedded_model_path), n_ctx=512),
                                  spec=SpecConfig(mode="lookup", draft_max=4, adaptive=False)))

@@ -1,6 +1,6 @@
 """Prompt (prefix) reuse: a request evaluates only the prompt tokens after its common prefix with
 the previous request's KV cache; with F16 weights the output is bit-identical to evaluating the
-whole prompt from an empty cache (ENV.md: F16 logits do not depend on batch shapes in this build).
+whole prompt from an empty cache (docs/design.md: F16 logits do not depend on batch shapes).
 """
 from __future__ import annotations
 
