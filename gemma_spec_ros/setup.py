@@ -19,6 +19,10 @@ setup(
         ("share/" + PACKAGE + "/config", glob("config/*.yaml")),
         ("share/" + PACKAGE + "/config/aggregator", glob("config/aggregator/*.yaml")),
         ("share/" + PACKAGE + "/config/schemas", glob("config/schemas/*.json")),
+        # the SROS2 policy and the profiles it includes (relative paths: the layout is kept)
+        ("share/" + PACKAGE + "/config/sros2", glob("config/sros2/*.xml")),
+        ("share/" + PACKAGE + "/config/sros2/common", glob("config/sros2/common/*.xml")),
+        ("share/" + PACKAGE + "/config/sros2/common/node", glob("config/sros2/common/node/*.xml")),
         ("share/" + PACKAGE + "/prompts", glob("prompts/*.yaml")),
     ],
     install_requires=["setuptools", "numpy", "pyyaml"],

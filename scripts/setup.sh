@@ -190,6 +190,9 @@ link_files "$ROOT/gemma_spec_ros/launch" "$share/launch" "*.launch.py"
 link_files "$ROOT/gemma_spec_ros/config" "$share/config" "*.yaml"
 link_files "$ROOT/gemma_spec_ros/config/aggregator" "$share/config/aggregator" "*.yaml"
 link_files "$ROOT/gemma_spec_ros/config/schemas" "$share/config/schemas" "*.json"
+for sub in sros2 sros2/common sros2/common/node; do
+  link_files "$ROOT/gemma_spec_ros/config/$sub" "$share/config/$sub" "*.xml"
+done
 link_files "$ROOT/gemma_spec_ros/prompts" "$share/prompts" "*.yaml"
 # `ros2 run PKG NAME` and the launch file's LifecycleNode start these
 for name in gemma_spec_node gemma-spec-serve gemma-spec-generate gemma-spec-lookup-create; do

@@ -39,6 +39,11 @@ PIP_ONLY: Dict[str, str] = {
 #: ROS packages that are not installed in the venv (not on PyPI) but exist on any ROS 2 install.
 ROS_ONLY_ON_ROBOTS: Set[str] = {"launch", "launch_ros"}
 ROS_NAME_SUFFIXES = ("_msgs", "_srvs", "_interfaces")
+#: The files of gemma_spec_ros/ an install puts under share/gemma_spec_ros/ (same relative paths):
+#: the SROS2 policy includes its profiles by relative path, so that layout must be kept.
+SHARE_PATTERNS = ("launch/*.launch.py", "config/*.yaml", "config/aggregator/*.yaml", "config/schemas/*.json",
+                  "config/sros2/*.xml", "config/sros2/common/*.xml", "config/sros2/common/node/*.xml",
+                  "prompts/*.yaml")
 
 
 # ---------- helpers ----------
@@ -106,8 +111,9 @@ def share_directory(venv_python: Path, ament_prefix_path: str) -> Path:
 
 def assert_share_layout(share: Path, repo_root: Path) -> None:
     assert (share / "package.xml").is_file()
-    for pattern in ("launch/*.launch.py", "config/*.yaml", "config/aggregator/*.yaml", "prompts/*.yaml"):
+    for pattern in SHARE_PATTERNS:
         expected = {p.name for p in (repo_root / PACKAGE).glob(pattern)}
+        assert expected, f"{PACKAGE}/{pattern} matches no file"
         installed = {p.name for p in share.glob(pattern)}
         assert expected <= installed, f"{pattern}: {sorted(expected - installed)} not installed"
     assert (share / "launch" / LAUNCH_FILE).is_file()
