@@ -19,7 +19,7 @@ import pytest
 
 EXACT_FILES = ("test/engine/test_models.py", "test/engine/test_prompt_reuse.py",
                "test/engine/test_sliding_window.py", "test/engine/test_mtp.py", "test/engine/test_grammar.py",
-               "test/engine/test_uncut_drafts.py")
+               "test/engine/test_uncut_drafts.py", "test/engine/test_eagle3.py")
 
 
 def exact_llama_dir() -> Path:

@@ -1,0 +1,523 @@
+"""EAGLE-3 heads (Li et al., 2025; an ``eagle3`` GGUF) driven from Python for a target that exports
+its layer features (Gemma 4 among them).
+
+A head is one decoder layer with its own small KV cache. It reads three of the target's layer
+features (the inputs of three target layers, or the final post-norm state for the id ``n_layer``)
+and drafts autoregressively. llama.cpp (as vendored by llama-cpp-python 0.3.36) runs it as an
+encoder-decoder model over the target's context (``ctx_other``: the head borrows the target's token
+embedding, and its output head when it has none); the loop is ours (llama.cpp's is C++ in
+``common/speculative.cpp``, draft-eagle3, which the wheel does not ship):
+
+- the target exports the three features of every row it decodes, only while an EAGLE-3 drafter may
+  draft (:meth:`Eagle3Drafter.enable`); the rows are copied after each chunk (a later pass would
+  overwrite them, and a step the policy does not draft still extends the context);
+- the **encoder** maps a position's features to g[p] = fc(features[p]) (an embedding-only batch);
+- the **decoder** at position p takes the pair (token at p + 1, g[p]) and writes the head's KV cell
+  p: so after a target pass the head catches up on the pairs of the accepted positions (no logits:
+  llama.cpp's eagle3 graph selects no output rows, so a decode with outputs must be one row), then
+  feeds the seed pair (the pending token, g at n_past - 1) alone, whose logits give draft token 1
+  and whose pre-norm hidden row is the next step's g; every later step feeds (the token just
+  drafted, the next position, that hidden row);
+- the head's cells past the accepted positions (the draft chain's) are removed before the next
+  catch-up, and cells whose pair changed (the target rolled back below them) too: the head's KV
+  cache stays in step with every rollback of the target's;
+- with a reduced draft vocabulary (``d2t``: absolute target ids) the head's logits outside it are
+  -inf: drafting works on the ``d2t`` entries only, and a sampled draft's q is 0 outside it.
+
+Each head step pays the head's output layer over its draft vocabulary (32k rows for public heads),
+so the policy's measured draft cost includes it.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .backend import BufferViews, LlamaBackend
+from .draft_model import next_draft_token
+from .gguf_header import GGUFHeaderError, architecture
+from .linked_head import LinkedHead, nextn_bindings
+from .llama_process import _llama
+from .sampling import Sampler
+from .types import (Draft, EngineError, KVCacheError, ModelConfig, ModelLoadError, SamplingParams,
+                    SpecConfig)
+
+HEAD_ARCHITECTURE = "eagle3"
+#: Architectures whose llama.cpp graph exports layer inputs (``t_layer_inp``) at the llama.cpp
+#: llama-cpp-python 0.3.36 vendors (src/models/*.cpp). Asking any other target for them is a
+#: failed assertion inside llama_decode: the process aborts. Gemma 3 is not among them.
+FEATURE_ARCHITECTURES: Tuple[str, ...] = (
+    "bailingmoe3", "deepseek4", "gemma4", "gpt-oss", "hunyuan_vl", "lfm2", "llama", "mimo2",
+    "minimax-01", "minimax-m2", "muse-glimmer", "nanbeige", "nemotron_h", "qwen3", "qwen35",
+    "qwen35moe", "qwen3moe", "qwen3next", "qwen4exp")
+#: How many target features a head reads (llama.cpp refuses any other count at load).
+N_FEATURES = 3
+#: Rows of one head decode or encode: a verify pass's rows (pending + K <= 64). llama.cpp's eagle3
+#: decoder computes logits for every row it is given (scattered over the whole vocabulary with a
+#: reduced one), so the head's compute buffer grows with this.
+HEAD_BATCH_ROWS = 65
+#: Pairs the head catches up on in one decode with every row's logits (the last row's seed the
+#: draft), rather than a decode without logits and a one-row seed step: a verify pass's rows.
+MERGED_SEED_ROWS = 16
+#: Feature rows kept between passes before they are encoded anyway (twice a verify pass).
+STASH_ROWS = 2 * HEAD_BATCH_ROWS
+
+
+class HeadMismatchError(EngineError):
+    """The EAGLE-3 head cannot draft for this target (architecture, sizes, layers, n_ctx)."""
+
+
+def is_eagle3_head(path: str) -> bool:
+    """Whether the GGUF at ``path`` is an EAGLE-3 head (by its ``general.architecture``). A file
+    that cannot be read or is no GGUF is not one: another loader reports what is wrong with it."""
+    try:
+        return architecture(path) == HEAD_ARCHITECTURE
+    except (OSError, GGUFHeaderError):
+        return False
+
+
+class Eagle3Bindings:
+    """llama.cpp's layer-feature API (``src/llama-ext.h``), bound by hand: its functions have C++
+    linkage, so libllama exports them under mangled names, and llama-cpp-python binds none of them.
+    Each is looked up under its plain name first (a later llama.cpp may export it as C), then its
+    Itanium-mangled one; a missing symbol is an EngineError naming it, raised at load."""
+
+    _SIGNATURES = {  # plain name: mangled name (g++ / clang, x86_64 and aarch64 alike)
+        "llama_set_embeddings_layer_inp": "_Z30llama_set_embeddings_layer_inpP13llama_contextjb",
+        "llama_get_embeddings_layer_inp": "_Z30llama_get_embeddings_layer_inpP13llama_contextj",
+        "llama_model_target_layer_ids": "_Z28llama_model_target_layer_idsPK11llama_model",
+        "llama_model_target_layer_ids_n": "_Z30llama_model_target_layer_ids_nPK11llama_model",
+        "llama_model_get_tok_embd": "_Z24llama_model_get_tok_embdPK11llama_modelPf",
+    }
+
+    def __init__(self) -> None:
+        llama_cpp = _llama()
+        library = llama_cpp.llama_cpp._lib
+        ctx, model = llama_cpp.llama_context_p_ctypes, llama_cpp.llama_model_p_ctypes
+        floats = ctypes.POINTER(ctypes.c_float)
+        types = {
+            "llama_set_embeddings_layer_inp": ([ctx, ctypes.c_uint32, ctypes.c_bool], None),
+            "llama_get_embeddings_layer_inp": ([ctx, ctypes.c_uint32], floats),
+            "llama_model_target_layer_ids": ([model], ctypes.POINTER(ctypes.c_int32)),
+            "llama_model_target_layer_ids_n": ([model], ctypes.c_uint32),
+            "llama_model_get_tok_embd": ([model, floats], ctypes.c_uint32),
+        }
+        for name, mangled in self._SIGNATURES.items():
+            function = getattr(library, name, None) or getattr(library, mangled, None)
+            if function is None:
+                raise EngineError(f"this libllama exports no {name} ({mangled}): EAGLE-3 drafting "
+                                  "needs the llama.cpp of llama-cpp-python 0.3.36")
+            function.argtypes, function.restype = types[name]
+            setattr(self, name, function)
+        self.nextn = nextn_bindings()
+
+    def target_layers(self, model: object) -> List[int]:
+        """The target layer ids a head reads (its ``eagle3.target_layers``)."""
+        count = int(self.llama_model_target_layer_ids_n(model))
+        ids = self.llama_model_target_layer_ids(model)
+        return [int(ids[i]) for i in range(count)] if ids else []
+
+
+def _meta_int(model: object, key: str) -> Optional[int]:
+    """An integer GGUF key of a loaded model (llama.cpp prints every value as text)."""
+    buf = ctypes.create_string_buffer(32)
+    n = _llama().llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    try:
+        return int(buf.value) if n > 0 else None
+    except ValueError:
+        return None
+
+
+class Eagle3Head(LinkedHead):
+    """An EAGLE-3 head and its context over the target's: encoder, decoder rows, one-row steps."""
+
+    mismatch = HeadMismatchError
+    what = "the EAGLE-3 head"
+    shares_positions = "its KV cache holds the target's positions"
+
+    def __init__(self, config: ModelConfig, target: LlamaBackend) -> None:
+        path = config.resolved_path
+        kind = architecture_of(path)
+        if kind != HEAD_ARCHITECTURE:
+            raise HeadMismatchError(f"{path} is no EAGLE-3 head: its architecture is "
+                                    f"{kind or 'unknown'}, not {HEAD_ARCHITECTURE}")
+        check_feature_target(target)
+        self.bindings = Eagle3Bindings()
+        self._encoder = self._pairs = None
+        super().__init__(config, target, ctx_type=_llama().LLAMA_CONTEXT_TYPE_DEFAULT,
+                         n_batch=HEAD_BATCH_ROWS)
+
+    def _check_pair(self, target: LlamaBackend, target_model: object) -> None:
+        llama_cpp = self._llama_cpp
+        self.n_embd = int(llama_cpp.llama_model_n_embd(self._model))
+        self.n_embd_target = int(llama_cpp.llama_model_n_embd(target_model))
+        self.n_layer_target = int(llama_cpp.llama_model_n_layer(target_model))
+        self.layers = self.bindings.target_layers(self._model)
+        if len(self.layers) != N_FEATURES:
+            raise HeadMismatchError(f"{self.path} reads {len(self.layers)} target layers; an EAGLE-3 "
+                                    f"head reads {N_FEATURES}")
+        deepest = max(self.layers)
+        if deepest > self.n_layer_target or min(self.layers) < 0:
+            raise HeadMismatchError(
+                f"{self.path} reads target layers {self.layers}, and the target {target.path} has "
+                f"{self.n_layer_target} layers (ids 0..{self.n_layer_target}): it is the head of "
+                "another model")
+        hidden = _meta_int(self._model, f"{HEAD_ARCHITECTURE}.target_hidden_size")
+        for size, name in ((hidden, "reads target features of size"), (self.n_embd, "has a hidden size of")):
+            if size != self.n_embd_target:
+                raise HeadMismatchError(
+                    f"{self.path} {name} {size}, and the target {target.path} has {self.n_embd_target}: "
+                    "it is the head of another model")
+        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self._model)))
+        if self.n_vocab != target.n_vocab:
+            raise HeadMismatchError(
+                f"{self.path} has a vocabulary of {self.n_vocab} tokens and the target {target.path} "
+                f"{target.n_vocab}: its drafts would be other tokens")
+        self.own_token_embd = bool(self.bindings.llama_model_get_tok_embd(self._model, None))
+
+    def _after_context(self, target: LlamaBackend, target_ctx: object) -> None:
+        llama_cpp, nextn = self._llama_cpp, self.bindings.nextn
+        if not self.own_token_embd and nextn.llama_get_ctx_other(self._ctx) != target_ctx:
+            raise HeadMismatchError(f"llama.cpp did not link {self.path} to the target's context")
+        nextn.llama_set_embeddings_nextn(self._ctx, True, True)  # encoder output / pre-norm rows
+        self._nextn = nextn.llama_get_embeddings_nextn
+        self.n_features = N_FEATURES * self.n_embd_target
+        # encoder: embedding rows only (no token array: set to NULL, kept for llama_batch_free);
+        # decoder rows: tokens, with embd pointing at the caller's rows (reset before the free)
+        self._encoder = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        self._encoder_tokens, self._encoder.token = self._encoder.token, None
+        self._pairs = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        for batch in (self._encoder, self._pairs):
+            np.ctypeslib.as_array(batch.n_seq_id, shape=(self.n_batch,))[:] = 1
+            for i in range(self.n_batch):
+                batch.seq_id[i][0] = 0
+        self._encoder_pos = np.ctypeslib.as_array(self._encoder.pos, shape=(self.n_batch,))
+        np.ctypeslib.as_array(self._encoder.logits, shape=(self.n_batch,))[:] = 1
+        self._pair_tokens = np.ctypeslib.as_array(self._pairs.token, shape=(self.n_batch,))
+        self._pair_pos = np.ctypeslib.as_array(self._pairs.pos, shape=(self.n_batch,))
+        self._pair_flags = np.ctypeslib.as_array(self._pairs.logits, shape=(self.n_batch,))
+        self.d2t = self._draft_vocabulary()
+
+    def _draft_vocabulary(self) -> Optional[np.ndarray]:
+        """The target ids the head drafts (its ``d2t``), read off one probe row's logits: llama.cpp
+        scatters the head's logits into the full vocabulary, -inf elsewhere. None: every id."""
+        logits, _ = self.step(0, 0, np.zeros(self.n_embd, dtype=np.float32))
+        self.clear()
+        finite = np.flatnonzero(np.isfinite(logits))
+        if finite.size == 0:
+            raise ModelLoadError(f"{self.path} gave no finite logit on a probe row (broken weights?)")
+        return None if finite.size == self.n_vocab else finite
+
+    # -- the encoder and the decoder's catch-up rows ----------------------------------------------
+    def encode(self, features: np.ndarray, out: np.ndarray) -> None:
+        """``out[i] = g`` of ``features[i]`` (rows of ``n_features`` float32, C-contiguous), in
+        chunks of ``n_batch`` rows (llama.cpp's encoder takes one ubatch). The encoder is per row
+        and writes no KV cell; its positions are placeholders that llama.cpp still checks against
+        the head's cache (the next ones after it)."""
+        llama_cpp, batch = self._llama_cpp, self._encoder
+        after = int(llama_cpp.llama_memory_seq_pos_max(self._mem, 0)) + 1
+        for start in range(0, len(features), self.n_batch):
+            rows = features[start:start + self.n_batch]
+            n = len(rows)
+            batch.embd = rows.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            self._encoder_pos[:n] = range(after, after + n)
+            batch.n_tokens = n
+            rc = llama_cpp.llama_encode(self._ctx, batch)
+            if rc != 0:
+                raise EngineError(f"{self.what}'s llama_encode failed with code {rc} ({n} rows)")
+            out[start:start + n] = self._views.get(self._nextn(self._ctx), (n, self.n_embd))
+
+    def decode_pairs(self, tokens: Sequence[int], first: int, rows: np.ndarray) -> None:
+        """Write the head's KV cells ``first ..`` from the pairs (``tokens[i]``, ``rows[i]``), no
+        logits (C-contiguous float32 rows of ``n_embd``), in chunks of ``n_batch``."""
+        for start in range(0, len(tokens), self.n_batch):
+            part = tokens[start:start + self.n_batch]
+            self._decode(part, first + start, rows[start:start + len(part)], outputs=False)
+
+    def decode_last(self, tokens: Sequence[int], first: int,
+                    rows: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """:meth:`decode_pairs` in one decode (at most ``n_batch`` pairs) that returns the last
+        pair's (logits, next hidden row), views until the next decode. llama.cpp's eagle3 graph
+        selects no output rows (a decode asking logits of some rows gets the first rows' values),
+        so every row is asked for: it computes them all anyway, only their copy out is extra."""
+        n = len(tokens)
+        self._decode(tokens, first, rows, outputs=True)
+        logits = self._views.get(self._llama_cpp.llama_get_logits_ith(self._ctx, n - 1), self._logits_shape)
+        pointer = self._next_row(self._ctx, n - 1)
+        if not pointer:
+            raise EngineError(f"{self.what} {self.path} exported no hidden row")
+        return logits, self._views.get(pointer, self._row_shape)
+
+    def _decode(self, tokens: Sequence[int], first: int, rows: np.ndarray, outputs: bool) -> None:
+        llama_cpp, batch, n = self._llama_cpp, self._pairs, len(tokens)
+        batch.embd = rows.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        self._pair_tokens[:n] = tokens
+        self._pair_pos[:n] = range(first, first + n)
+        self._pair_flags[:n] = outputs
+        batch.n_tokens = n
+        rc = llama_cpp.llama_decode(self._ctx, batch)
+        if rc != 0:
+            raise KVCacheError(f"{self.what}'s llama_decode failed with code {rc} at position "
+                               f"{first} ({n} rows)")
+
+    def rollback(self, position: int) -> None:
+        """Remove the head's KV cells at positions >= ``position``."""
+        if not self._llama_cpp.llama_memory_seq_rm(self._mem, 0, position, -1):
+            raise KVCacheError(f"llama.cpp refused to remove {self.what}'s KV cells >= {position}")
+
+    def clear(self) -> None:
+        self._llama_cpp.llama_memory_clear(self._mem, True)
+
+    def model_info(self) -> dict:
+        info = self.base_info()
+        info.update(architecture=HEAD_ARCHITECTURE, target_layers=list(self.layers),
+                    n_embd=self.n_embd, n_draft_vocab=self.n_vocab if self.d2t is None else len(self.d2t))
+        return info
+
+    def _free_batches(self) -> None:
+        llama_cpp = self._llama_cpp
+        if self._encoder is not None:
+            self._encoder.token, self._encoder.embd = self._encoder_tokens, ctypes.POINTER(ctypes.c_float)()
+            llama_cpp.llama_batch_free(self._encoder)
+        if self._pairs is not None:
+            self._pairs.embd = ctypes.POINTER(ctypes.c_float)()
+            llama_cpp.llama_batch_free(self._pairs)
+        self._encoder = self._pairs = None
+
+
+def architecture_of(path: str) -> str:
+    """``general.architecture`` of a GGUF, '' when unreadable (the loader then says why)."""
+    try:
+        return architecture(path) or ""
+    except (OSError, GGUFHeaderError):
+        return ""
+
+
+def check_feature_target(target: LlamaBackend) -> None:
+    """Refuse a target whose graph does not export layer features: asking it would abort."""
+    kind = target.architecture
+    if kind in FEATURE_ARCHITECTURES:
+        return
+    why = (" (llama.cpp's gemma3 graph publishes no layer inputs: a feature export in it, or a "
+           "callback copy of its layer outputs, would be needed)" if kind.startswith("gemma3") else "")
+    raise HeadMismatchError(
+        f"an EAGLE-3 head reads the target's layer features, and llama.cpp exports them only for "
+        f"targets of architecture {', '.join(FEATURE_ARCHITECTURES)}: {target.path} is "
+        f"{kind or 'of unknown architecture'}{why}")
+
+
+class TargetFeatures:
+    """The target's export of the layer features a head reads, and views of llama.cpp's buffers
+    of them (the rows of the target's last decoded chunk, valid until its next decode).
+
+    A feature id below the target's layer count is that layer's input (``llama_set_embeddings_
+    layer_inp``); the id equal to it is the final post-norm state (``llama_set_embeddings_nextn``,
+    every row, not only those asked for logits)."""
+
+    def __init__(self, target: LlamaBackend, layers: Sequence[int], n_layer: int, n_embd: int,
+                 bindings: Eagle3Bindings) -> None:
+        _, self._ctx = target.handles
+        self._layers, self._n_layer, self._bindings = list(layers), n_layer, bindings
+        self._shape = (target.n_batch, n_embd)
+        self._views = BufferViews()
+        self.enabled = False
+
+    def enable(self, enabled: bool) -> None:
+        """Export from the next decode on (or stop); llama.cpp re-reserves its graph on a change."""
+        for layer in self._layers:
+            if layer < self._n_layer:
+                self._bindings.llama_set_embeddings_layer_inp(self._ctx, layer, enabled)
+            else:
+                self._bindings.nextn.llama_set_embeddings_nextn(self._ctx, enabled, False)
+        self.enabled = enabled
+
+    def rows(self) -> List[np.ndarray]:
+        """One (n_batch, n_embd) view per feature of the last chunk's rows, in the head's order."""
+        views = []
+        for layer in self._layers:
+            if layer < self._n_layer:
+                pointer = self._bindings.llama_get_embeddings_layer_inp(self._ctx, layer)
+            else:
+                pointer = self._bindings.nextn.llama_get_embeddings_nextn(self._ctx)
+            if not pointer:
+                raise EngineError(f"the target exported no features of layer {layer}")
+            views.append(self._views.get(pointer, self._shape))
+        return views
+
+
+class Eagle3Drafter:
+    """Drafts with an EAGLE-3 head. Implements :class:`~gemma_spec_ros.engine.types.Drafter`.
+
+    State by position (see the module docstring): g rows (encoder outputs) held for
+    [``_start``, ``_g_end``), feature rows not yet encoded for [``_g_end``, ``_f_end``) (the
+    stash), head KV cells holding the right pairs for [``_start``, ``_kv_end``); cells past
+    ``_kv_end`` are the last draft chain's. Each target chunk decoded at ``base`` rewrote the
+    target's positions >= base, so it cuts all three there (the pair at base - 1 read the token at
+    base); a chunk past what is held (features missed while export was off) starts over at it.
+
+    Greedy drafting stops when the head's top probability (over its draft vocabulary) falls below
+    ``spec.p_min``; for ``rejection`` verification of a sampled request the drafts are sampled
+    from the request's sampler over the head's logits, q returned with them (0 outside ``d2t``).
+    The g rows of every position are kept (n_ctx x n_embd float32, paged in as written): a new
+    request that shares a prefix with the last one rewrites only the head cells after it.
+    """
+
+    name = "eagle3"
+    #: a probe costs the head's catch-up on the passes since its last draft, and one step
+    cheap_to_probe = True
+    cuts_drafts = False  # each draft token is a head decode
+
+    def __init__(self, config: ModelConfig, target: LlamaBackend) -> None:
+        self.target = target
+        self.head = Eagle3Head(config, target)
+        head = self.head
+        self.features = TargetFeatures(target, head.layers, head.n_layer_target, head.n_embd_target,
+                                       head.bindings)
+        self._g = np.empty((target.n_ctx, head.n_embd), dtype=np.float32)
+        self._stash = np.empty((STASH_ROWS, head.n_features), dtype=np.float32)
+        self._restart(0)
+        self._sampler: Optional[Sampler] = None
+        self._rng: Optional[np.random.Generator] = None
+
+    # -- the target's export --------------------------------------------------------------------
+    def enable(self, enabled: bool) -> None:
+        """The target exports features from its next decode on (or stops): only while this drafter
+        may draft, so that other modes pay nothing. What the target decoded while it was off was
+        not seen: the head starts over at the next decode."""
+        if enabled == self.features.enabled:
+            return
+        self.features.enable(enabled)
+        self.target.after_chunk = self._on_chunk if enabled else None
+        if enabled:
+            self._restart(self.target.n_past)
+
+    def _restart(self, position: int) -> None:
+        """Nothing held: the head's cache empty, g and features from ``position`` on."""
+        self._start = self._kv_end = self._g_end = self._f_end = position
+        self.head.clear()
+
+    def _on_chunk(self, base: int, rows_here: List[int], last_chunk: bool) -> None:
+        """After each chunk the target decoded (its positions base .. n_past - 1): cut what the
+        chunk rewrote, then keep its feature rows (encoded at once where the stash is full)."""
+        n = self.target.n_past - base
+        if base < self._start or base > self._f_end:
+            self._restart(base)
+        else:
+            self._f_end = base
+            self._g_end = min(self._g_end, base)
+            self._kv_end = min(self._kv_end, max(self._start, base - 1))
+        views, width, done = self.features.rows(), self.head.n_embd_target, 0
+        while done < n:
+            held = self._f_end - self._g_end
+            if held == STASH_ROWS:
+                self._encode_stash(self._f_end)
+                continue
+            take = min(STASH_ROWS - held, n - done)
+            for k, view in enumerate(views):
+                self._stash[held:held + take, k * width:(k + 1) * width] = view[done:done + take]
+            self._f_end += take
+            done += take
+
+    def _encode_stash(self, upto: int) -> None:
+        """g rows for the stashed positions below ``upto`` (<= ``_f_end``)."""
+        count = upto - self._g_end
+        if count <= 0:
+            return
+        self.head.encode(self._stash[:count], self._g[self._g_end:upto])
+        rest = self._f_end - upto
+        if rest:
+            self._stash[:rest] = self._stash[count:count + rest]
+        self._g_end = upto
+
+    # -- Drafter protocol -------------------------------------------------------------------------
+    def begin(self, prompt_tokens: Sequence[int], sampling: Optional[SamplingParams] = None,
+              rng: Optional[np.random.Generator] = None) -> None:
+        """Sample this request's drafts from ``sampling`` (rejection verification) or draft
+        greedily; the head's cache of a shared prefix stays."""
+        self._sampler = None if sampling is None or sampling.greedy else Sampler(sampling)
+        self._rng = rng
+
+    def propose(self, context: Sequence[int], max_tokens: int, spec: SpecConfig = SpecConfig()) -> Draft:
+        """Up to ``max_tokens`` tokens after ``context`` = the target's cache + the pending token.
+        Nothing while the target's features of its last position are missing (the mode just
+        switched to eagle3: the next pass exports them)."""
+        position = self.target.n_past
+        if (not self.features.enabled or max_tokens <= 0 or len(context) != position + 1
+                or self._f_end < position or self._start >= position):
+            return Draft()
+        logits, hidden = self._seed(context, position)
+        tokens: List[int] = []
+        probs: List[np.ndarray] = []
+        while True:
+            token = self._draft_token(logits, spec.p_min, probs)
+            if token is None:
+                break
+            tokens.append(token)
+            if len(tokens) >= max_tokens or self.target.is_eog(token):
+                break
+            logits, hidden = self.head.step(token, position + len(tokens) - 1, hidden)
+        if len(tokens) < spec.draft_min or not tokens:
+            return Draft()
+        return Draft(tuple(tokens), tuple(probs) if self._sampler is not None else None, self.name)
+
+    def _seed(self, context: Sequence[int], position: int) -> Tuple[np.ndarray, np.ndarray]:
+        """Bring the head up to the target's ``position``: encode the new features, drop the cells
+        of the last draft chain, write the accepted positions' pairs and the seed pair (the
+        pending token, g at position - 1), whose logits give the first draft token. After a
+        verify pass the pairs are a few: one decode (:data:`MERGED_SEED_ROWS`)."""
+        self._encode_stash(position)
+        head, seed = self.head, min(self._kv_end, position - 1)
+        head.rollback(seed)
+        tokens, rows = context[seed + 1:position + 1], self._g[seed:position]
+        if len(tokens) <= MERGED_SEED_ROWS:
+            result = head.decode_last(tokens, seed, rows)
+        else:
+            head.decode_pairs(tokens[:-1], seed, rows[:-1])
+            result = head.step(tokens[-1], position - 1, rows[-1])
+        self._kv_end = position
+        return result
+
+    def _draft_token(self, logits: np.ndarray, p_min: float, probs: List[np.ndarray]) -> Optional[int]:
+        """The next draft token from the head's logits, over its draft vocabulary only."""
+        d2t = self.head.d2t
+        if d2t is None:
+            return next_draft_token(logits, self._sampler, self._rng, p_min, probs)
+        drawn: List[np.ndarray] = []
+        index = next_draft_token(logits[d2t], self._sampler, self._rng, p_min, drawn)
+        if index is None:
+            return None
+        if drawn:  # q over the whole vocabulary, as verification reads it
+            q = np.zeros(self.head.n_vocab, dtype=drawn[0].dtype)
+            q[d2t] = drawn[0]
+            probs.append(q)
+        return int(d2t[index])
+
+    def end(self, tokens: Sequence[int]) -> None:
+        """Nothing to learn; the head's cache stays for the next request's shared prefix."""
+
+    def warm_up(self, filler: Sequence[int], max_rows: int, passes: int) -> None:
+        """Run the head's encoder, catch-up decodes and steps untimed, so that the first measured
+        draft costs are steady-state ones; leaves the head's cache empty (the next draft catches
+        up from the g rows held)."""
+        head = self.head
+        head.clear()
+        n = max(1, min(max_rows, len(filler) - 1, head.n_batch))
+        features = np.zeros((n, head.n_features), dtype=np.float32)
+        rows = np.zeros((n, head.n_embd), dtype=np.float32)
+        for _ in range(passes):
+            head.encode(features, rows)
+            head.decode_pairs(list(filler[1:n]), 0, rows[:n - 1])
+            logits, hidden = head.step(filler[n], n - 1, rows[n - 1])
+            head.step(filler[n], n, hidden)
+            head.clear()
+        self._kv_end = self._start
+
+    def model_info(self) -> Optional[dict]:
+        return {**self.head.model_info(), "drafter": self.name}
+
+    def close(self) -> None:
+        """Stop the target's export, then free the head (before the target)."""
+        if self.head._ctx is not None and self.features.enabled:
+            self.enable(False)
+        self.head.close()
