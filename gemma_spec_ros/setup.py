@@ -37,6 +37,7 @@ setup(
             "gemma-spec-serve = gemma_spec_ros.tools.serve:main",
             "gemma-spec-generate = gemma_spec_ros.tools.generate:main",
             "gemma-spec-lookup-create = gemma_spec_ros.tools.lookup_create:main",
+            "gemma-spec-eagle3-convert = gemma_spec_ros.tools.eagle3_convert:main",
             # ros2 run gemma_spec_ros <name>
             "gemma_spec_node = gemma_spec_ros.tools.serve:node_main",
         ],
