@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Same-run measurement of the remote backend's HTTP client choices against a real llama-server.
 
-Issue 21 asked whether the hand-written client (``http.client`` + a byte line splitter + cancel by
-socket shutdown) should give way to httpx (+ httpx-sse). Both stream the same completions from one
-llama-server, interleaved round by round, and the script prints, per client:
+Whether the hand-written client (``http.client`` + a byte line splitter + cancel by socket shutdown)
+or httpx (+ httpx-sse) should carry the remote backend (docs/deployment.md has the figures). Both
+stream the same completions from one llama-server, interleaved round by round, and the script
+prints, per client:
 
 - client CPU per streamed event (``time.thread_time`` of the reading thread / events): what the
   client costs per token, independent of how fast the server generates;

@@ -1,6 +1,6 @@
 // decode_timing: the time of one llama_decode pass of R rows, outside Python, with the engine's
 // context parameters (n_ctx 2048, n_batch 512, swa_full, 2 threads). It tells a slow library build
-// from slow code around it (docs/benchmarks.md, "the step profile"). Link it against the wheel's
+// from slow code around it (docs/design.md, "Numerical facts"). Link it against the wheel's
 // shared libraries or the static ones of scripts/build_native_tools.sh:
 //
 //   SRC=~/.cache/gemma_spec_ros/native/src/llama_cpp_python-0.3.36/vendor/llama.cpp

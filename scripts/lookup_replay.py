@@ -1,5 +1,5 @@
 """Replay lookup drafting strategies on greedy reference outputs: no timing, so a busy host cannot
-skew it (issue 25, docs/benchmarks.md "every n-gram method of llama.cpp").
+skew it (docs/benchmarks.md, "Levers tried and dropped").
 
 Greedy decoding makes the accepted tokens a function of the drafts: each step the real LookupDrafter
 proposes (its length chosen by the real DraftLengthPolicy, or fixed), the draft is accepted up to its
@@ -12,10 +12,10 @@ speedup over plain decoding per prompt and strategy.
 bench runner) does; ``--config`` / ``--target`` replay another setup (the exact build's F16 copy:
 run with ``PYTHONPATH=.venv/opt/llama-cpp-exact``); ``--measured-costs`` charges the pass costs the
 engine calibrates on this host; ``--outputs FILE`` keeps the reference outputs (and those costs), so
-strategies can be compared again in seconds. Session 26, the exact build's 27 prompts:
+strategies can be compared again in seconds. The exact build's 27 prompts of the oracle run:
 
     PYTHONPATH=.venv/opt/llama-cpp-exact .venv/bin/python scripts/lookup_replay.py \
-        --config exact.yaml --target ~/.cache/gemma_spec_ros/models/gemma-3-270m-f16.gguf \
+        --config exact12.yaml --target ~/.cache/gemma_spec_ros/models/gemma-3-270m-f16.gguf \
         --prompts-per-suite 1 --random-prompts 20 --seed 20261203 --measured-costs \
         --outputs /tmp/exact_out.json --persistent
 """
@@ -37,12 +37,9 @@ from gemma_spec_dev.bench.config import (apply_overrides, default_params, engine
                                          load_params, load_suites)
 from gemma_spec_dev.bench.corpus import default_corpus, random_suite
 
-#: ms per target pass by rows: llama.cpp's own step profile of the embedded model on the 2-core CPU.
-PASS_MS: Dict[int, float] = {1: 20.0, 2: 25.0, 3: 27.6, 4: 27.6, 5: 33.0, 6: 35.0, 7: 38.0, 8: 41.0, 9: 43.6,
-                             **{n: 43.6 + 4.9 * (n - 9) for n in range(10, 18)}}
-#: name -> (cap on K, adaptive[, cut each draft]). A<n>: the policy chooses K <= n before drafting
-#: (the engine before session 24, less its shadow drafts); C<n>: every step drafts up to n and the
-#: policy cuts the draft (the engine since session 24, K = n); K<n>: always n.
+#: name -> (cap on K, adaptive[, cut each draft]). A<n>: the policy chooses one K <= n before
+#: drafting; C<n>: every step drafts up to n and the policy cuts the draft (the engine's policy,
+#: K = n); K<n>: always n.
 STRATEGIES: Dict[str, Tuple] = {"A4": (4, True), "C6": (6, True, True), "C8": (8, True, True),
                                 "C12": (12, True, True), "C16": (16, True, True),
                                 "K3": (3, False), "K4": (4, False), "K5": (5, False), "K8": (8, False),
@@ -112,6 +109,14 @@ def pass_costs(spec: str, max_rows: int) -> Dict[int, float]:
         else:
             costs[rows] = lower[1] + (rows - lower[0]) * (upper[1] - lower[1]) / (upper[0] - lower[0])
     return costs
+
+
+#: ms per target pass by rows: llama.cpp's own pass costs of the embedded model (Q4_K_M) on the 2-core
+#: CPU, timed outside Python by scripts/decode_timing.c (docs/design.md, "Numerical facts"); the
+#: sizes not timed are interpolated. Even row counts are cheaper than the odd one below them.
+LLAMA_CPP_PASS_MS = ("1:20.1,2:29.5,3:49.5,4:42.8,5:63.2,6:53.8,7:69.0,8:75.6,9:94.8,10:82.7,12:93.7,"
+                     "13:105.0,16:118.4,17:155.4")
+PASS_MS: Dict[int, float] = pass_costs(LLAMA_CPP_PASS_MS, max_rows=17)
 
 
 def main() -> None:
