@@ -24,7 +24,7 @@ if [ -z "${PYTHON:-}" ]; then
   if [ -x "$ROOT/.venv/bin/python" ]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
 fi
 TARGETS=(llama-lookup-create llama-lookup llama-lookup-stats llama-speculative-simple llama-server)
-# GGML_NATIVE=OFF: -march=native enables the AMX backend, which segfaults on these CPUs (ENV.md).
+# GGML_NATIVE=OFF: -march=native enables the AMX backend, which segfaults on these CPUs (docs/design.md).
 # Static libraries, so the binaries copied to bin/ need no libllama.so beside them.
 CMAKE_FLAGS=(
   -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF
