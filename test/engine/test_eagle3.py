@@ -240,6 +240,28 @@ def test_the_agreeing_pair_accepts_nearly_every_draft(agreeing_models: Loaded) -
     assert result.passes < LONG / 3  # ~4 tokens per target pass
 
 
+def test_tokens_a_grammar_forces_are_fed_before_the_head_drafts(agreeing_models: Loaded) -> None:
+    """Under a grammar the engine drafts the forced text first and asks the drafter to continue
+    after it: the head takes the forced tokens as its own chain, then drafts on from there."""
+    from support.tiny_gemma4 import successor_cycle
+
+    succ = successor_cycle()
+    target, drafter = agreeing_models.target, agreeing_models.drafter
+    drafter.enable(True)
+    prompt = agreeing_models.prompt
+    pending = int(succ[prompt[-1]])
+    target.decode(prompt, [len(prompt) - 1])
+    forced = [int(succ[pending]), int(succ[succ[pending]])]
+    draft = drafter.propose(prompt + [pending] + forced, 3, GREEDY)
+    expected, token = [], forced[-1]
+    for _ in range(3):
+        token = int(succ[token])
+        expected.append(token)
+    assert list(draft.tokens) == expected
+    assert head_pos_max(drafter) == target.n_past + len(forced) + 1
+    assert list(drafter.propose(prompt + [pending], 3, GREEDY).tokens) == forced + expected[:1]
+
+
 def test_rejection_verification_uses_the_head_distribution(agreeing_models: Loaded) -> None:
     """Sampled requests under ``rejection``: the drafts are sampled, with q over the whole
     vocabulary that is 0 outside the head's draft vocabulary, and verified."""

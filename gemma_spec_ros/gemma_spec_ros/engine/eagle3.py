@@ -439,14 +439,18 @@ class Eagle3Drafter:
         self._rng = rng
 
     def propose(self, context: Sequence[int], max_tokens: int, spec: SpecConfig = SpecConfig()) -> Draft:
-        """Up to ``max_tokens`` tokens after ``context`` = the target's cache + the pending token.
-        Nothing while the target's features of its last position are missing (the mode just
-        switched to eagle3: the next pass exports them)."""
+        """Up to ``max_tokens`` tokens after ``context`` = the target's cache + the pending token
+        (+ tokens a grammar forces, drafted already: the head is fed them as its own draft chain,
+        then drafts after them). Nothing while the target's features of its last position are
+        missing (the mode just switched to eagle3: the next pass exports them)."""
         position = self.target.n_past
-        if (not self.features.enabled or max_tokens <= 0 or len(context) != position + 1
+        if (not self.features.enabled or max_tokens <= 0 or len(context) <= position
                 or self._f_end < position or self._start >= position):
             return Draft()
         logits, hidden = self._seed(context, position)
+        for offset, forced in enumerate(context[position + 1:]):
+            logits, hidden = self.head.step(forced, position + offset, hidden)
+        first = len(context) - 1  # the position of the first drafted token's head cell
         tokens: List[int] = []
         probs: List[np.ndarray] = []
         while True:
@@ -456,7 +460,7 @@ class Eagle3Drafter:
             tokens.append(token)
             if len(tokens) >= max_tokens or self.target.is_eog(token):
                 break
-            logits, hidden = self.head.step(token, position + len(tokens) - 1, hidden)
+            logits, hidden = self.head.step(token, first + len(tokens) - 1, hidden)
         if len(tokens) < spec.draft_min or not tokens:
             return Draft()
         return Draft(tuple(tokens), tuple(probs) if self._sampler is not None else None, self.name)
