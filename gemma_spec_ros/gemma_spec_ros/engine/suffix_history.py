@@ -1,0 +1,181 @@
+"""The suffix drafter's history file: earlier outputs, one token sequence each, behind a header.
+
+The same rules as the learned n-gram cache (:mod:`.learned_cache`), whose folder it shares: the node
+reads, moves aside or overwrites only a file that starts with this header (one it wrote); any other
+file is refused with a reason and left untouched. The header names the vocabulary (token ids of one
+mean nothing in another) and carries a CRC-32 of the body, so a damaged file (a disk error, a cut
+write of another tool) is told from a good one and moved aside instead of drafting junk.
+
+File layout (little-endian)::
+
+    8 bytes   MAGIC
+    uint32    FORMAT_VERSION
+    uint32    length of the vocabulary tag in bytes (at most learned_cache.MAX_TAG_BYTES)
+    tag       ASCII, zero-padded to a multiple of 4 bytes
+    uint32    CRC-32 of the body
+    body:     uint32 number of sequences S, S x uint32 lengths, then every sequence's int32 token ids
+"""
+from __future__ import annotations
+
+import os
+import stat
+import struct
+import sys
+import zlib
+from array import array
+from typing import List, Optional, Sequence
+
+from .learned_cache import (MAX_TAG_BYTES, CorruptLearnedCacheError, ForeignFileError,
+                            VocabularyMismatchError)
+from .ngram_cache import PathLike, read_cache_file, write_atomically
+
+MAGIC = b"\x89GSSUFX\n"  # high bit + name + newline: not text, not an n-gram cache
+FORMAT_VERSION = 1
+_PREFIX = struct.Struct("<8sII")
+_WORD = struct.Struct("<I")
+_LITTLE = sys.byteorder == "little"
+
+
+def _words(values: Sequence[int], typecode: str) -> bytes:
+    """``values`` as little-endian 32-bit words."""
+    words = array(typecode, values)
+    if not _LITTLE:
+        words.byteswap()
+    return words.tobytes()
+
+
+def _read_words(data: bytes, typecode: str) -> array:
+    words = array(typecode)
+    words.frombytes(data)
+    if not _LITTLE:
+        words.byteswap()
+    return words
+
+
+def encode(sequences: Sequence[Sequence[int]], tag: str) -> bytes:
+    """``sequences`` (token ids in 0 .. 2**31 - 1) as a history file of the vocabulary ``tag``.
+
+    >>> data = encode([[1, 2, 3], [7]], "vocab-x")
+    >>> decode(data, "<bytes>", "vocab-x")
+    [[1, 2, 3], [7]]
+    """
+    raw_tag = tag.encode("ascii")
+    if len(raw_tag) > MAX_TAG_BYTES:
+        raise ValueError(f"vocabulary tag of {len(raw_tag)} bytes: at most {MAX_TAG_BYTES}")
+    body = (_WORD.pack(len(sequences)) + _words([len(s) for s in sequences], "I")
+            + b"".join(_words(s, "i") for s in sequences))
+    header = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(raw_tag)) + raw_tag + b"\0" * (-len(raw_tag) % 4)
+    return header + _WORD.pack(zlib.crc32(body)) + body
+
+
+def _not_ours(source: str) -> ForeignFileError:
+    return ForeignFileError(
+        f"{source} is not a suffix history written by gemma_spec (no header): it is left untouched "
+        "and not used; point suffix.history_path at a new file or at one this node wrote")
+
+
+def _corrupt(source: str, problem: str) -> CorruptLearnedCacheError:
+    return CorruptLearnedCacheError(f"suffix history {source}: {problem}")
+
+
+def decode(data: bytes, source: str, tag: str, max_tokens: Optional[int] = None) -> List[List[int]]:
+    """The sequences of a history file of the vocabulary ``tag``: all, or the newest that hold
+    at most ``max_tokens`` tokens together (a bound lowered since the file was saved).
+
+    Raises :class:`~.learned_cache.ForeignFileError` without the header,
+    :class:`~.learned_cache.VocabularyMismatchError` for another vocabulary and
+    :class:`~.learned_cache.CorruptLearnedCacheError` for a damaged one (header, checksum, sizes).
+    The messages never quote the file's content.
+    """
+    if data[:len(MAGIC)] != MAGIC:
+        raise _not_ours(source)
+    if len(data) < _PREFIX.size:
+        raise _corrupt(source, "header truncated")
+    _, version, tag_bytes = _PREFIX.unpack_from(data)
+    crc_at = _PREFIX.size + tag_bytes + (-tag_bytes % 4)
+    raw_tag = data[_PREFIX.size:_PREFIX.size + tag_bytes]
+    if version != FORMAT_VERSION or tag_bytes > MAX_TAG_BYTES or crc_at + 2 * _WORD.size > len(data) \
+            or not raw_tag.isascii():
+        raise _corrupt(source, "unknown format version or broken header")
+    if raw_tag.decode("ascii") != tag:
+        raise VocabularyMismatchError(
+            f"suffix history {source} was written for another vocabulary (another model family): "
+            "it is left untouched and not used; give this model its own suffix.history_path")
+    (crc,) = _WORD.unpack_from(data, crc_at)
+    body = data[crc_at + _WORD.size:]
+    if zlib.crc32(body) != crc:
+        raise _corrupt(source, "checksum mismatch (the file is damaged)")
+    return _sequences(body, source, max_tokens)
+
+
+def _sequences(body: bytes, source: str, max_tokens: Optional[int]) -> List[List[int]]:
+    (count,) = _WORD.unpack_from(body)
+    lengths_end = _WORD.size * (1 + count)
+    if lengths_end > len(body):
+        raise _corrupt(source, f"{count} sequences announced, the file is shorter")
+    lengths = _read_words(body[_WORD.size:lengths_end], "I")
+    if lengths_end + 4 * sum(lengths) != len(body):
+        raise _corrupt(source, "sequence lengths do not add up to the file's size")
+    tokens = _read_words(body[lengths_end:], "i")
+    if tokens and min(tokens) < 0:
+        raise _corrupt(source, "a negative token id")
+    out: List[List[int]] = []
+    offset = 0
+    for length in lengths:
+        out.append(tokens[offset:offset + length].tolist())
+        offset += length
+    return _newest(out, max_tokens)
+
+
+def _newest(sequences: List[List[int]], max_tokens: Optional[int]) -> List[List[int]]:
+    """The newest sequences holding at most ``max_tokens`` tokens (the oldest kept may be cut)."""
+    if max_tokens is None:
+        return sequences
+    kept: List[List[int]] = []
+    room = max_tokens
+    for sequence in reversed(sequences):
+        if room <= 0:
+            break
+        kept.append(sequence[max(0, len(sequence) - room):])
+        room -= len(sequence)
+    return kept[::-1]
+
+
+def load(path: PathLike, tag: str, max_tokens: Optional[int] = None) -> List[List[int]]:
+    """The history at ``path``; none if the file does not exist yet (the first :func:`save` creates
+    it). Raises as :func:`decode`, or CacheFormatError if it cannot be read."""
+    if not os.path.lexists(os.fspath(path)):
+        return []
+    return decode(read_cache_file(path), os.fspath(path), tag, max_tokens)
+
+
+def _owned(path: PathLike) -> Optional[bool]:
+    """None if ``path`` does not exist, else whether it is a regular file with the header (opened
+    without blocking, checked on the descriptor: a FIFO cannot hang the caller)."""
+    try:
+        fd = os.open(os.fspath(path), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        raise ForeignFileError(f"cannot check {os.fspath(path)} (the suffix history): "
+                               f"{error.strerror or error}") from None
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and os.read(fd, len(MAGIC)) == MAGIC
+    finally:
+        os.close(fd)
+
+
+def check_loadable(path: PathLike) -> None:
+    """Raise :class:`~.learned_cache.ForeignFileError` unless ``path`` is absent or a regular file
+    with the header (the node's check before it loads models; the rest is checked at the load)."""
+    if _owned(path) is False:
+        raise _not_ours(os.fspath(path))
+
+
+def save(sequences: Sequence[Sequence[int]], path: PathLike, tag: str) -> None:
+    """Write the history to ``path`` atomically, only over a file this engine wrote (or none)."""
+    if _owned(path) is False:
+        raise ForeignFileError(
+            f"refusing to overwrite {os.fspath(path)} with the suffix history: the file was not "
+            "written by gemma_spec (no header)")
+    write_atomically(path, encode(sequences, tag))

@@ -1,0 +1,221 @@
+"""SuffixDrafter: drafts from the longest earlier occurrence of the context's end, in the request and
+in a bounded, persisted history of earlier outputs (scripted tokens, then the embedded model's)."""
+from __future__ import annotations
+
+import doctest
+import os
+from pathlib import Path
+from typing import List, Sequence
+
+import pytest
+
+from gemma_spec_ros.engine import learned_cache, suffix, suffix_history
+from gemma_spec_ros.engine.suffix import SuffixConfig, SuffixDrafter
+from gemma_spec_ros.engine.types import EMPTY_DRAFT, CacheFormatError
+from gemma_spec_ros.tools import lookup_create
+
+TAG = "vocab-1-262144-" + "ab" * 20
+PLAN = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]  # an earlier answer
+
+
+def run_request(drafter: SuffixDrafter, prompt: Sequence[int], output: Sequence[int]) -> None:
+    """One request whose output is ``output`` (drafts asked at every token, as the engine would)."""
+    drafter.begin(prompt)
+    for i in range(len(output)):
+        drafter.propose(list(prompt) + list(output[:i + 1]), 8)
+    drafter.end(list(prompt) + list(output))
+
+
+def test_module_doctests() -> None:
+    result = doctest.testmod(suffix)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_an_earlier_output_is_drafted_from_a_long_match() -> None:
+    drafter = SuffixDrafter(SuffixConfig(match_factor=0))
+    run_request(drafter, [1, 2, 3], PLAN)
+    drafter.begin([1, 2, 9])  # a new request that starts the same answer
+    draft = drafter.propose([1, 2, 9, 40, 41, 42, 43], 5)
+    assert draft.tokens == (44, 45, 46, 47, 48) and draft.source == "suffix"
+    assert {e[0] for e in draft.evidence} == {"history"}
+    assert [e[1] for e in draft.evidence] == [2, 2, 2, 2, 3]  # a match of 4 tokens, then 5 .. 8
+
+
+def test_the_prompt_is_drafted_from_and_marked_as_the_request() -> None:
+    drafter = SuffixDrafter(SuffixConfig(match_factor=0))
+    prompt = [7, 8, 9, 10, 11, 7, 8]
+    drafter.begin(prompt)
+    draft = drafter.propose(prompt, 3)
+    assert draft.tokens == (9, 10, 11) and {e[0] for e in draft.evidence} == {"request"}
+
+
+def test_the_draft_grows_with_the_match_length() -> None:
+    drafter = SuffixDrafter(SuffixConfig(match_factor=1.0))
+    run_request(drafter, [1], PLAN)
+    drafter.begin([2])
+    assert len(drafter.propose([2, 40], 12)) == 1
+    assert len(drafter.propose([2, 40, 41, 42, 43], 12)) == 4
+    assert len(drafter.propose([2] + PLAN[:8], 12)) == 2  # the answer ends: nothing follows 49
+
+
+def test_a_split_vote_lowers_the_probability_and_stops_the_draft() -> None:
+    drafter = SuffixDrafter(SuffixConfig(match_factor=0, min_token_probability=0.4))
+    for tail in ([5, 6, 7], [5, 6, 8], [5, 9, 9]):
+        run_request(drafter, [1], [30, 31] + tail)
+    drafter.begin([2])
+    draft = drafter.propose([2, 30, 31], 8)
+    assert draft.tokens == (5, 6)  # 5: 3 of 3; 6: 2 of 3 (p 0.67); then 8 or 7: p 0.33 < 0.4
+    assert [e[3] for e in draft.evidence] == [True, False]  # unanimous, then not
+    assert drafter.propose([2, 30, 31, 5, 6], 8).tokens == (8,)  # a tie: the newest answer wins
+
+
+def test_nothing_to_draft_without_any_match() -> None:
+    drafter = SuffixDrafter(SuffixConfig())
+    drafter.begin([1, 2, 3])
+    assert drafter.propose([1, 2, 3], 8) == EMPTY_DRAFT
+    assert drafter.propose([1, 2, 3, 4], 0) == EMPTY_DRAFT
+
+
+def test_tokens_taken_back_are_taken_out_of_the_index() -> None:
+    """Under a grammar the context of a step ends with forced text drafted ahead; if the request
+    went another way, the next context is not an extension of it."""
+    taken_back = SuffixDrafter(SuffixConfig(match_factor=0))
+    fresh = SuffixDrafter(SuffixConfig(match_factor=0))
+    for drafter in (taken_back, fresh):
+        run_request(drafter, [1], PLAN)
+    prompt = [2, 40, 41]
+    taken_back.begin(prompt)
+    taken_back.propose(prompt + [42, 43, 44, 60, 61], 4)  # drafted ahead, then refused
+    fresh.begin(prompt)
+    assert taken_back.propose(prompt + [42, 70], 4) == EMPTY_DRAFT  # "70" was never seen
+    assert taken_back.propose(prompt + [42, 43], 4).tokens == (44, 45, 46, 47)  # not "60 61"
+    fresh.propose(prompt + [42, 70], 4)
+    for tail in ([42, 43, 44], [42, 43, 44, 45, 46, 47, 48]):
+        assert taken_back.propose(prompt + tail, 4) == fresh.propose(prompt + tail, 4)
+    assert taken_back.index.sequences() == fresh.index.sequences()
+
+
+def test_only_outputs_join_the_history_unless_prompts_are_kept() -> None:
+    outputs_only = SuffixDrafter(SuffixConfig())
+    with_prompts = SuffixDrafter(SuffixConfig(keep_prompts=True))
+    for drafter in (outputs_only, with_prompts):
+        run_request(drafter, [1, 2, 3], [4, 5])
+    assert outputs_only.index.sequences() == [[4, 5]]
+    assert with_prompts.index.sequences() == [[1, 2, 3, 4, 5]]
+    assert outputs_only.history_tokens == 2
+
+
+def test_the_history_cap_evicts_the_oldest_outputs_first() -> None:
+    drafter = SuffixDrafter(SuffixConfig(history_max_tokens=25, match_factor=0))
+    for first in range(10, 60, 10):  # five answers of 5 tokens: 5 x 5 + 4 separators > 25
+        run_request(drafter, [1], list(range(first, first + 5)))
+    assert drafter.history_tokens <= 25
+    assert drafter.index.sequences()[-1] == [50, 51, 52, 53, 54]
+    assert [10, 11, 12, 13, 14] not in drafter.index.sequences()
+    drafter.begin([2])
+    assert drafter.propose([2, 10, 11], 3) == EMPTY_DRAFT  # the oldest answer is gone
+    assert drafter.propose([2, 50, 51], 3).tokens == (52, 53, 54)
+
+
+def test_a_request_longer_than_its_room_evicts_history_and_ends_cleanly() -> None:
+    drafter = SuffixDrafter(SuffixConfig(history_max_tokens=10), request_room=4)
+    run_request(drafter, [1], [5, 6, 7])
+    run_request(drafter, list(range(100, 130)), [8, 9])  # 31 tokens in a ring of 14
+    assert drafter.index.sequences()[-1] == [8, 9]
+
+
+# ------------------------------------------------------------------------------------ the file
+def test_the_history_survives_a_restart(tmp_path: Path) -> None:
+    path = tmp_path / "cache" / "suffix.bin"
+    config = SuffixConfig(history_path=str(path), cache_dir=str(tmp_path / "cache"), match_factor=0)
+    first = SuffixDrafter(config, vocab_tag=TAG)
+    run_request(first, [1], PLAN)
+    first.close()
+    assert suffix_history.load(path, TAG) == [PLAN]
+    second = SuffixDrafter(config, vocab_tag=TAG)
+    second.begin([2])
+    assert second.propose([2, 40, 41, 42], 3).tokens == (43, 44, 45)
+    stamp = path.stat().st_mtime_ns, path.stat().st_ino
+    second.end([2])  # an empty output: nothing learned
+    second.close()
+    assert (path.stat().st_mtime_ns, path.stat().st_ino) == stamp  # not rewritten for nothing
+
+
+def test_a_damaged_history_is_moved_aside_with_a_warning(tmp_path: Path) -> None:
+    path = tmp_path / "suffix.bin"
+    suffix_history.save([PLAN], path, TAG)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    drafter = SuffixDrafter(SuffixConfig(history_path=str(path)), vocab_tag=TAG)
+    assert drafter.history_tokens == 0 and len(drafter.warnings) == 1
+    assert "checksum" in drafter.warnings[0] and "moved it to" in drafter.warnings[0]
+    aside = [p for p in tmp_path.iterdir() if ".corrupt-" in p.name]
+    assert len(aside) == 1 and aside[0].read_bytes() == bytes(data) and not path.exists()
+
+
+def test_a_foreign_or_other_vocabulary_file_fails_construction_and_is_left_untouched(tmp_path: Path) -> None:
+    notes = tmp_path / "notes.txt"
+    notes.write_bytes(b"not a history\n")
+    other = tmp_path / "other.bin"
+    suffix_history.save([PLAN], other, "vocab-1-49152-" + "cd" * 20)
+    for path in (notes, other):
+        before = path.read_bytes()
+        with pytest.raises(CacheFormatError):
+            SuffixDrafter(SuffixConfig(history_path=str(path)), vocab_tag=TAG)
+        assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "other.bin"]
+
+
+def test_a_failed_periodic_save_is_kept_for_the_owner_and_fails_no_request(tmp_path: Path) -> None:
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    drafter = SuffixDrafter(SuffixConfig(history_path=str(folder / "suffix.bin"), save_period=1e-9),
+                            vocab_tag=TAG)
+    folder.rmdir()
+    run_request(drafter, [1], [2, 3])  # the save after it fails: the folder is gone
+    assert drafter.save_error is not None and "saving the suffix history failed" in drafter.save_error
+
+
+def test_the_history_folder_is_created_only_inside_the_cache_folder(tmp_path: Path) -> None:
+    inside = tmp_path / "home" / ".cache" / "gemma" / "suffix.bin"
+    SuffixDrafter(SuffixConfig(history_path=str(inside), cache_dir=str(tmp_path / "home" / ".cache")))
+    assert inside.parent.is_dir() and oct(inside.parent.stat().st_mode & 0o777) == "0o700"
+    with pytest.raises(ValueError, match="outside the cache folder"):
+        SuffixConfig(history_path=str(tmp_path / "elsewhere" / "s.bin"), cache_dir=str(tmp_path / "home"))
+    with pytest.raises(CacheFormatError, match="does not exist"):
+        SuffixDrafter(SuffixConfig(history_path=str(tmp_path / "missing" / "s.bin")))
+
+
+@pytest.mark.parametrize("field,value", [("history_max_tokens", -1), ("max_match", 0), ("max_occurrences", 0),
+                                         ("min_token_probability", 1.5), ("match_factor", -1.0),
+                                         ("save_period", float("nan"))])
+def test_bad_settings_are_refused(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=field):
+        SuffixConfig(**{field: value})
+
+
+# ------------------------------------------------------------------- the embedded model's tokens
+def test_drafts_an_earlier_plan_in_the_embedded_models_tokens(embedded_model_path: Path) -> None:
+    """Two plans share ``{"skill": "pick", "args": {"object_id": "`` and go on differently. A request
+    that follows the older plan is drafted that plan's object: its match reaches back to the place
+    the plans differ in, where a 4-token n-gram would follow the newer plan (the newest wins a tie)."""
+    system = "You are Rover's planner. Answer with the JSON plan only.\n\nInstruction: "
+    head = ' {"steps": [{"skill": "navigate", "args": {"place": "'
+    milk = head + 'fridge"}}, {"skill": "pick", "args": {"object_id": "'
+    cup = head + 'sink"}}, {"skill": "pick", "args": {"object_id": "'
+    texts = [system + "get the milk\nPlan:", system + "wash the cup\nPlan:", system + "milk again\nPlan:"]
+    answers = [milk + 'milk_1", "grasp": "side"}}]}', cup + 'cup_1", "grasp": "handle"}}]}']
+    tokens = lookup_create.tokenize_texts(str(embedded_model_path), [t.encode() for t in (
+        *texts, texts[0] + answers[0], texts[1] + answers[1], texts[2] + milk)])
+    prompts, whole, started = tokens[:3], tokens[3:5], tokens[5]
+    drafter = SuffixDrafter(SuffixConfig(match_factor=0))
+    for prompt, request in zip(prompts, whole):  # the milk plan first: the cup plan is the newest
+        assert request[:len(prompt)] == prompt
+        run_request(drafter, prompt, request[len(prompt):])
+    milk_answer = whole[0][len(prompts[0]):]
+    done = len(started) - len(prompts[2])
+    assert started[:len(prompts[2])] == prompts[2] and milk_answer[:done] == started[len(prompts[2]):]
+    drafter.begin(prompts[2])
+    draft = drafter.propose(started, 8)
+    assert list(draft.tokens) == milk_answer[done:done + 8]
+    assert draft.evidence[0][0] == "history" and draft.evidence[0][1] == 4  # a match of 16+ tokens
