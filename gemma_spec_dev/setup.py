@@ -15,7 +15,7 @@ setup(
     install_requires=["setuptools", "numpy", "pyyaml"],
     zip_safe=True,
     maintainer="gemma_spec_ros maintainers",
-    maintainer_email="maintainers@gemma-spec-ros.invalid",
+    maintainer_email="gemma-spec-ros@users.noreply.github.com",
     description="Benchmark and soak rigs for gemma_spec_ros",
     license="Apache-2.0",
     python_requires=">=3.10",

@@ -28,7 +28,7 @@ setup(
     install_requires=["setuptools", "numpy", "pyyaml"],
     zip_safe=True,
     maintainer="gemma_spec_ros maintainers",
-    maintainer_email="maintainers@gemma-spec-ros.invalid",
+    maintainer_email="gemma-spec-ros@users.noreply.github.com",
     description="Lossless speculative decoding LLM node for ROS 2 over llama.cpp",
     license="Apache-2.0",
     python_requires=">=3.10",

@@ -36,6 +36,19 @@ PIP_ONLY: Dict[str, str] = {
     "llama_cpp": "llama-cpp-python is built from source per machine (CMAKE_ARGS, e.g. CUDA on "
                  "Orin) by scripts/setup.sh or the README's pip command; rosdep has no key for it",
 }
+#: Imported by tests only and installed with pip (scripts/setup.sh), not a rosdep key (reason given).
+TEST_PIP_ONLY: Dict[str, str] = {
+    "gguf": "writes the tiny model files of the engine tests; no rosdep key",
+    "fastapi": "llama-cpp-python[server]'s web stack, for a real llama.cpp server in the remote tests",
+    "uvicorn": "llama-cpp-python[server]'s web stack",
+    "pydantic_settings": "llama-cpp-python[server]'s web stack",
+    "sse_starlette": "llama-cpp-python[server]'s web stack",
+    "starlette_context": "llama-cpp-python[server]'s web stack",
+}
+#: Test imports of ROS packages that rosdep knows by another name (the rqt plugins' modules).
+ROS_KEY_OF_TEST_MODULE: Dict[str, str] = {"qt_gui": "qt_gui", "rqt_gui": "rqt_gui"}
+MAINTAINER_EMAIL = "gemma-spec-ros@users.noreply.github.com"
+PACKAGES = (PACKAGE, "gemma_spec_msgs", RIGS)
 #: ROS packages that are not installed in the venv (not on PyPI) but exist on any ROS 2 install.
 ROS_ONLY_ON_ROBOTS: Set[str] = {"launch", "launch_ros"}
 ROS_NAME_SUFFIXES = ("_msgs", "_srvs", "_interfaces")
@@ -90,6 +103,11 @@ def required_imports(tree: ast.AST) -> Iterator[str]:
 def is_ros_package(module: str) -> bool:
     index = Path(sys.prefix) / "share" / "ament_index" / "resource_index" / "packages" / module
     return index.exists() or module in ROS_ONLY_ON_ROBOTS or module.endswith(ROS_NAME_SUFFIXES)
+
+
+def declared_dependencies(package_xml: Path, *tags: str) -> Set[str]:
+    root = ET.parse(package_xml).getroot()
+    return {e.text.strip() for tag in tags for e in root.iter(tag) if e.text}
 
 
 def runtime_dependencies(package_xml: Path) -> Set[str]:
@@ -175,6 +193,60 @@ def test_every_imported_package_is_declared(repo_root: Path, package: str) -> No
     assert not unknown, ("imports of unknown packages; add each to ROSDEP_KEY_OF_MODULE (and "
                          f"package.xml) or PIP_ONLY in this test: {unknown}")
     assert not missing, "\n".join(missing)
+
+
+def test_every_test_import_is_declared(repo_root: Path) -> None:
+    """The dev suite (test/) and the package's own tests (gemma_spec_ros/test/) import only what
+    gemma_spec_ros/package.xml declares (test_depend, or a runtime dependency) or what pip
+    installs for them (TEST_PIP_ONLY); the timeout marks need python3-pytest-timeout."""
+    declared = declared_dependencies(repo_root / PACKAGE / "package.xml", "depend", "exec_depend", "test_depend")
+    local = {"support", "conftest", PACKAGE, RIGS}
+    missing: List[str] = []
+    sources = sorted((repo_root / "test").rglob("*.py")) + sorted((repo_root / PACKAGE / "test").glob("*.py"))
+    for source in sources:
+        where = source.relative_to(repo_root)
+        text = source.read_text()
+        modules = set(required_imports(ast.parse(text, str(source))))
+        if "mark.timeout" in text:
+            modules.add("pytest_timeout")
+        for module in sorted(modules - local):
+            if module in sys.stdlib_module_names or module in PIP_ONLY or module in TEST_PIP_ONLY:
+                continue
+            key = (ROSDEP_KEY_OF_MODULE.get(module) or ROS_KEY_OF_TEST_MODULE.get(module)
+                   or {"pytest": "python3-pytest", "pytest_timeout": "python3-pytest-timeout"}.get(module)
+                   or (module if is_ros_package(module) or module.startswith(("ros2", "rqt_", "ament_", "python_qt"))
+                       else None))
+            if key is None:
+                missing.append(f"{where}: import {module}: add it to TEST_PIP_ONLY (with the reason) or package.xml")
+            elif key not in declared:
+                missing.append(f"{where}: import {module} needs <test_depend>{key}</test_depend>")
+    assert not missing, "\n".join(missing)
+
+
+def test_robot_dependencies_are_declared(repo_root: Path) -> None:
+    """What the README runs on a robot beyond the code's imports: ros2 launch, the aggregator."""
+    declared = runtime_dependencies(repo_root / PACKAGE / "package.xml")
+    assert {"ros2launch", "diagnostic_aggregator", "launch", "launch_ros"} <= declared
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_each_package_carries_the_license_it_declares(repo_root: Path, package: str) -> None:
+    root = ET.parse(repo_root / package / "package.xml").getroot()
+    assert root.findtext("license") == "Apache-2.0"
+    license_text = (repo_root / "LICENSE").read_text()
+    assert license_text.split()[:4] == ["Apache", "License", "Version", "2.0,"]
+    assert "END OF TERMS AND CONDITIONS" in license_text
+    assert (repo_root / package / "LICENSE").read_text() == license_text
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_each_package_names_a_reachable_maintainer_and_its_url(repo_root: Path, package: str) -> None:
+    root = ET.parse(repo_root / package / "package.xml").getroot()
+    assert root.find("maintainer").get("email") == MAINTAINER_EMAIL
+    assert any(url.text.startswith("https://") for url in root.iter("url") if url.get("type") == "repository")
+    setup_py = repo_root / package / "setup.py"
+    if setup_py.exists():
+        assert f'maintainer_email="{MAINTAINER_EMAIL}"' in setup_py.read_text()
 
 
 def test_import_scan_sees_what_it_should() -> None:

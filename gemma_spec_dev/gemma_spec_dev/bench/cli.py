@@ -42,7 +42,7 @@ from typing import Any, Dict, IO, List, Mapping, Optional, Sequence, Tuple
 
 from gemma_spec_ros.engine.mtp import is_assistant
 from gemma_spec_ros.engine.types import expand_path
-from .config import (REFERENCE_RUNNER, Prompt, RunnerSpec, Suite, apply_overrides,
+from .config import (Prompt, RunnerSpec, Suite, apply_overrides,
                      default_params, find_data_dir, load_params, load_suites, model_config, parse_baselines, parse_ks,
                      PROMPT_REUSE_CHOICES, parse_modes, parse_native_sweep, plan_runners, select_suites, thread_count)
 from .corpus import default_corpus, random_suite
@@ -269,7 +269,8 @@ class Bench:
             "draft_size_bytes": _size(draft.resolved_path if draft else ""),
             "params": self.params, "threads": thread_count(self.params),
             "suites": [s.name for s in self.suites], "prompts_per_suite": {s.name: len(s.prompts) for s in self.suites},
-            "modes": self.args.modes, "k": self.args.k, "adaptive_k": self.args.adaptive_k, "repeats": self.args.repeats,
+            "modes": self.args.modes, "k": self.args.k, "adaptive_k": self.args.adaptive_k,
+            "repeats": self.args.repeats,
             "max_tokens": self.args.max_tokens, "temperature": self.args.temperature, "seed": self.args.seed,
             "baselines": self.args.baselines, "native_bin": self.args.native_bin or None,
             "native_sweep": self.args.native_sweep or None,

@@ -426,7 +426,8 @@ def _native_runners(native_bin: str, native_ks: Sequence[int], has_draft: bool,
 
 
 __all__ = [
-    "BASELINES", "DRAFT_MODES", "NATIVE_NGRAM_SETTINGS", "NATIVE_SWEEP_LOOKUP_KS", "NATIVE_TOOLS", "PROMPT_LOOKUP_TOKENS", "Prompt",
+    "BASELINES", "DRAFT_MODES", "NATIVE_NGRAM_SETTINGS", "NATIVE_SWEEP_LOOKUP_KS", "NATIVE_TOOLS",
+    "PROMPT_LOOKUP_TOKENS", "Prompt",
     "REFERENCE_RUNNER", "RunnerSpec", "Suite", "apply_overrides", "base_config", "default_params",
     "engine_config",
     "find_data_dir", "flatten", "load_params", "load_suite", "load_suites", "model_config",

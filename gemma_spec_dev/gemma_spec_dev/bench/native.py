@@ -124,7 +124,8 @@ class NativeRunner:
     def command(self, request: Request) -> List[str]:
         """The tool's command line for one request. ``-n`` is one less than max_tokens because the
         tools stop only after generating more than ``-n`` tokens."""
-        return self._base + ["--no-escape", "-p", str(request["prompt"]), "-n", str(max(1, int(request["max_tokens"]) - 1)),
+        return self._base + ["--no-escape", "-p", str(request["prompt"]),
+                             "-n", str(max(1, int(request["max_tokens"]) - 1)),
                              "--temp", str(float(request["temperature"])), "-s", str(int(request["seed"]))]
 
     def run(self, request: Request) -> RunResult:

@@ -151,7 +151,7 @@ class Soak:
                        node_rejected=node_rejected)
 
     def _node_rejected(self) -> int:
-        """"requests rejected" on the node's /diagnostics once it counts every goal the clients saw
+        """The count "requests rejected" on the node's /diagnostics once it counts every goal the clients saw
         rejected (or after DIAGNOSTICS_WAIT seconds: the last count it gave)."""
         with self.lock:
             seen = sum(1 for r in self.records if r.accepted is False)
@@ -410,7 +410,9 @@ class Soak:
         try:
             record = GoalRecord(-1, "golden", invalid=False)
             self._run_goal(record, dict(GOLDEN), random.Random(0))
-            return record.text if record.status == GoalStatus.STATUS_SUCCEEDED else f"<status {record.status}: {record.error}>"
+            if record.status == GoalStatus.STATUS_SUCCEEDED:
+                return record.text
+            return f"<status {record.status}: {record.error}>"
         finally:
             self._set("generation.prompt_cache", True)
 

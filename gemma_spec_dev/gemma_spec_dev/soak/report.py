@@ -88,8 +88,8 @@ def build_report(run: SoakRun, args: argparse.Namespace) -> Report:
     bad_defaults = [p for p in run.param_results if p["name"].startswith("generation.")
                     and (p["name"], p["value"]) in BAD_DEFAULT_CONSTRAINTS]
     checks["bad default constraints refused"] = {
-        "pass": len(bad_defaults) >= len(BAD_DEFAULT_CONSTRAINTS)
-                and not any(p["ok"] or not p["reason"] for p in bad_defaults),
+        "pass": (len(bad_defaults) >= len(BAD_DEFAULT_CONSTRAINTS)
+                 and not any(p["ok"] or not p["reason"] for p in bad_defaults)),
         "detail": f"{len(bad_defaults)} sets; accepted or without a reason: "
                   f"{[p['name'] for p in bad_defaults if p['ok'] or not p['reason']][:5]}"}
     checks["cancel accepted -> CANCELED"] = {
@@ -293,6 +293,7 @@ def render_svg(samples: Sequence[Dict[str, Any]], width: int = 640, height: int 
     t_max = max(t for t, _ in points) or 1.0
     low, high = min(r for _, r in points), max(r for _, r in points)
     span = (high - low) or 1.0
+
     def xy(t: float, r: float) -> str:
         return f"{40 + (width - 50) * t / t_max:.1f},{height - 30 - (height - 50) * (r - low) / span:.1f}"
     polyline = " ".join(xy(t, r) for t, r in points)

@@ -79,7 +79,7 @@ def invalid_goals(limits: Dict[str, int]) -> List[Tuple[str, Dict[str, Any]]]:
         # over the limit even on the remote backend's lower-bound estimate (16 bytes per token)
         ("prompt over max_prompt_tokens",
          dict(prompt=" ".join(f"w{i}" for i in range(min(17 * limits["max_prompt_tokens"] // 4,
-                                                          limits["max_prompt_bytes"] // 6))))),
+                                                         limits["max_prompt_bytes"] // 6))))),
         ("draft mode without a draft model", dict(prompt="hi", spec_mode="draft")),
     ]
 

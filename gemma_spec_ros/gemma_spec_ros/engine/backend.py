@@ -387,8 +387,8 @@ class LlamaBackend:
         if not self._window_intact():
             self.clear()
             raise WindowLostError(f"cannot roll back to position {n_keep}: the sliding-window layers "
-                               f"no longer hold the {self.n_swa} positions before it ({self.path}); "
-                               f"the cache was cleared")
+                                  f"no longer hold the {self.n_swa} positions before it ({self.path}); "
+                                  f"the cache was cleared")
 
     def _window_intact(self) -> bool:
         """Whether the next position's sliding window is all in the KV cache (True without a

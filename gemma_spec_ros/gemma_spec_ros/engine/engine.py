@@ -464,4 +464,3 @@ class Engine:
         return_freed_memory()
         if errors:
             raise errors[0]
-

@@ -73,7 +73,8 @@ def verify_rejection(rows: Sequence[np.ndarray], draft: Sequence[int],
     """Speculative sampling: accept x_i w.p. min(1, p(x_i)/q(x_i)), else sample norm(max(0, p-q)).
 
     ``draft_probs[i]`` is the dense distribution q the drafter sampled x_i from; None means each x_i
-    was chosen deterministically (q = point mass), as does a None entry (a token a grammar forced). p is the target's distribution after the
+    was chosen deterministically (q = point mass), as does a None entry (a token a grammar forced).
+    p is the target's distribution after the
     request's temperature / top-k / top-p / min-p, the same one plain decoding samples from.
     A q over fewer ids than p (a draft vocabulary of another size) is 0 on the ids it lacks; ids
     past p's vocabulary have p = 0 and cannot be drafted.

@@ -48,7 +48,7 @@ OK, WARN, ERROR = DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.E
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 100]); NaN for no values.
+    """The nearest-rank percentile, q in [0, 100]; NaN for no values.
 
     >>> percentile([4.0, 1.0, 3.0, 2.0], 50), percentile([4.0, 1.0, 3.0, 2.0], 95)
     (2.0, 4.0)

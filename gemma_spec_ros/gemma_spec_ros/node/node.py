@@ -382,4 +382,3 @@ class GemmaSpecNode(LifecycleNodeMixin, Node):
                 self._rolling_pub.publish(spec_stats_msg(rolling, stamp))
         except Exception as exc:  # noqa: BLE001  e.g. the engine closed during this tick
             self.get_logger().warning(f"diagnostics skipped: {exc!r}", throttle_duration_sec=10.0)
-

@@ -8,7 +8,8 @@ checks it is in sync).
 Two kinds of parameter:
 
 - **configure-time** (``backend``, ``remote.*``, ``target.*``, ``draft.*``, ``lookup.*``): read
-  by the configure transition to load the models (or reach the inference server). They are *not* ``read_only``: an operator fixing a wrong model path expects
+  by the configure transition to load the models (or reach the inference server). They are *not*
+  ``read_only``: an operator fixing a wrong model path expects
   ``ros2 param set`` to work while the node is unconfigured. The node's set-parameters callback
   refuses to change them in any other state, with a reason ("cleanup first"), because the loaded
   models would no longer match the parameters.

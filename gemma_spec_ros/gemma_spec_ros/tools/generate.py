@@ -38,7 +38,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         "(default: the node's spec.mode)")
     parser.add_argument("--stream", action="store_true", help="print text as feedback arrives")
     parser.add_argument("--max-tokens", type=int, default=0, help="0 = the node's default")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; -1 = the node's generation.temperature")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 = greedy; -1 = the node's generation.temperature")
     parser.add_argument("--top-p", type=float, default=0.0, help="0 = the node's default")
     parser.add_argument("--top-k", type=int, default=0, help="0 = no limit; -1 = the node's generation.top_k")
     parser.add_argument("--seed", type=int, default=-1, help="-1 = random")

@@ -35,7 +35,8 @@ def add_speedups(records: List[Dict[str, Any]], references: Mapping[str, str]) -
     for r in records:
         key = run_key(r)
         value = rates.get(str(r["runner"]), {}).get(key)
-        for field, ref in (("speedup", REFERENCE_RUNNER), ("speedup_vs_reference", references.get(str(r["runner"]), ""))):
+        for field, ref in (("speedup", REFERENCE_RUNNER),
+                           ("speedup_vs_reference", references.get(str(r["runner"]), ""))):
             base = rates.get(ref, {}).get(key) if ref else None
             r[field] = value / base if finite(value) and finite(base) and base else None
 
@@ -76,7 +77,8 @@ def summarize(records: Sequence[Record], runners: Sequence[Mapping[str, Any]],
         if ref and (ref != REFERENCE_RUNNER or runner["kind"] == "action"):
             entry["vs_reference"] = spreads_by_suite(ratio_by_suite(same_run_ratios(rates, name, ref), suites))
         out["runners"][name] = entry
-    out["vs_native"] = {f"{ours} / {native}": spreads_by_suite(ratio_by_suite(same_run_ratios(rates, ours, native), suites))
+    out["vs_native"] = {f"{ours} / {native}":
+                        spreads_by_suite(ratio_by_suite(same_run_ratios(rates, ours, native), suites))
                         for ours, native in native_pairs(runners)}
     out["vs_best_fixed_k"] = {name: spreads_by_suite(ratio_by_suite(ratios, suites))
                               for name, ratios in versus_best_fixed_k(rates, runners).items()}

@@ -47,7 +47,8 @@ def markdown(results: Mapping[str, Any]) -> str:
               "tokens/s: decode rate, median (min-max) over runs. TTFT: request start to first output. "
               "tau: mean acceptance length (1 + accepted/drafts). acc.: accepted/drafted per run. "
               "rep.: share of repeated 4-grams of the output. parity: share of outputs identical to `off`'s. "
-              "RSS: peak resident set of the runner's own process (base = with llama_cpp imported, before loading models).", ""]
+              "RSS: peak resident set of the runner's own process "
+              "(base = with llama_cpp imported, before loading models).", ""]
     header = ["runner", "tokens/s", "TTFT ms", "tau", "acc.", "rep.", "parity", "peak RSS MiB",
               "base MiB", "errors"]
     lines += [_row(header), _row(["---"] * len(header))]
@@ -266,7 +267,7 @@ def _overhead(results: Mapping[str, Any]) -> Dict[str, Dict[str, float]]:
     if "lcp-plain" not in rates or REFERENCE_RUNNER not in rates:
         return {}
     return spreads_by_suite(ratio_by_suite(same_run_ratios(rates, REFERENCE_RUNNER, "lcp-plain"),
-                                   results["summary"]["suites"]))
+                                           results["summary"]["suites"]))
 
 
 def _ttft_ratios(results: Mapping[str, Any]) -> Dict[str, Tuple[float, float]]:

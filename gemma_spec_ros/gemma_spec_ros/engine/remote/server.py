@@ -156,6 +156,7 @@ class ServerProbe:
         """``text``'s tokens by the server's tokenizer, asked within ``timeout`` or until ``cancel``;
         None if it has none or did not answer. RemoteError if it answers a count that is none."""
         kind = "" if self.last.reachable is False else self.kind  # no wait on a server found down
+
         def post(path: str, body: Any) -> Optional[Any]:
             return self._client.post_json(path, body, timeout, cancel)
         reply: Optional[Any] = None
