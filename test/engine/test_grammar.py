@@ -1,24 +1,24 @@
-"""Constrained output (engine/grammar.py): llama.cpp's grammar engine on the real Gemma 3 270M.
+"""Constrained output (engine/grammar.py): llguidance's grammar engine on the real Gemma 3 270M.
 
 - every mode's constrained output parses and validates against the planner suite's plan schema;
 - exactly the output of constrained plain decoding in every mode (greedy and seeded sampling,
   under the exact build with the F16 copy: the tests marked ``exact`` run in test/engine/test_exact_build.py's
-  child), including drafts the grammar forced and drafts it cut;
-- bad input is refused with llama.cpp's or the converter's reason, a grammar with a dead end or a
-  state that grows too costly ends the request with an error and a reason, the engine serves the
-  next request; max_tokens running out says the text is not a whole match.
+  child), including drafts the grammar forced and drafts it cut, over the plan schema and over a
+  schema with bounded numbers, ``oneOf`` and a pattern;
+- the grammar state itself: forced tokens, the draft check, rollback;
+- bad input is refused with the converter's or llguidance's reason, a grammar that needs more work
+  per token than the parser's bounds ends the request with an error and a reason, the engine serves
+  the next request; max_tokens running out says the text is not a whole match.
 """
 import json
-import time
 from pathlib import Path
 
 import jsonschema
-import numpy as np
 import pytest
 import yaml
 
 from gemma_spec_ros.engine.engine import Engine
-from gemma_spec_ros.engine.grammar import GrammarError, GrammarVocab, gbnf_of
+from gemma_spec_ros.engine.grammar import GrammarError, GrammarVocab, compiled_constraint
 from gemma_spec_ros.engine.types import (EngineConfig, GenerationRequest, ModelConfig, SamplingParams,
                                          SpecConfig)
 from support.engine import collect
@@ -53,14 +53,15 @@ def engine(embedded_model_path):
 
 # -- refusals ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("fields, reason", [
-    ({"grammar": 'root ::= "a" | foo'}, "Undefined rule identifier 'foo'"),
-    ({"grammar": 'root ::= root "a"'}, "left recursion"),
-    ({"grammar": 'root ::= "a'}, "unexpected end of input"),
-    ({"grammar": 'start ::= "a"'}, "'root'"),
+    ({"grammar": 'root ::= "a" | foo'}, "rule 'foo' is used but not defined"),
+    ({"grammar": 'root ::= "a'}, "unexpected character at line 1, column 10"),
+    ({"grammar": 'start ::= "a"'}, "no rule 'root'"),
+    ({"grammar": 'root ::= "\\q"'}, "unknown or incomplete escape"),
     ({"json_schema": "{not json"}, "json_schema is not valid JSON"),
     ({"json_schema": "[1, 2]"}, "must be a JSON object"),
-    ({"json_schema": '{"not": {"type": "string"}}'}, "Unrecognized schema"),
-    ({"json_schema": '{"$ref": "#/$defs/missing"}'}, "Error resolving ref"),
+    ({"json_schema": '{"not": {"type": "string"}}'}, "Unimplemented keys"),
+    ({"json_schema": '{"$ref": "#/$defs/missing"}'}, "does not exist"),
+    ({"json_schema": '{"type": "string", "pattern": "(?=a)"}'}, "look-around"),
 ])
 def test_a_constraint_that_does_not_parse_is_refused_with_the_reason(engine, fields, reason):
     request = GenerationRequest("Plan:", max_tokens=8, **fields)
@@ -75,7 +76,14 @@ def test_both_constraints_and_oversized_ones_are_refused():
     with pytest.raises(ValueError, match="at most one"):
         GenerationRequest("x", grammar='root ::= "a"', json_schema='{"type": "string"}')
     with pytest.raises(ValueError, match="limits.max_grammar_bytes"):
-        gbnf_of(grammar='root ::= "' + "a" * 2000 + '"', max_bytes=1024)
+        compiled_constraint(grammar='root ::= "' + "a" * 2000 + '"', max_bytes=1024)
+
+
+def test_left_recursion_is_a_grammar_like_any_other(engine):
+    """llguidance's Earley parser takes left-recursive rules (llama.cpp's engine refused them)."""
+    _, text, last = run(engine, "lookup", max_tokens=8, prompt="Count in ones: 1",
+                        grammar='root ::= list "."\nlist ::= list "1" | "1"')
+    assert set(text) <= {"1", "."} and text.startswith("1"), text
 
 
 # -- the planner's plans ----------------------------------------------------------------------------
@@ -121,51 +129,47 @@ def test_max_tokens_before_the_grammar_is_complete_says_so(engine):
 
 
 # -- grammars that stop the request -------------------------------------------------------------------
-def test_a_dead_end_ends_the_request_with_the_reason_and_the_engine_goes_on(engine):
-    # after "a" only a NUL character may follow, and no token can spell it
-    with pytest.raises(GrammarError, match="admits no token"):
-        run(engine, "lookup", prompt="Say a:", grammar=r'root ::= "a" [\x00]')
-    assert run(engine, "lookup", max_tokens=4, prompt="Hello")[2].finish_reason == "length"
-
-
-@pytest.mark.timeout(120)
-def test_a_grammar_whose_state_explodes_is_stopped_before_it_hangs_the_engine(engine):
-    # 300 optional characters in a row: one whole-row mask would take minutes on this CPU; the mask
-    # times its first candidates and refuses the row (measured: refused after ~0.3 s, the time its first sample of 16 tokens takes)
-    exploding = "root ::= " + " ".join(['"a"?'] * 300) + ' "."'
-    with pytest.raises(GrammarError, match="state grew too large"):  # sampled: whole-row masks
-        run(engine, "off", prompt="Write b:", grammar=exploding,
-            sampling=SamplingParams(temperature=1.0, seed=1))
+def test_a_grammar_past_the_parser_bounds_ends_the_request_with_the_reason(engine):
+    """800 optional characters in a row: the Earley items of the first token exceed the bound on
+    one step's work (grammar.PARSER_LIMITS), llguidance stops that step with its reason, and the
+    engine serves the next request."""
+    exploding = "root ::= " + " ".join(['"a"?'] * 800) + ' "."'
+    with pytest.raises(GrammarError, match="Too many items"):
+        run(engine, "off", prompt="Write b:", grammar=exploding)
     assert run(engine, "off", max_tokens=4, prompt="Hello")[2].finish_reason == "length"
 
 
-def test_a_burst_of_load_during_a_probe_does_not_end_the_request(engine):
-    """A whole-row mask first times samples of the vocabulary (grammar.MASK_PROBES). A stall of the
-    host inside one probe (simulated: the first call into llama.cpp sleeps, since no real grammar is
-    slow exactly once) predicts minutes for the row; the probe is timed again and the row is masked.
-    A grammar slow at every try is still refused."""
-    grammar = GrammarVocab.of(engine.target).compile('root ::= " yes" | " no"')
-    real, calls = grammar._apply, []
+# -- the grammar state: forced tokens, the draft check, rollback ------------------------------------
+@pytest.fixture(scope="module")
+def vocab(engine):
+    return GrammarVocab.of(engine.target)
 
-    def stalled_once(data):
-        calls.append(len(data))
-        if len(calls) == 1:
-            time.sleep(0.5)  # 0.5 s for 16 tokens: ~8,000 s predicted for the 262k-token row
-        real(data)
 
-    grammar._apply = stalled_once
-    masked = grammar.mask(np.zeros(engine.target.n_vocab, dtype=np.float32))
-    assert calls[0] == calls[1] and calls[-1] == engine.target.n_vocab  # probed again, then the row
-    assert 2 <= np.isfinite(masked).sum() < 100  # " yes", " no" and the pieces they start with
+def test_forced_tokens_spell_the_text_the_schema_forces_as_the_model_tokenizes_it(engine, vocab):
+    grammar = vocab.start(compiled_constraint(json_schema=SCHEMA_TEXT))
+    forced = grammar.forced_tokens(16)
+    text = b"".join(engine.target.token_bytes(t) for t in forced).decode()
+    assert '{"goal": "'.startswith(text) and text.startswith('{"goal'), text  # the schema's first key
+    assert forced == engine.target.tokenize(text, add_special=False)
+    assert grammar.forced_tokens(1) == forced[:1]
 
-    def stalled_always(data):
-        time.sleep(0.2)
-        real(data)
 
-    grammar._apply = stalled_always
-    with pytest.raises(GrammarError, match="state grew too large"):
-        grammar.mask(np.zeros(engine.target.n_vocab, dtype=np.float32))
-    grammar.close()
+def test_the_draft_check_and_rollback(engine, vocab):
+    """``allowed_prefix`` stops before the first token the grammar refuses and before an
+    end-of-generation token; ``advance`` + ``rollback`` leave the state where it was."""
+    target = engine.target
+    grammar = vocab.start(compiled_constraint(grammar='root ::= " yes." | " no."'))
+    yes, dot, no = (target.tokenize(t, add_special=False) for t in (" yes", ".", " no"))
+    assert grammar.allowed_prefix(yes + dot + no) == len(yes + dot)
+    before = grammar.allowed().dense().copy()
+    grammar.advance(yes)
+    assert grammar.allowed_prefix(dot + [target.eos]) == len(dot)
+    grammar.rollback(len(yes))
+    assert (grammar.allowed().dense() == before).all()
+    assert grammar.allowed_prefix(no + dot) == len(no + dot)
+    grammar.advance(no + dot)
+    allowed = grammar.allowed()
+    assert grammar.complete() and target.eos in allowed and no[0] not in allowed
 
 
 # -- lossless: exactly constrained plain decoding ---------------------------------------------------
@@ -175,17 +179,31 @@ def f16_engine(f16_model_path, embedded_model_path):
         yield engine
 
 
+#: Bounded numbers, a oneOf (taken as anyOf: its branches exclude each other here) and patterns.
+READING_SCHEMA = {
+    "type": "object", "additionalProperties": False, "required": ["sensor", "value", "unit", "ok"],
+    "properties": {
+        "sensor": {"type": "string", "pattern": "^[a-z]{3,8}_[0-9]{1,2}$"},
+        "value": {"type": "number", "minimum": -40, "maximum": 125},
+        "unit": {"oneOf": [{"const": "C"}, {"const": "K"}, {"type": "string", "pattern": "^[a-z]{2,4}$"}]},
+        "ok": {"type": "boolean"}, "count": {"type": "integer", "minimum": 0, "maximum": 999}}}
+READING_PROMPT = ("Sensor log of the robot, one JSON object per reading:\n"
+                  '{"sensor": "motor_1", "value": 41.5, "unit": "C", "ok": true}\n')
+
+
 @pytest.mark.exact
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(1500)
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.95, seed=3)],
                          ids=["greedy", "seeded"])
 def test_constrained_speculation_equals_constrained_plain_decoding(exact_build, f16_engine, sampling):
-    plain, text, _ = run(f16_engine, "off", json_schema=SCHEMA_TEXT, sampling=sampling)
-    jsonschema.validate(json.loads(text), SCHEMA)
     forced = cut = 0
-    for mode in MODES[1:]:
-        tokens, _, last = run(f16_engine, mode, json_schema=SCHEMA_TEXT, sampling=sampling)
-        assert tokens == plain, f"{mode} differs from constrained plain decoding"
-        forced += last.stats.num_grammar_accepted_tokens
-        cut += last.stats.num_grammar_cut_tokens
+    for schema, prompt in ((SCHEMA, PLANNER_PROMPT), (READING_SCHEMA, READING_PROMPT)):
+        schema_text = json.dumps(schema)
+        plain, text, _ = run(f16_engine, "off", prompt=prompt, json_schema=schema_text, sampling=sampling)
+        jsonschema.validate(json.loads(text), schema)
+        for mode in MODES[1:]:
+            tokens, _, last = run(f16_engine, mode, prompt=prompt, json_schema=schema_text, sampling=sampling)
+            assert tokens == plain, f"{mode} differs from constrained plain decoding ({text!r})"
+            forced += last.stats.num_grammar_accepted_tokens
+            cut += last.stats.num_grammar_cut_tokens
     assert forced > 0 and cut > 0, (forced, cut)

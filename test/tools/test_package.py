@@ -35,6 +35,8 @@ ROSDEP_KEY_OF_MODULE: Dict[str, str] = {
 PIP_ONLY: Dict[str, str] = {
     "llama_cpp": "llama-cpp-python is built from source per machine (CMAKE_ARGS, e.g. CUDA on "
                  "Orin) by scripts/setup.sh or the README's pip command; rosdep has no key for it",
+    "llguidance": "the grammar engine of constrained output (abi3 wheels for x86_64 and aarch64 on "
+                  "PyPI, installed by scripts/setup.sh or the README's pip command); no rosdep key",
 }
 #: Imported by tests only and installed with pip (scripts/setup.sh), not a rosdep key (reason given).
 TEST_PIP_ONLY: Dict[str, str] = {

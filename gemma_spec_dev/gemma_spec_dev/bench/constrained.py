@@ -7,8 +7,6 @@ Runners, interleaved prompt by prompt (each prompt: every runner once, in a rota
 - ``off``, ``lookup``, ``auto``: our engine (one instance, the embedded model, the node's defaults
   of config/embedded.yaml: adaptive K, prompt reuse), every request with the suite's json_schema;
 - ``off/free``, ``lookup/free``: the same without the schema (what the constraint costs or gains);
-- ``off/mask-every-row``, ``lookup/mask-every-row``: with the schema, every row masked whole instead
-  of checking the row's own choice first (what that check saves);
 - ``llama-server/<spec-type>``: llama.cpp's own server on the same model with the same
   ``json_schema`` in each of its speculative settings (none, and each n-gram spec type with its
   defaults), started here on loopback; the best of them is the one to beat.
@@ -35,17 +33,15 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from gemma_spec_ros.engine.engine import Engine
-from gemma_spec_ros.engine.grammar import Grammar
 from gemma_spec_ros.engine.remote import RemoteConfig, RemoteEngine
 from gemma_spec_ros.engine.types import EngineConfig, GenerationRequest, LookupConfig, ModelConfig, SpecConfig
 from .config import find_data_dir, load_suite
 
 #: llama-server's speculative settings tried (``--spec-type``; defaults of each type).
 SERVER_SETTINGS = ("none", "ngram-cache", "ngram-simple", "ngram-map-k", "ngram-mod")
-#: (mode, variant): ``json`` = with the schema; ``free`` = without it; ``mask-every-row`` = with it,
-#: every row masked whole instead of checking the row's own choice first (what the check saves)
+#: (mode, variant): ``json`` = with the schema; ``free`` = without it
 ENGINE_RUNNERS = (("off", "json"), ("lookup", "json"), ("auto", "json"), ("off", "free"),
-                  ("lookup", "free"), ("off", "mask-every-row"), ("lookup", "mask-every-row"))
+                  ("lookup", "free"))
 
 
 def validate(text: str, schema: Mapping[str, Any]) -> str:
@@ -167,6 +163,10 @@ def markdown(results: Mapping[str, Any]) -> str:
                      f"{100 * s['grammar_accepted_share']:.0f}% | {s['grammar_masks']} |"
                      if vs else f"| {runner} | {valid} | {s['tokens_per_s_median']:.1f} | - | "
                      f"{s['tau_median']:.2f} | {s['tokens_mean']:.0f} | - | - |")
+    paired = [(name, ratios(results["records"], name, f"{name}/free")) for name in ("off", "lookup")]
+    if any(vs for _, vs in paired):
+        lines += ["", "With the schema / without it, same prompt (median): " + ", ".join(
+            f"{name} {statistics.median(vs):.2f}x" for name, vs in paired if vs)]
     best = results.get("best_server")
     if best:
         lines += ["", f"Best llama-server setting: `{best}`. Ours / it, per prompt (median): " + ", ".join(
@@ -247,11 +247,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         prompt.text, max_tokens=args.max_tokens, json_schema=schema_text if constrained else "",
                         spec_mode=None if runner in remotes else mode)
                     target = remotes.get(runner, engine)
-                    Grammar.check_first = not runner.endswith("/mask-every-row")
-                    try:
-                        record = run_one(target, request, schema if constrained else None)
-                    finally:
-                        Grammar.check_first = True
+                    record = run_one(target, request, schema if constrained else None)
                     record.update(runner=runner, prompt=prompt.id, repeat=repeat, constrained=constrained)
                     records.append(record)
                     print(f"{prompt.id:>14} {runner:<26} {record['tokens_per_s']:7.1f} tok/s "

@@ -105,45 +105,56 @@ def propose(drafters: Dict[str, Drafting], costs: CostModel, mode: str, spec: Sp
     if k_cap <= 0:
         return EMPTY_DRAFT, PLAIN_STEP, 0
     forced: List[int] = []
-    after = grammar
     if grammar is not None and mode != "off":
-        forced, after = grammar.forced_tokens(context[-1] if context else None, max(k_cap, forced_cap))
+        forced = grammar.forced_tokens(max(k_cap, forced_cap))
+        grammar.advance(forced)  # the drafter's continuation is checked from after them
     try:
-        room = k_cap - len(forced)
-        cut = cut and grammar is None
-        for drafting, decision in drafting_order(mode, drafters, k_cap, spec.adaptive, cut):
-            if room <= 0:
-                break
-            started = time.perf_counter()
-            cutting = _cutting(drafting, spec.adaptive or mode == "auto", cut)
-            draft = drafting.drafter.propose(context + forced if forced else context,
-                                             min(decision.draft_len, room), spec)
-            if cutting and draft.evidence is not None:
-                if on_uncut is not None:
-                    on_uncut(draft)
-                costs.observe_draft_time(draft.source, len(draft), time.perf_counter() - started)
-                decision = drafting.policy.cut(draft.evidence)
-                draft = _cut(draft, decision.draft_len)
-                if draft.tokens:
-                    return draft, decision, 0
-                continue
-            if draft.tokens and after is not None:
-                keep = after.allowed_prefix(draft.tokens)
-                if stats is not None:
-                    stats.num_grammar_cut_tokens += len(draft) - keep
-                draft = _cut(draft, keep)
-            if draft.tokens:
-                costs.observe_draft_time(draft.source, len(draft), time.perf_counter() - started)
-                if forced:
-                    probs = None if draft.probs is None else (None,) * len(forced) + draft.probs
-                    draft = Draft(tuple(forced) + draft.tokens, probs, draft.source)
-                return draft, decision, len(forced)
+        draft, decision = _drafted(drafters, costs, mode, spec, context + forced if forced else context,
+                                   k_cap - len(forced), k_cap, grammar, stats, cut, on_uncut)
     finally:
-        if after is not grammar and after is not None:
-            after.close()
+        if grammar is not None:
+            grammar.rollback(len(forced))  # verification walks the draft from the state it started at
+    if draft.tokens:
+        if forced:
+            probs = None if draft.probs is None else (None,) * len(forced) + draft.probs
+            draft = Draft(tuple(forced) + draft.tokens, probs, draft.source)
+        return draft, decision, len(forced)
     if forced:
         return Draft(tuple(forced), None, GRAMMAR_SOURCE), PLAIN_STEP, len(forced)
     return EMPTY_DRAFT, PLAIN_STEP, 0
+
+
+def _drafted(drafters: Dict[str, Drafting], costs: CostModel, mode: str, spec: SpecConfig,
+             context: List[int], room: int, k_cap: int, grammar: Optional[Grammar],
+             stats: Optional[SpecStats], cut: bool,
+             on_uncut: Optional[Callable[[Draft], None]]) -> Tuple[Draft, Decision]:
+    """The first non-empty drafter draft of this step (at most ``room`` tokens after ``context``),
+    cut before the first token ``grammar`` refuses in its present state; ``EMPTY_DRAFT`` if none."""
+    cut = cut and grammar is None
+    for drafting, decision in drafting_order(mode, drafters, k_cap, spec.adaptive, cut):
+        if room <= 0:
+            break
+        started = time.perf_counter()
+        cutting = _cutting(drafting, spec.adaptive or mode == "auto", cut)
+        draft = drafting.drafter.propose(context, min(decision.draft_len, room), spec)
+        if cutting and draft.evidence is not None:
+            if on_uncut is not None:
+                on_uncut(draft)
+            costs.observe_draft_time(draft.source, len(draft), time.perf_counter() - started)
+            decision = drafting.policy.cut(draft.evidence)
+            draft = _cut(draft, decision.draft_len)
+            if draft.tokens:
+                return draft, decision
+            continue
+        if draft.tokens and grammar is not None:
+            keep = grammar.allowed_prefix(draft.tokens)
+            if stats is not None:
+                stats.num_grammar_cut_tokens += len(draft) - keep
+            draft = _cut(draft, keep)
+        if draft.tokens:
+            costs.observe_draft_time(draft.source, len(draft), time.perf_counter() - started)
+            return draft, decision
+    return EMPTY_DRAFT, PLAIN_STEP
 
 
 def _cut(draft: Draft, keep: int) -> Draft:

@@ -11,7 +11,8 @@ Public API (the node and the bench use only this):
     engine.count_prompt(request)             # the same as a CountedPrompt, with the tokens
     engine.check_request(request[, n_prompt_tokens])  # raises PromptTooLongError if prompt +
                                              # max_tokens > n_ctx, ValueError if its spec_mode cannot
-                                             # be used here (pass the count if you have it)
+                                             # be used here or its grammar / json_schema does not
+                                             # compile (pass the count if you have it)
     engine.n_ctx                             # target context length (tokens)
     for step in engine.generate(request, cancel=threading.Event()[, prompt=counted]):
         # prompt: count_prompt's result, checked by check_request: not tokenized nor checked again
@@ -43,7 +44,7 @@ from .backend import DecodeInterrupted, LlamaBackend
 from .llama_process import return_freed_memory
 from .draft_model import DraftModelDrafter
 from .drafting import DRAFTERS_BY_MODE, GRAMMAR_DRAFT_MAX, GRAMMAR_K, Drafting, propose
-from .grammar import Grammar, GrammarVocab, gbnf_of
+from .grammar import Grammar, GrammarVocab, compiled_constraint
 from .lookup import LookupDrafter
 from .mtp import export_hidden_for, model_drafter, mtp_drafter, mtp_spec_problem
 from .calibration import calibrate
@@ -115,9 +116,6 @@ class Engine:
         except BaseException:
             self.close()
             raise
-        # the control tokens' texts (~0.3 s for a 262k vocabulary) are read here, not in the first
-        # templated goal's callback (see prompt_tokens)
-        self.target.control_token_in("")
         if calibrate:
             self.calibrate()
 
@@ -191,16 +189,8 @@ class Engine:
         with self._vocab_lock:
             if self._freed:
                 raise EngineError("the engine is closed")
-            if request.use_chat_template:
-                for part, name in ((request.prompt, "prompt"), (request.system_prompt, "system_prompt")):
-                    forged = self.target.control_token_in(part)
-                    if forged:
-                        raise ValueError(
-                            f"{name} contains the control token text {forged!r}: with "
-                            "use_chat_template, turns and other control tokens come only from the "
-                            "model's chat template")
-                text = self.target.chat_prompt(request.prompt, request.system_prompt)
-                return self.target.tokenize(text, add_special=True, parse_special=True)
+            if request.use_chat_template:  # turns come from the template, never from the content
+                return self.target.chat_tokens(request.prompt, request.system_prompt)
             return self.target.tokenize(request.plain_prompt, add_special=True, parse_special=False)
 
     def count_prompt_tokens(self, request: GenerationRequest) -> int:
@@ -221,22 +211,20 @@ class Engine:
         reason = self.check_spec(replace(self._spec, mode=request.spec_mode or self._spec.mode))
         if reason:
             raise ValueError(reason)
-        grammar = self.compile_constraint(request)  # ValueError with llama.cpp's reason
-        if grammar is not None:
-            grammar.close()
+        # the grammar's shape and llguidance's check, without the model (grammar.py: bounded, and
+        # cached by text, so that generate() does not compile it again)
+        compiled_constraint(request.grammar, request.json_schema)
 
-    def compile_constraint(self, request: GenerationRequest) -> Optional[Grammar]:
-        """The request's grammar state (None without a constraint); ValueError if its grammar does
-        not parse or its schema cannot be converted. Thread-safe, also against close()."""
-        gbnf = gbnf_of(request.grammar, request.json_schema)
-        if not gbnf:
+    def _start_grammar(self, request: GenerationRequest) -> Optional[Grammar]:
+        """The request's grammar state (None without a constraint). Runs in the generation thread
+        (the models are freed only under its lock): the first constrained request builds
+        llguidance's tokenizer of the vocabulary (~2-4 s for 262,144 tokens, once per engine)."""
+        constraint = compiled_constraint(request.grammar, request.json_schema)
+        if constraint is None:
             return None
-        with self._vocab_lock:
-            if self._freed:
-                raise EngineError("the engine is closed")
-            if self._grammar_vocab is None:
-                self._grammar_vocab = GrammarVocab.of(self.target)
-            return self._grammar_vocab.compile(gbnf)
+        if self._grammar_vocab is None:
+            self._grammar_vocab = GrammarVocab.of(self.target)
+        return self._grammar_vocab.start(constraint)
 
     def rolling_stats(self) -> SpecStats:
         with self._stats_lock:
@@ -304,10 +292,11 @@ class Engine:
     def _new_run(self, request: GenerationRequest, prompt: List[int]) -> Run:
         sampler = Sampler(request.sampling)
         verification = self._spec.verification
-        return Run(request, sampler, make_rng(request.sampling.seed),
-                    SpecStats(num_prompt_tokens=len(prompt)), TextAssembler(self.target, request.stop),
-                    prompt, verification, verification == "rejection" and not sampler.greedy,
-                    grammar=self.compile_constraint(request))
+        run = Run(request, sampler, make_rng(request.sampling.seed),
+                  SpecStats(num_prompt_tokens=len(prompt)), TextAssembler(self.target, request.stop),
+                  prompt, verification, verification == "rejection" and not sampler.greedy)
+        run.grammar = self._start_grammar(request)  # after run.started: its time counts
+        return run
 
     def _prompt_pass(self, run: Run, cancel: Optional[threading.Event] = None) -> int:
         """Decode the prompt, sample the first token, start the drafters and their policies.
@@ -452,6 +441,7 @@ class Engine:
         """Free models, save the dynamic cache; the generation lock is held (or never used)."""
         with self._vocab_lock:  # waits for a tokenization in flight; refuses later ones
             self._freed = True
+        self._grammar_vocab = None  # its tokenizer calls into the vocabulary freed below
         drafters, self.drafters = list(self.drafters.values()), {}
         errors: List[BaseException] = []
         for drafting in reversed(drafters):  # the n-gram caches first, then the draft model

@@ -238,8 +238,8 @@ class GenerationRequest:
     #: (bit-identical with F16/F32 weights; quantized weights may differ after a near-tie, since
     #: the batch shapes change); False = evaluate the whole prompt from an empty cache
     reuse_prompt: bool = True
-    #: constrained output (engine/grammar.py): a GBNF grammar (llama.cpp's format, rule ``root``), or
-    #: a JSON Schema (text) that llama-cpp-python's converter turns into one; at most one of the two
+    #: constrained output (engine/grammar.py, llguidance): a GBNF grammar (llama.cpp's format, rule
+    #: ``root``), or a JSON Schema (text); at most one of the two
     grammar: str = ""
     json_schema: str = ""
 

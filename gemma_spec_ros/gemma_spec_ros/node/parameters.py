@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
-from ..engine.grammar import gbnf_of
+from ..engine.grammar import MAX_GRAMMAR_BYTES, compiled_constraint
 from ..engine.types import (SPEC_MODES, VERIFICATIONS, EngineConfig, LookupConfig, ModelConfig,
                             RemoteConfig, SamplingParams, SpecConfig)
 
@@ -241,7 +241,7 @@ PARAMETERS: Tuple[ParamSpec, ...] = (
     ParamSpec("limits.max_stop_length", 128,
               "goals with a longer stop string (characters) are rejected", (1, 1 << 16)),
     ParamSpec("limits.max_grammar_bytes", 1 << 16,
-              "goals with a longer grammar or json_schema (UTF-8 bytes) are rejected", (0, 1 << 20)),
+              "goals with a longer grammar or json_schema (UTF-8 bytes) are rejected", (0, MAX_GRAMMAR_BYTES)),
     ParamSpec("queue.result_timeout", 60.0,
               "seconds a finished goal's result (and its request) is kept for late get_result "
               "calls; read by configure", (1.0, 86_400.0)),
@@ -361,10 +361,9 @@ def check_values(values: Mapping[str, Any], configured: bool) -> str:
                 f"limits.max_tokens={values['limits.max_tokens']}")
     try:
         sampling_from(values)
-        # the defaults' form and size (whether a grammar parses needs the model's vocabulary: a
-        # goal that uses a default that does not parse is rejected with llama.cpp's reason)
-        gbnf_of(values["generation.grammar"], values["generation.json_schema"],
-                values["limits.max_grammar_bytes"])
+        # the default constraint, checked as a goal's is (parse and compile; cached by text)
+        compiled_constraint(values["generation.grammar"], values["generation.json_schema"],
+                            values["limits.max_grammar_bytes"])
         if configured:
             spec_config_from(values)
         else:

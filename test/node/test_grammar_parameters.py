@@ -1,0 +1,57 @@
+"""The node's default constraint (``generation.grammar`` / ``generation.json_schema``) on real rclpy,
+on the embedded Gemma 3 270M: a default is checked when it is set exactly as a goal's constraint is
+(parsed and compiled), so a default that does not compile is refused by the parameter set and
+never reaches a goal; one that compiles constrains the goals that set none.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from gemma_spec_ros.client import GenerateClient
+from gemma_spec_ros.node.parameters import defaults
+
+NODE = "gemma_spec_grammar_parameters"
+
+
+@pytest.fixture(scope="module")
+def client(node_client: Callable[..., Any], embedded_model_path: Path) -> GenerateClient:
+    values = {"target.model_path": str(embedded_model_path), "target.n_ctx": 512,
+              "spec.mode": "off", "lookup.dynamic_path": "", "diagnostics.period": 0.5}
+    return node_client(NODE, {k: v for k, v in values.items() if v != defaults().get(k)}).client
+
+
+def answer(client: GenerateClient, **fields: Any) -> Any:
+    run = client.send(prompt="Is the cup red? Answer:", max_tokens=6, temperature=0.0, **fields)
+    assert run.accepted
+    return run.wait_result()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name, value, reason", [
+    ("generation__grammar", "root ::= nope", "rule 'nope' is used but not defined"),
+    ("generation__grammar", 'root ::= "a" | ' + "(" * 40 + '"b"' + ")" * 40, "nested more than 16 deep"),
+    ("generation__json_schema", '{"type": "strin"}', "Invalid type: strin"),
+    ("generation__json_schema", '{"type": "string", "pattern": "(?=a)"}', "look-around"),
+])
+def test_a_default_constraint_that_does_not_compile_is_refused_and_goals_keep_working(
+        client: GenerateClient, name: str, value: str, reason: str) -> None:
+    [result] = client.set_parameters(**{name: value})
+    assert not result.successful and reason in result.reason, result.reason
+    assert client.get_parameters([name.replace("__", ".")])[name.replace("__", ".")] == ""
+    assert answer(client).finish_reason == "length"  # unconstrained, as before the refused set
+
+
+@pytest.mark.timeout(300)
+def test_a_default_constraint_that_compiles_constrains_goals_that_set_none(client: GenerateClient) -> None:
+    [result] = client.set_parameters(generation__grammar='root ::= " yes" | " no"')
+    assert result.successful, result.reason
+    try:
+        done = answer(client)
+        assert done.finish_reason == "stop" and done.text in (" yes", " no"), done
+        own = answer(client, grammar='root ::= " maybe"')  # a goal's own constraint wins
+        assert own.text == " maybe", own
+    finally:
+        assert all(r.successful for r in client.set_parameters(generation__grammar=""))
