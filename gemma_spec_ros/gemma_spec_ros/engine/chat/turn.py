@@ -1,0 +1,87 @@
+"""One turn made ready for the model: the prompt's tokens, the constraint on the reply, its syntax.
+
+    template = model_template(backend)                 # or ChatTemplate(text, "FILE")
+    turn = prepare_turn(conversation, template, vocab)  # TemplateError / ValueError: refuse the goal
+    turn.tokens, turn.text                             # the templated conversation
+    turn.constraint                                    # llguidance's grammar of the reply, or None
+    stream = turn.stream(vocab, stop)                  # tokens -> text -> AssistantReply
+
+The constraint, by ``tool_choice`` (:mod:`.syntax`): ``required`` or a name, the reply is calls of
+the offered tools; ``auto``, free text until a call opens, then the call's grammar; ``none`` (or no
+tools), the request's own grammar / json_schema if it has one, else nothing. A grammar or schema
+together with tools is refused: the tools' grammar is the reply's.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Tuple
+
+from ..grammar import Constraint, compiled_constraint, on_big_stack, parser_limits
+from .conversation import Conversation
+from .reply import ReplyStream
+from .syntax import CallSyntax
+from .template import ChatTemplate, ChatVocab, TemplateError
+
+#: Characters of llguidance's message quoted when a tools grammar does not compile.
+MAX_REASON = 300
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    """A conversation rendered and tokenized, with what constrains and reads its reply."""
+
+    conversation: Conversation
+    tokens: Tuple[int, ...]
+    text: str
+    syntax: Optional[CallSyntax]  # None: no tools this turn (the reply is text)
+    constraint: Optional[Constraint]
+
+    def stream(self, vocab: Any, stop: Sequence[str] = ()) -> ReplyStream:
+        return ReplyStream(vocab, self.syntax, stop)
+
+
+def model_template(backend: Any) -> ChatTemplate:
+    """The chat template in the model's GGUF (``tokenizer.chat_template``); TemplateError without."""
+    import llama_cpp  # noqa: WPS433
+
+    model, _ = backend.handles
+    source = llama_cpp.llama_model_chat_template(model, None)
+    if not source:
+        raise TemplateError(f"model {backend.path} has no chat template (tokenizer.chat_template): "
+                            "give one with the chat template file setting")
+    return ChatTemplate(source.decode("utf-8", "replace"), f"the chat template of {backend.path}")
+
+
+def prepare_turn(conversation: Conversation, template: ChatTemplate, vocab: ChatVocab,
+                 grammar: str = "", json_schema: str = "") -> ChatTurn:
+    """The turn's tokens, syntax and constraint; TemplateError / ValueError with the reason."""
+    tools = conversation.offered
+    if tools and (grammar or json_schema):
+        raise ValueError("grammar / json_schema constrain a reply without tools: send them with no tools "
+                         "or with tool_choice none (the tools' own grammar constrains a reply with calls)")
+    tokens, text = template.prompt_tokens(conversation, vocab)
+    if not tools:
+        return ChatTurn(conversation, tuple(tokens), text, None, compiled_constraint(grammar, json_schema))
+    syntax = template.call_syntax
+    lark = syntax.grammar(tools, conversation.must_call, conversation.parallel_tool_calls, vocab.control_id)
+    return ChatTurn(conversation, tuple(tokens), text, syntax, compiled_lark(lark))
+
+
+@functools.lru_cache(maxsize=32)
+def compiled_lark(lark: str) -> Constraint:
+    """The tools' grammar checked by llguidance (cached by text: an agent offers the same tools
+    every turn); ValueError with llguidance's reason (e.g. a schema feature it lacks)."""
+    import llguidance  # noqa: WPS433
+
+    matcher = llguidance.LLMatcher
+    grammar = matcher.grammar_from_lark(lark)
+    is_error, messages = on_big_stack(
+        lambda: matcher.validate_grammar_with_warnings(grammar, None, limits=parser_limits()))
+    if is_error:
+        reason = " ".join((messages[0] if messages else "?").split())[:MAX_REASON]
+        raise ValueError(f"the tools' parameters do not compile to a grammar: {reason}")
+    return Constraint("tools", grammar)
+
+
+__all__ = ["ChatTurn", "compiled_lark", "model_template", "prepare_turn"]
