@@ -57,9 +57,11 @@ N_FEATURES = 3
 #: decoder computes logits for every row it is given (scattered over the whole vocabulary with a
 #: reduced one), so the head's compute buffer grows with this.
 HEAD_BATCH_ROWS = 65
-#: Pairs the head catches up on in one decode with every row's logits (the last row's seed the
-#: draft), rather than a decode without logits and a one-row seed step: a verify pass's rows.
-MERGED_SEED_ROWS = 16
+#: The head catches up on a verify pass's pairs and its seed pair in one decode that copies out
+#: every row's logits (llama.cpp computes them all anyway) when the rows before the seed's hold at
+#: most this many floats (1 MiB: 2 rows of a 262k vocabulary, all 65 of the tests' 256), else in
+#: a decode without logits and a one-row seed step (one llama_decode more).
+MERGED_EXTRA_LOGITS = 1 << 18
 #: Feature rows kept between passes before they are encoded anyway (twice a verify pass).
 STASH_ROWS = 2 * HEAD_BATCH_ROWS
 
@@ -469,12 +471,13 @@ class Eagle3Drafter:
         """Bring the head up to the target's ``position``: encode the new features, drop the cells
         of the last draft chain, write the accepted positions' pairs and the seed pair (the
         pending token, g at position - 1), whose logits give the first draft token. After a
-        verify pass the pairs are a few: one decode (:data:`MERGED_SEED_ROWS`)."""
+        verify pass the pairs are a few: one decode where its logits are small
+        (:data:`MERGED_EXTRA_LOGITS`)."""
         self._encode_stash(position)
         head, seed = self.head, min(self._kv_end, position - 1)
         head.rollback(seed)
         tokens, rows = context[seed + 1:position + 1], self._g[seed:position]
-        if len(tokens) <= MERGED_SEED_ROWS:
+        if len(tokens) <= head.n_batch and (len(tokens) - 1) * head.n_vocab <= MERGED_EXTRA_LOGITS:
             result = head.decode_last(tokens, seed, rows)
         else:
             head.decode_pairs(tokens[:-1], seed, rows[:-1])
