@@ -26,12 +26,14 @@ from gemma_spec_ros.engine.chat import template as template_module
 from gemma_spec_ros.engine.chat.syntax import Parsed
 from gemma_spec_ros.engine.chat.reply import validated
 from gemma_spec_ros.engine.grammar import GrammarVocab
+from gemma_spec_ros.engine.remote import chat as remote_chat_module
 from gemma_spec_ros.engine.types import ModelConfig
 from support.chat import SKILLS, SKILLS_JSON, control_count, decode_turn, planner_conversation
 from support.tiny_chat_gguf import GEMMA3_STYLE, GEMMA4_STYLE, token_id, write_tiny_chat_gguf
 
 
-@pytest.mark.parametrize("module", [conversation_module, syntax_module, template_module, reply_module],
+@pytest.mark.parametrize("module", [conversation_module, syntax_module, template_module, reply_module,
+                                    remote_chat_module],
                          ids=lambda m: m.__name__)
 def test_module_doctests(module: Any) -> None:
     assert doctest.testmod(module).failed == 0

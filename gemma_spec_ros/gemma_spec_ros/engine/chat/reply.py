@@ -121,15 +121,20 @@ class ReplyStream:
         if self._syntax is None or self.stopped:
             content = self.text if self.stopped else _text_of(self._pieces)
             return AssistantReply(content.strip())
-        parsed = self._syntax.parse(self.pieces)
-        calls, errors = validated(conversation, parsed)
-        if parsed.error and ended == "length":
-            errors.insert(0, f"max_tokens ran out inside a tool call ({parsed.error})")
-        elif parsed.error:
-            errors.insert(0, parsed.error)
-        if conversation.must_call and not calls and not errors:
-            errors.append(f"tool_choice {conversation.tool_choice} but the reply calls no tool")
-        return AssistantReply(parsed.content, calls, "; ".join(errors))
+        return assistant_reply(conversation, self._syntax.parse(self.pieces), ended)
+
+
+def assistant_reply(conversation: Conversation, parsed: Parsed, ended: str = "stop") -> AssistantReply:
+    """The message of a parsed reply: its text and the calls that validate; ``error`` says why a
+    call was left out, that max_tokens cut one (``ended`` length), or that a turn which had to
+    call a tool called none."""
+    calls, errors = validated(conversation, parsed)
+    if parsed.error:
+        errors.insert(0, f"max_tokens ran out inside a tool call ({parsed.error})" if ended == "length"
+                      else parsed.error)
+    if conversation.must_call and not calls and not errors:
+        errors.append(f"tool_choice {conversation.tool_choice} but the reply calls no tool")
+    return AssistantReply(parsed.content, calls, "; ".join(errors))
 
 
 def validated(conversation: Conversation, parsed: Parsed) -> Tuple[Tuple[ToolCall, ...], List[str]]:
@@ -176,4 +181,4 @@ def _prefix_tail(text: str, words: Sequence[str]) -> int:
     return keep
 
 
-__all__ = ["AssistantReply", "ReplyStream", "validated"]
+__all__ = ["AssistantReply", "ReplyStream", "assistant_reply", "validated"]

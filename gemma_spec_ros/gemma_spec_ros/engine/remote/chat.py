@@ -1,0 +1,113 @@
+"""A chat turn with tools on an OpenAI-compatible server: the request's fields and the streamed calls.
+
+The server renders the conversation with its own template and parses the model's calls itself
+(llama.cpp's ``llama-server --jinja``, vLLM with a tool parser); this room sends the conversation in
+OpenAI's shape (:func:`chat_fields`: messages, tools, ``tool_choice``, ``parallel_tool_calls``) and
+puts the streamed ``delta.tool_calls`` fragments back together (:class:`ToolCallDeltas`). The calls
+then go through the same validation as the local engine's
+(:func:`~gemma_spec_ros.engine.chat.reply.validated`): a call of a tool not offered, or whose
+arguments do not follow its schema, is left out with the reason, whatever the server let through.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List, Mapping, Tuple
+
+from ..chat.conversation import ChatMessage, Conversation
+from ..chat.reply import AssistantReply, assistant_reply
+from ..chat.syntax import Parsed
+from .http import RemoteError
+
+
+def chat_fields(conversation: Conversation) -> Dict[str, Any]:
+    """The body fields of the turn: ``messages`` and, when tools are offered, ``tools``,
+    ``tool_choice`` (OpenAI's ``{"type": "function", ...}`` object for one tool) and
+    ``parallel_tool_calls``.
+
+    >>> from gemma_spec_ros.engine.chat import ChatMessage, Conversation, Tool
+    >>> body = chat_fields(Conversation((ChatMessage("user", "Stop."),), (Tool("halt"),), "halt"))
+    >>> body["tool_choice"], body["parallel_tool_calls"]
+    ({'type': 'function', 'function': {'name': 'halt'}}, False)
+    """
+    body: Dict[str, Any] = {"messages": [openai_message(m) for m in conversation.messages]}
+    if conversation.tools and conversation.tool_choice != "none":
+        choice = conversation.tool_choice
+        body["tools"] = [tool.as_openai() for tool in conversation.tools]
+        body["tool_choice"] = choice if choice in ("auto", "required") else \
+            {"type": "function", "function": {"name": choice}}
+        body["parallel_tool_calls"] = conversation.parallel_tool_calls
+    return body
+
+
+def openai_message(message: ChatMessage) -> Dict[str, Any]:
+    """A message in OpenAI's wire shape (a call's arguments as JSON text, content null when an
+    assistant message only calls tools)."""
+    entry: Dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.name:
+        entry["name"] = message.name
+    if message.tool_call_id:
+        entry["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        entry["content"] = message.content or None
+        entry["tool_calls"] = [{"id": c.id, "type": "function",
+                                "function": {"name": c.name, "arguments": c.arguments}}
+                               for c in message.tool_calls]
+    return entry
+
+
+class ToolCallDeltas:
+    """The ``delta.tool_calls`` fragments of a stream, by their ``index``: the first fragment of a
+    call brings its name (and id), later ones pieces of its arguments' JSON text.
+
+    >>> calls = ToolCallDeltas()
+    >>> calls.add({"choices": [{"delta": {"tool_calls": [{"index": 0, "id": "a", "function": {
+    ...     "name": "go", "arguments": '{"to": '}}]}}]})
+    >>> calls.add({"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": '"dock"}'}}]}}]})
+    >>> calls.parsed("")
+    Parsed(content='', calls=(('go', {'to': 'dock'}),), error='')
+    """
+
+    def __init__(self) -> None:
+        self._calls: Dict[int, Dict[str, str]] = {}
+
+    def add(self, chunk: Mapping[str, Any]) -> None:
+        """Take one chunk's tool-call fragments (a chunk without any is fine)."""
+        choices = chunk.get("choices") or []
+        delta = choices[0].get("delta") if choices and isinstance(choices[0], dict) else None
+        fragments = delta.get("tool_calls") if isinstance(delta, dict) else None
+        if not fragments:
+            return
+        if not isinstance(fragments, list):
+            raise RemoteError(f"the server sent tool_calls that are not a list: {str(fragments)[:200]!r}")
+        for fragment in fragments:
+            function = fragment.get("function") if isinstance(fragment, dict) else None
+            index = fragment.get("index", len(self._calls)) if isinstance(fragment, dict) else None
+            if not isinstance(function, dict) or not isinstance(index, int):
+                raise RemoteError(f"the server sent a tool call fragment of an unknown shape: {str(fragment)[:200]!r}")
+            call = self._calls.setdefault(index, {"name": "", "arguments": ""})
+            call["name"] += function.get("name") or ""
+            call["arguments"] += function.get("arguments") or ""
+
+    def parsed(self, content: str) -> Parsed:
+        """The calls put together (in index order) with the streamed text; ``error`` names the first
+        call whose arguments are not a JSON object."""
+        calls: List[Tuple[str, Dict[str, Any]]] = []
+        for index in sorted(self._calls):
+            call = self._calls[index]
+            try:
+                arguments = json.loads(call["arguments"] or "{}")
+            except ValueError as exc:
+                return Parsed(content.strip(), tuple(calls), f"the server's call of {call['name']!r} has "
+                              f"arguments that are not JSON ({exc})")
+            if not isinstance(arguments, dict):
+                return Parsed(content.strip(), tuple(calls), f"the server's call of {call['name']!r} has "
+                              "arguments that are not a JSON object")
+            calls.append((call["name"], arguments))
+        return Parsed(content.strip(), tuple(calls))
+
+    def reply(self, conversation: Conversation, content: str, ended: str = "stop") -> AssistantReply:
+        """The turn's message: the streamed text and the calls that validate."""
+        return assistant_reply(conversation, self.parsed(content), ended)
+
+
+__all__ = ["ToolCallDeltas", "chat_fields", "openai_message"]
