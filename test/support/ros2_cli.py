@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import pytest
 import yaml
@@ -45,12 +45,13 @@ def ros_env() -> Dict[str, str]:
     return env
 
 
-def ros2(*args: str, timeout: float = 90.0, check: bool = True) -> str:
+def ros2(*args: str, timeout: float = 90.0, check: bool = True, env: Optional[Dict[str, str]] = None) -> str:
     """Run one `ros2 ...` command to its end; its stdout + stderr. "Node not found" is retried for
-    a while: the CLI asks its daemon, whose view of a node that just started can lag behind."""
+    a while: the CLI asks its daemon, whose view of a node that just started can lag behind.
+    ``env``: another environment than :func:`ros_env` (a sourced workspace)."""
     deadline = time.monotonic() + 20.0
     while True:
-        done = subprocess.run([str(VENV / "bin" / "ros2"), *args], env=ros_env(), capture_output=True,
+        done = subprocess.run([str(VENV / "bin" / "ros2"), *args], env=env or ros_env(), capture_output=True,
                               text=True, timeout=timeout)
         out = done.stdout + done.stderr
         if "Node not found" not in out or time.monotonic() > deadline:
@@ -64,10 +65,10 @@ def ros2(*args: str, timeout: float = 90.0, check: bool = True) -> str:
 class Background:
     """A command in its own process group with SIGINT restored, output to a file we poll."""
 
-    def __init__(self, args: List[str], log: Path) -> None:
+    def __init__(self, args: List[str], log: Path, env: Optional[Dict[str, str]] = None) -> None:
         self.log = log
         self._file = open(log, "w")
-        self.proc = subprocess.Popen([sys.executable, "-c", _EXEC_WITH_SIGINT, *args], env=ros_env(),
+        self.proc = subprocess.Popen([sys.executable, "-c", _EXEC_WITH_SIGINT, *args], env=env or ros_env(),
                                      stdout=self._file, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
 
@@ -122,11 +123,11 @@ def launch(tmp: Path, params: Path, *extra: str) -> Background:
                        f"params_file:={params}", *extra], tmp / "launch.log")
 
 
-def wait_state(state: str, timeout: float = 120.0) -> None:
+def wait_state(state: str, timeout: float = 120.0, env: Optional[Dict[str, str]] = None) -> None:
     deadline = time.monotonic() + timeout
     out = ""
     while time.monotonic() < deadline:
-        out = ros2("lifecycle", "get", NODE, check=False)
+        out = ros2("lifecycle", "get", NODE, check=False, env=env)
         if out.startswith(state):
             return
         time.sleep(0.5)
@@ -138,7 +139,8 @@ def goal_yaml(max_tokens: int, **fields: object) -> str:
     return yaml.safe_dump(goal, default_flow_style=True, width=10_000).strip()
 
 
-def send_goal(tmp: Path, max_tokens: int, name: str = "goal", **fields: object) -> Background:
+def send_goal(tmp: Path, max_tokens: int, name: str = "goal", env: Optional[Dict[str, str]] = None,
+              **fields: object) -> Background:
     return Background([str(VENV / "bin" / "ros2"), "action", "send_goal", "--feedback",
                        f"{NODE}/generate", "gemma_spec_msgs/action/Generate",
-                       goal_yaml(max_tokens, **fields)], tmp / f"{name}.log")
+                       goal_yaml(max_tokens, **fields)], tmp / f"{name}.log", env)
