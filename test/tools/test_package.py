@@ -271,10 +271,13 @@ def test_launch_file_is_conventional(repo_root: Path) -> None:
     names |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
     strings = {node.value for node in ast.walk(tree)
                if isinstance(node, ast.Constant) and isinstance(node.value, str)}
-    assert {"LifecycleNode", "EmitEvent", "ChangeState", "RegisterEventHandler",
-            "OnStateTransition", "TRANSITION_CONFIGURE", "TRANSITION_ACTIVATE"} <= names
-    assert {"params_file", "models_dir", "spec_mode", "orin.yaml", "gemma_spec_node", "gemma_spec",
-            "spec.mode", "target.model_path", "draft.model_path", "inactive"} <= strings
+    keywords = {node.arg for node in ast.walk(tree) if isinstance(node, ast.keyword)}
+    assert {"LifecycleNode", "DeclareLaunchArgument", "OpaqueFunction", "NODE_NAME"} <= names
+    assert {"params_file", "models_dir", "spec_mode", "respawn", "autostart", "--autostart", "orin.yaml",
+            "gemma_spec_node", "spec.mode", "target.model_path", "draft.model_path"} <= strings
+    # the node configures + activates itself at each process start (a launch-side configure was
+    # lost after kill -9); launch's SIGTERM / SIGKILL come after the node's shutdown bound
+    assert {"respawn", "respawn_delay", "sigterm_timeout", "sigkill_timeout", "arguments"} <= keywords
 
 
 def test_launch_arguments_override_the_right_parameters(repo_root: Path) -> None:
@@ -284,7 +287,7 @@ def test_launch_arguments_override_the_right_parameters(repo_root: Path) -> None
     kept = [node for node in tree.body
             if isinstance(node, ast.Assign)
             or (isinstance(node, ast.FunctionDef) and node.name == "parameter_overrides")]
-    namespace: Dict[str, object] = {"os": os, "Any": object, "Dict": Dict}
+    namespace: Dict[str, object] = {"os": os, "Any": object, "Dict": Dict, "SHUTDOWN_BOUND": 20.0}
     exec(compile(ast.Module(body=kept, type_ignores=[]), LAUNCH_FILE, "exec"), namespace)
     overrides = namespace["parameter_overrides"]
     assert overrides("", "") == {}
