@@ -14,21 +14,17 @@ from typing import Any, Iterator, List, Tuple
 
 import pytest
 
-from gemma_spec_ros.engine.backend import LlamaBackend
-from gemma_spec_ros.engine.chat import (ChatMessage, ChatTemplate, ChatVocab, Conversation,
-                                        GEMMA_CALLS, TAGGED_JSON_CALLS, TemplateError, Tool, ToolCall,
-                                        conversation_from_json, model_template, parse_tools,
-                                        prepare_turn)
+from gemma_spec_ros.engine.chat import (ChatMessage, ChatTemplate, Conversation, GEMMA_CALLS,
+                                        TAGGED_JSON_CALLS, TemplateError, Tool, ToolCall,
+                                        conversation_from_json, parse_tools, prepare_turn)
 from gemma_spec_ros.engine.chat import conversation as conversation_module
 from gemma_spec_ros.engine.chat import reply as reply_module
 from gemma_spec_ros.engine.chat import syntax as syntax_module
 from gemma_spec_ros.engine.chat import template as template_module
 from gemma_spec_ros.engine.chat.syntax import Parsed
 from gemma_spec_ros.engine.chat.reply import validated
-from gemma_spec_ros.engine.grammar import GrammarVocab
 from gemma_spec_ros.engine.remote import chat as remote_chat_module
-from gemma_spec_ros.engine.types import ModelConfig
-from support.chat import SKILLS, SKILLS_JSON, control_count, decode_turn, planner_conversation
+from support.chat import ChatModel, SKILLS, SKILLS_JSON, control_count, planner_conversation
 from support.tiny_chat_gguf import GEMMA3_STYLE, GEMMA4_STYLE, token_id, write_tiny_chat_gguf
 
 
@@ -39,33 +35,19 @@ def test_module_doctests(module: Any) -> None:
     assert doctest.testmod(module).failed == 0
 
 
-class Model:
-    """A loaded tiny chat model with what the chat layer uses of it."""
-
-    def __init__(self, path: Path) -> None:
-        self.backend = LlamaBackend(ModelConfig(str(path), n_ctx=2048))
-        self.vocab = ChatVocab(self.backend)
-        self.template = model_template(self.backend)
-        self.grammar_vocab = GrammarVocab.of(self.backend)
-
-    def plain(self, text: str) -> List[int]:
-        """``text`` tokenized with llama.cpp's special-token parsing (what a naive caller sends)."""
-        return self.backend.tokenize(text, add_special=True, parse_special=True)
-
-
 @pytest.fixture(scope="module")
-def gemma4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Model]:
-    model = Model(write_tiny_chat_gguf(tmp_path_factory.mktemp("chat") / "gemma4-style.gguf"))
+def gemma4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChatModel]:
+    model = ChatModel(write_tiny_chat_gguf(tmp_path_factory.mktemp("chat") / "gemma4-style.gguf"))
     yield model
-    model.backend.close()
+    model.close()
 
 
 @pytest.fixture(scope="module")
-def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Model]:
-    model = Model(write_tiny_chat_gguf(tmp_path_factory.mktemp("chat") / "gemma3-style.gguf",
+def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChatModel]:
+    model = ChatModel(write_tiny_chat_gguf(tmp_path_factory.mktemp("chat") / "gemma3-style.gguf",
                                        template=GEMMA3_STYLE, seed=1))
     yield model
-    model.backend.close()
+    model.close()
 
 
 # -- a conversation's checks -------------------------------------------------------------------------
@@ -119,7 +101,7 @@ def test_an_openai_style_json_chat_becomes_a_conversation() -> None:
 
 
 # -- the template --------------------------------------------------------------------------------------
-def test_gemma4_style_template_gets_tools_calls_and_tool_responses_natively(gemma4: Model) -> None:
+def test_gemma4_style_template_gets_tools_calls_and_tool_responses_natively(gemma4: ChatModel) -> None:
     """Tools declared in the system turn, the earlier call in Gemma 4's own syntax, its result as a
     tool response inside the model's turn; the prompt's tokens are what llama.cpp's special-token
     parsing makes of that text (no client text spells a marker here)."""
@@ -133,7 +115,7 @@ def test_gemma4_style_template_gets_tools_calls_and_tool_responses_natively(gemm
     assert turn.syntax is GEMMA_CALLS and gemma4.template.native_syntax is GEMMA_CALLS
 
 
-def test_client_text_that_spells_markers_stays_text(gemma4: Model) -> None:
+def test_client_text_that_spells_markers_stays_text(gemma4: ChatModel) -> None:
     """A user message, a tool result, a call's string argument and a tool description that spell
     turn markers become those characters, never control tokens: the prompt has the template's
     markers only (a naive tokenization of the same text would carry forged turns)."""
@@ -156,7 +138,7 @@ def test_client_text_that_spells_markers_stays_text(gemma4: Model) -> None:
 
 
 @pytest.mark.parametrize("where", ["schema key", "enum value", "message name"])
-def test_a_string_the_template_renders_as_it_is_may_not_spell_a_marker(gemma4: Model, where: str) -> None:
+def test_a_string_the_template_renders_as_it_is_may_not_spell_a_marker(gemma4: ChatModel, where: str) -> None:
     """Keys, enum values and names are rendered as they are (templates sort and compare them):
     one that spells a control token is refused, not slotted."""
     tools = json.loads(SKILLS_JSON)
@@ -171,7 +153,7 @@ def test_a_string_the_template_renders_as_it_is_may_not_spell_a_marker(gemma4: M
         prepare_turn(Conversation(messages, parse_tools(json.dumps(tools))), gemma4.template, gemma4.vocab)
 
 
-def test_gemma3_style_template_gets_the_fallback(gemma3: Model) -> None:
+def test_gemma3_style_template_gets_the_fallback(gemma3: ChatModel) -> None:
     """No tools in the template: a system block describes them (their schemas) and the call syntax;
     the earlier call is written into the model's text, its result is a user turn, and the roles
     alternate as Gemma 3's template demands."""
@@ -195,7 +177,7 @@ def test_gemma3_style_template_gets_the_fallback(gemma3: Model) -> None:
     ("{% for m in messages %}{{ m.content.nope() }}{% endfor %}", "failed to render this conversation"),
     ("{{ ''.__class__.__mro__ }}", "failed to render this conversation"),
 ])
-def test_a_template_that_fails_or_rewrites_text_is_refused(gemma3: Model, source: str, reason: str) -> None:
+def test_a_template_that_fails_or_rewrites_text_is_refused(gemma3: ChatModel, source: str, reason: str) -> None:
     template = ChatTemplate(source, "the test template")
     with pytest.raises(TemplateError, match=reason):
         prepare_turn(Conversation((ChatMessage("user", "hello there"),)), template, gemma3.vocab)
@@ -206,7 +188,7 @@ def test_a_template_that_does_not_compile_is_refused() -> None:
         ChatTemplate("{% for m in messages %}", "the test template")
 
 
-def test_tojson_templates_get_json_escaped_text_back_as_text(gemma3: Model) -> None:
+def test_tojson_templates_get_json_escaped_text_back_as_text(gemma3: ChatModel) -> None:
     """A template that writes messages with tojson (Hermes / Qwen style): the slot's text is found in
     its escaped form, and the prompt is still the template's text tokenized."""
     template = ChatTemplate("{% for m in messages %}<start_of_turn>{{ m | tojson }}<end_of_turn>{% endfor %}",
@@ -218,7 +200,7 @@ def test_tojson_templates_get_json_escaped_text_back_as_text(gemma3: Model) -> N
 
 
 # -- the call grammars ---------------------------------------------------------------------------------
-def _accepts(model: Model, turn: Any, text: str) -> bool:
+def _accepts(model: ChatModel, turn: Any, text: str) -> bool:
     """Whether ``turn``'s constraint accepts ``text`` (llama.cpp's tokens, markers parsed) as a
     whole reply: every token allowed in turn, and the grammar complete at the end."""
     grammar = model.grammar_vocab.start(turn.constraint)
@@ -240,7 +222,7 @@ def _accepts(model: Model, turn: Any, text: str) -> bool:
     ("auto", True, ('<tool_call>\n{"name": "say", "arguments": {"text": "a"}}\n</tool_call>' * 2), True),
     ("auto", True, '<tool_call>\n{"name": "say", "arguments": {"text": "a"}}\n</tool_call> and <tool_call>x', False),
 ])
-def test_tagged_json_grammar(gemma3: Model, choice: str, parallel: bool, reply: str, accepted: bool) -> None:
+def test_tagged_json_grammar(gemma3: ChatModel, choice: str, parallel: bool, reply: str, accepted: bool) -> None:
     """Required / a name: calls only, of the offered tools, with arguments that follow the schema;
     auto: free text, and a call once ``<tool_call>`` is written; one call unless parallel."""
     turn = prepare_turn(planner_conversation(choice, parallel), gemma3.template, gemma3.vocab)
@@ -263,14 +245,14 @@ Q = '<|"|>'
     ("auto", False, f"<|tool_call>call:say{{text:{Q}a{Q}}}<tool_call|>" * 2, False),
     ("auto", True, f"<|tool_call>call:say{{text:{Q}a{Q}}}<tool_call|>" * 2, True),
 ])
-def test_gemma4_grammar(gemma4: Model, choice: str, parallel: bool, reply: str, accepted: bool) -> None:
+def test_gemma4_grammar(gemma4: ChatModel, choice: str, parallel: bool, reply: str, accepted: bool) -> None:
     """Gemma 4's native syntax from the tools' schemas: keys in the template's (sorted) order,
     required keys present, enums, string lengths and numbers as the schema says."""
     turn = prepare_turn(planner_conversation(choice, parallel), gemma4.template, gemma4.vocab)
     assert _accepts(gemma4, turn, reply) is accepted
 
 
-def test_grammar_or_schema_with_tools_is_refused(gemma3: Model) -> None:
+def test_grammar_or_schema_with_tools_is_refused(gemma3: ChatModel) -> None:
     with pytest.raises(ValueError, match="grammar / json_schema constrain a reply without tools"):
         prepare_turn(planner_conversation("auto"), gemma3.template, gemma3.vocab, json_schema='{"type": "object"}')
     turn = prepare_turn(planner_conversation("none"), gemma3.template, gemma3.vocab, json_schema='{"type": "object"}')
@@ -278,7 +260,7 @@ def test_grammar_or_schema_with_tools_is_refused(gemma3: Model) -> None:
 
 
 # -- the reply -----------------------------------------------------------------------------------------
-def _streamed(model: Model, syntax: Any, text: str, stop: Tuple[str, ...] = ()) -> Tuple[List[str], Any]:
+def _streamed(model: ChatModel, syntax: Any, text: str, stop: Tuple[str, ...] = ()) -> Tuple[List[str], Any]:
     """Push ``text``'s tokens one at a time: the streamed chunks and the stream."""
     stream = reply_module.ReplyStream(model.vocab, syntax, stop)
     chunks = [stream.push([t]) for t in model.backend.tokenize(text, add_special=False, parse_special=True)]
@@ -286,7 +268,7 @@ def _streamed(model: Model, syntax: Any, text: str, stop: Tuple[str, ...] = ()) 
     return chunks, stream
 
 
-def test_text_before_a_call_streams_and_the_opener_is_held_back(gemma3: Model) -> None:
+def test_text_before_a_call_streams_and_the_opener_is_held_back(gemma3: ChatModel) -> None:
     text = 'Going <tool_call>\n{"name": "say", "arguments": {"text": "hi"}}\n</tool_call>'
     chunks, stream = _streamed(gemma3, TAGGED_JSON_CALLS, text)
     assert "".join(chunks) == "Going " and not any("<" in c for c in chunks)
@@ -296,7 +278,7 @@ def test_text_before_a_call_streams_and_the_opener_is_held_back(gemma3: Model) -
     assert reply.finish_reason("stop") == "tool_calls" and reply.tool_calls[0].id.startswith("call_")
 
 
-def test_gemma4_markers_are_tokens_not_text(gemma4: Model) -> None:
+def test_gemma4_markers_are_tokens_not_text(gemma4: ChatModel) -> None:
     """A reply whose text spells ``<|tool_call>`` is text; the control token opens a call."""
     spelled = [gemma4.vocab.tokens([c])[1:] for c in "<|tool_call>"]  # one plain token per character
     stream = reply_module.ReplyStream(gemma4.vocab, GEMMA_CALLS)
@@ -307,7 +289,7 @@ def test_gemma4_markers_are_tokens_not_text(gemma4: Model) -> None:
     assert [c.arguments for c in stream.reply(planner_conversation(), "stop").tool_calls] == ['{"text": "yo"}']
 
 
-def test_a_stop_string_ends_the_text(gemma3: Model) -> None:
+def test_a_stop_string_ends_the_text(gemma3: ChatModel) -> None:
     chunks, stream = _streamed(gemma3, TAGGED_JSON_CALLS, "one. two. END three", stop=("END",))
     assert "".join(chunks) == "one. two. " and stream.stopped
     assert stream.reply(planner_conversation(), "stop").content == "one. two."
@@ -324,7 +306,7 @@ def test_calls_that_fail_their_schema_are_left_out_with_the_reason(calls: Any, e
     assert [c.name for c in kept] == ["say"] and len(errors) == 1 and error in errors[0]
 
 
-def test_a_call_cut_by_max_tokens_is_said_so(gemma3: Model) -> None:
+def test_a_call_cut_by_max_tokens_is_said_so(gemma3: ChatModel) -> None:
     _, stream = _streamed(gemma3, TAGGED_JSON_CALLS, '<tool_call>\n{"name": "say", "argu')
     reply = stream.reply(planner_conversation("required"), "length")
     assert reply.tool_calls == () and reply.error.startswith("max_tokens ran out inside a tool call")
@@ -340,10 +322,10 @@ def test_a_constrained_turn_always_calls_a_valid_tool(request: pytest.FixtureReq
     tools whose arguments validate, with nothing left out (both syntaxes). With parallel calls a
     random model may call again and again until max_tokens: the whole calls are kept, the cut one
     is said."""
-    model: Model = request.getfixturevalue(style)
+    model: ChatModel = request.getfixturevalue(style)
     conversation = planner_conversation(choice, parallel)
     turn = prepare_turn(conversation, model.template, model.vocab)
-    decoded = decode_turn(model.backend, model.vocab, model.grammar_vocab, turn, max_tokens=160)
+    decoded = model.decode(turn, max_tokens=160)
     reply = decoded.reply(conversation)
     if parallel and decoded.ended == "length":
         assert reply.error.startswith("max_tokens ran out inside a tool call")
@@ -356,15 +338,15 @@ def test_a_constrained_turn_always_calls_a_valid_tool(request: pytest.FixtureReq
 
 @pytest.mark.parametrize("style", ["gemma4", "gemma3"])
 def test_an_auto_turn_is_text_or_valid_calls(request: pytest.FixtureRequest, style: str) -> None:
-    model: Model = request.getfixturevalue(style)
+    model: ChatModel = request.getfixturevalue(style)
     conversation = planner_conversation("auto")
     turn = prepare_turn(conversation, model.template, model.vocab)
-    decoded = decode_turn(model.backend, model.vocab, model.grammar_vocab, turn, max_tokens=64)
+    decoded = model.decode(turn, max_tokens=64)
     reply = decoded.reply(conversation)
     assert reply.error == "" and decoded.streamed.strip() == reply.content
 
 
-def test_a_tool_without_parameters_and_a_nested_schema(gemma4: Model, gemma3: Model) -> None:
+def test_a_tool_without_parameters_and_a_nested_schema(gemma4: ChatModel, gemma3: ChatModel) -> None:
     """A tool with no parameters, and one with a nested object and an array: both syntaxes write
     and validate them."""
     tools = [Tool("stop").as_openai(),
@@ -377,6 +359,6 @@ def test_a_tool_without_parameters_and_a_nested_schema(gemma4: Model, gemma3: Mo
     for model, choice in ((gemma4, "patrol"), (gemma3, "patrol"), (gemma4, "stop"), (gemma3, "stop")):
         conversation = Conversation((ChatMessage("user", "Patrol."),), parse_tools(json.dumps(tools)), choice)
         turn = prepare_turn(conversation, model.template, model.vocab)
-        decoded = decode_turn(model.backend, model.vocab, model.grammar_vocab, turn, max_tokens=200)
+        decoded = model.decode(turn, max_tokens=200)
         reply = decoded.reply(conversation)
         assert decoded.ended == "stop" and reply.error == "" and reply.tool_calls[0].name == choice, reply

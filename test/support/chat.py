@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, List, Sequence
 
 import numpy as np
 
-from gemma_spec_ros.engine.chat import (AssistantReply, ChatMessage, ChatTurn, Conversation, ReplyStream,
-                                        ToolCall, parse_tools)
+from gemma_spec_ros.engine.backend import LlamaBackend
+from gemma_spec_ros.engine.chat import (AssistantReply, ChatMessage, ChatTurn, ChatVocab, Conversation,
+                                        ReplyStream, ToolCall, model_template, parse_tools)
 from gemma_spec_ros.engine.grammar import GrammarVocab, sample_constrained
+from gemma_spec_ros.engine.types import ModelConfig
 
 #: A robot planner's skills, as OpenAI function tools. Bounded strings and enums: a random-weight
 #: model writing free text inside a string would not stop within a test's token budget.
@@ -34,6 +37,27 @@ SKILLS: List[dict] = [
                        "required": ["text"]}}},
 ]
 SKILLS_JSON = json.dumps(SKILLS)
+
+
+class ChatModel:
+    """A loaded GGUF with what the chat layer uses of it: its vocabulary, its own template, and
+    llguidance's tokenizer of it."""
+
+    def __init__(self, path: Path, n_ctx: int = 4096) -> None:
+        self.backend = LlamaBackend(ModelConfig(str(path), n_ctx=n_ctx))
+        self.vocab = ChatVocab(self.backend)
+        self.template = model_template(self.backend)
+        self.grammar_vocab = GrammarVocab.of(self.backend)
+
+    def plain(self, text: str) -> List[int]:
+        """``text`` tokenized with llama.cpp's special-token parsing (what a naive caller sends)."""
+        return self.backend.tokenize(text, add_special=True, parse_special=True)
+
+    def decode(self, turn: ChatTurn, max_tokens: int = 96, stop: Sequence[str] = ()) -> "Decoded":
+        return decode_turn(self.backend, self.vocab, self.grammar_vocab, turn, max_tokens, stop)
+
+    def close(self) -> None:
+        self.backend.close()
 
 
 def planner_conversation(tool_choice: str = "auto", parallel: bool = False, *extra: ChatMessage) -> Conversation:

@@ -16,12 +16,8 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, Tool
 from langchain_core.tools import tool  # noqa: E402
 
 from gemma_spec_dev.langchain_chat import GemmaSpecChat, chat_message, goal_fields  # noqa: E402
-from gemma_spec_ros.engine.backend import LlamaBackend  # noqa: E402
-from gemma_spec_ros.engine.chat import (ChatVocab, conversation_from_json, model_template,  # noqa: E402
-                                        prepare_turn)
-from gemma_spec_ros.engine.grammar import GrammarVocab  # noqa: E402
-from gemma_spec_ros.engine.types import ModelConfig  # noqa: E402
-from support.chat import decode_turn  # noqa: E402
+from gemma_spec_ros.engine.chat import conversation_from_json, prepare_turn  # noqa: E402
+from support.chat import ChatModel  # noqa: E402
 from support.tiny_chat_gguf import write_tiny_chat_gguf  # noqa: E402
 
 
@@ -42,10 +38,7 @@ class InProcessTurns:
     """A transport that serves each goal with the chat layer on a tiny Gemma 4 style model."""
 
     def __init__(self, path: Path) -> None:
-        self.backend = LlamaBackend(ModelConfig(str(path), n_ctx=4096))
-        self.vocab = ChatVocab(self.backend)
-        self.template = model_template(self.backend)
-        self.grammar_vocab = GrammarVocab.of(self.backend)
+        self.model = ChatModel(path)
         self.goals: list = []
 
     def __call__(self, goal: Dict[str, Any]) -> Dict[str, Any]:
@@ -53,8 +46,8 @@ class InProcessTurns:
         conversation = conversation_from_json({
             "messages": goal["messages"], "tools": json.loads(goal["tools"] or "[]"),
             "tool_choice": goal["tool_choice"], "parallel_tool_calls": goal["parallel_tool_calls"]})
-        turn = prepare_turn(conversation, self.template, self.vocab)
-        decoded = decode_turn(self.backend, self.vocab, self.grammar_vocab, turn, max_tokens=120)
+        turn = prepare_turn(conversation, self.model.template, self.model.vocab)
+        decoded = self.model.decode(turn, max_tokens=120)
         reply = decoded.reply(conversation)
         calls = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in reply.tool_calls]
         return {"message": {"role": "assistant", "content": reply.content, "tool_calls": calls},
@@ -66,7 +59,7 @@ class InProcessTurns:
 def turns(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessTurns]:
     transport = InProcessTurns(write_tiny_chat_gguf(tmp_path_factory.mktemp("lc") / "chat.gguf"))
     yield transport
-    transport.backend.close()
+    transport.model.close()
 
 
 def test_module_doctests() -> None:

@@ -17,7 +17,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Tuple
 
-from ..grammar import Constraint, compiled_constraint, on_big_stack, parser_limits
+from .. import grammar as grammar_engine
+from ..grammar import Constraint, compiled_constraint
 from .conversation import Conversation
 from .reply import ReplyStream
 from .syntax import CallSyntax
@@ -76,8 +77,9 @@ def compiled_lark(lark: str) -> Constraint:
 
     matcher = llguidance.LLMatcher
     grammar = matcher.grammar_from_lark(lark)
-    is_error, messages = on_big_stack(
-        lambda: matcher.validate_grammar_with_warnings(grammar, None, limits=parser_limits()))
+    # the grammar engine's own bounds and big stack (a schema nested deep recurses its compiler)
+    is_error, messages = grammar_engine._on_big_stack(  # noqa: SLF001
+        lambda: matcher.validate_grammar_with_warnings(grammar, None, limits=grammar_engine._parser_limits()))  # noqa: SLF001
     if is_error:
         reason = " ".join((messages[0] if messages else "?").split())[:MAX_REASON]
         raise ValueError(f"the tools' parameters do not compile to a grammar: {reason}")
