@@ -141,8 +141,9 @@ def test_a_hostile_constraint_is_refused_or_served_and_never_crashes(
     assert proc.returncode == 0, f"the child exited with {proc.returncode}: {proc.stderr[-2000:]}"
     lines = proc.stdout.splitlines()
     assert lines[0].startswith(("refused:", "served:")), proc.stdout
+    # the first constrained request builds llguidance's view of the vocabulary: ~130 MiB, measured
     growth_mib = int(lines[-1].rsplit(":", 1)[1]) / 1024
-    assert growth_mib < 100, f"checking and serving the constraint took {growth_mib:.0f} MiB"
+    assert growth_mib < 300, f"checking and serving the constraint took {growth_mib:.0f} MiB"
 
 
 # -- bounded checks, compiled once ----------------------------------------------------------------------

@@ -76,17 +76,20 @@ class GrammarError(EngineError):
 
 
 def _llguidance():  # noqa: ANN202  imported lazily: unconstrained requests do not need it
-    import llguidance  # noqa: WPS433
-
+    try:
+        import llguidance  # noqa: WPS433
+    except ImportError:
+        raise ValueError("constrained output (grammar / json_schema) needs the llguidance package: "
+                         "pip install llguidance==1.9.1") from None
     return llguidance
 
 
-def parser_limits() -> object:
+def _parser_limits() -> object:
     """:data:`PARSER_LIMITS` as llguidance's ``LLParserLimits``."""
     return _llguidance().LLParserLimits(**PARSER_LIMITS)
 
 
-def on_big_stack(call: Callable[[], _T]) -> _T:
+def _on_big_stack(call: Callable[[], _T]) -> _T:
     """``call()`` run in a thread with a :data:`COMPILE_STACK_BYTES` stack (the caller waits)."""
     outcome: dict = {}
 
@@ -161,8 +164,8 @@ def _compiled(source: str, text: str) -> Constraint:
         grammar = matcher.grammar_from_lark(lark)
     else:
         grammar = matcher.grammar_from_json_schema(_schema_text(text), overrides=JSON_OPTIONS)
-    is_error, messages = on_big_stack(
-        lambda: matcher.validate_grammar_with_warnings(grammar, None, limits=parser_limits()))
+    is_error, messages = _on_big_stack(
+        lambda: matcher.validate_grammar_with_warnings(grammar, None, limits=_parser_limits()))
     if is_error:
         raise ValueError(f"{source} does not compile: {_reason(messages[0] if messages else '?')}")
     return Constraint(source, grammar)
@@ -209,8 +212,8 @@ class GrammarVocab:
         """A fresh grammar state; GrammarError if llguidance cannot build it for this vocabulary."""
         llguidance = _llguidance()
         started = time.perf_counter()
-        matcher = on_big_stack(lambda: llguidance.LLMatcher(self.tokenizer, constraint.grammar,
-                                                            log_level=0, limits=parser_limits()))
+        matcher = _on_big_stack(lambda: llguidance.LLMatcher(self.tokenizer, constraint.grammar,
+                                                             log_level=0, limits=_parser_limits()))
         if matcher.is_error():
             raise GrammarError(f"{constraint.source} does not compile for this model: "
                                f"{_reason(matcher.get_error())}")
