@@ -96,7 +96,7 @@ def ai_message(result: Mapping[str, Any]) -> AIMessage:
     invalid = [invalid_tool_call(error=result["error"])] if result.get("error") and \
         result.get("finish_reason") in ("stop", "tool_calls", "length") else []
     metadata = {key: result.get(key) for key in ("finish_reason", "spec_mode", "prompt_tokens",
-                                                  "completion_tokens", "error")}
+                                                 "completion_tokens", "error")}
     return AIMessage(content=message.get("content", ""), tool_calls=calls, invalid_tool_calls=invalid,
                      response_metadata=metadata)
 
@@ -139,7 +139,8 @@ class GemmaSpecChat(BaseChatModel):
                 not result["message"].get("content") and not result["message"].get("tool_calls"):
             raise RuntimeError(f"the node ended the turn with {result['finish_reason']}: {result.get('error')}")
         message = ai_message(result)
-        return ChatResult(generations=[ChatGeneration(message=message, generation_info=dict(message.response_metadata))])
+        generation = ChatGeneration(message=message, generation_info=dict(message.response_metadata))
+        return ChatResult(generations=[generation])
 
 
 __all__ = ["GemmaSpecChat", "Transport", "ai_message", "chat_message", "goal_fields", "ros_transport",

@@ -45,10 +45,10 @@ def conversation_from_goal(goal: Any) -> Conversation:
     >>> conversation_from_goal(goal).messages[0].content
     'hi'
     >>> goal.messages[0].role = "robot"
-    >>> conversation_from_goal(goal)
+    >>> conversation_from_goal(goal)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    gemma_spec_ros.node.messages.GoalRejected: messages[0]: unknown role 'robot': expected one of system, user, assistant, tool
+    gemma_spec_ros.node.messages.GoalRejected: messages[0]: unknown role 'robot': expected one of ...
     """
     messages = []
     for i, message in enumerate(goal.messages):

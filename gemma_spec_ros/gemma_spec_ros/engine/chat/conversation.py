@@ -130,9 +130,10 @@ def parse_tools(text: str) -> Tuple[Tool, ...]:
     >>> [t.name for t in parse_tools('[{"type": "function", "function": {"name": "stop"}}]')]
     ['stop']
     >>> parse_tools('[{"type": "function", "function": {"name": "go", "parameters": {"type": 3}}}]')
+    ... # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: the parameters of tool 'go' is not a valid JSON Schema: 3 is not valid under any of the given schemas (at type)
+    ValueError: the parameters of tool 'go' is not a valid JSON Schema: 3 is not valid under any of ...
     """
     if not text.strip():
         return ()

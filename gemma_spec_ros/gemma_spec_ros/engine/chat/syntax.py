@@ -106,7 +106,7 @@ class TaggedJsonCalls(CallSyntax):
             rules = ['start: call ("\\n" call)*' if parallel else "start: call", f'call: "{self.opener}" body']
         else:
             rules = ["start: (opened body)* TEXT"] if parallel else ["start: TEXT | opened body TAIL",
-                                                                   "TAIL: /[ \\t\\n]*/"]
+                                                                     "TAIL: /[ \\t\\n]*/"]
             rules += ["TEXT: /(.|\\n)*/", f'opened[lazy]: TEXT "{self.opener}"']
         return "\n".join(rules + [body] + functions) + "\n"
 
@@ -166,7 +166,9 @@ def closed(schema: Any) -> Any:
     does). Every such reply also follows the schema as given, which validation checks.
 
     >>> closed({"type": "object", "properties": {"a": {"type": "object", "properties": {}}}})
-    {'type': 'object', 'properties': {'a': {'type': 'object', 'properties': {}, 'additionalProperties': False}}, 'additionalProperties': False}
+    ... # doctest: +NORMALIZE_WHITESPACE
+    {'type': 'object', 'properties': {'a': {'type': 'object', 'properties': {}, 'additionalProperties': False}},
+     'additionalProperties': False}
     """
     if isinstance(schema, list):
         return [closed(item) for item in schema]
@@ -339,7 +341,7 @@ class _GemmaArguments:
         """Any value (keywords outside the grammar's subset: validated after generation)."""
         if not self._generic:
             self._generic = "g"
-            self.lines += [f'g: gs | NUMBER | "true" | "false" | "null" | go | ga',
+            self.lines += ['g: gs | NUMBER | "true" | "false" | "null" | go | ga',
                            f"gs: {self.quote} STR? {self.quote}",
                            'go: "{" (KEY ":" g ("," KEY ":" g)*)? "}"',
                            'ga: "[" (g ("," g)*)? "]"']

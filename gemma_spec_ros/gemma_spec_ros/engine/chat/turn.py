@@ -78,8 +78,9 @@ def compiled_lark(lark: str) -> Constraint:
     matcher = llguidance.LLMatcher
     grammar = matcher.grammar_from_lark(lark)
     # the grammar engine's own bounds and big stack (a schema nested deep recurses its compiler)
+    limits = grammar_engine._parser_limits()  # noqa: SLF001
     is_error, messages = grammar_engine._on_big_stack(  # noqa: SLF001
-        lambda: matcher.validate_grammar_with_warnings(grammar, None, limits=grammar_engine._parser_limits()))  # noqa: SLF001
+        lambda: matcher.validate_grammar_with_warnings(grammar, None, limits=limits))
     if is_error:
         reason = " ".join((messages[0] if messages else "?").split())[:MAX_REASON]
         raise ValueError(f"the tools' parameters do not compile to a grammar: {reason}")
