@@ -377,8 +377,8 @@ def test_a_file_that_is_no_eagle3_head_is_refused(random_pair: Pair) -> None:
         load_pair(target, target)
 
 
-def test_a_target_without_a_feature_export_is_refused_without_asking_it(random_pair: Pair,
-                                                                       tmp_path: Path) -> None:
+def test_a_target_without_a_feature_export_is_refused_without_asking_it(
+        random_pair: Pair, tmp_path: Path) -> None:
     """Gemma 3's graph publishes no layer inputs: asking it to export them would abort the
     process (a failed assertion in llama.cpp). The refusal comes first, and says what it needs."""
     gemma3 = write_tiny_gguf(tmp_path / "gemma3.gguf", vocab_size=256, n_embd=64, n_layer=2, arch="gemma3")
@@ -413,4 +413,3 @@ def test_the_agreeing_target_is_what_the_head_construction_assumes(agreeing_pair
     tokens = [1, 40, 41, 77, 200, 9]
     rows = logits_of(agreeing_pair[0], tokens)
     assert [int(r.argmax()) for r in rows[1:]] == [int(succ[t]) for t in tokens[1:]]
-

@@ -117,7 +117,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Tuple[Path, Path]:
 
 @pytest.mark.parametrize("style", ["speculators", "specforge"])
 def test_a_published_head_converts_to_the_same_tensors(pair: Tuple[Path, Path], tmp_path: Path,
-                                                      style: str, capsys: pytest.CaptureFixture) -> None:
+                                                       style: str, capsys: pytest.CaptureFixture) -> None:
     target, direct = pair
     head_dir = write_published_head(tmp_path / style, style)
     output = tmp_path / "head.gguf"
@@ -194,7 +194,7 @@ def test_the_rotary_reordering_pairs_the_two_halves() -> None:
     (dict(speculators_model_type="medusa"), "no EAGLE-3 head"),
 ])
 def test_what_cannot_make_a_head_is_refused(pair: Tuple[Path, Path], tmp_path: Path, changes: dict,
-                                             message: str, capsys: pytest.CaptureFixture) -> None:
+                                            message: str, capsys: pytest.CaptureFixture) -> None:
     head_dir = write_published_head(tmp_path / "bad", "speculators", **changes)
     output = tmp_path / "head.gguf"
     assert main([str(head_dir), str(pair[0]), "-o", str(output)]) == 1
@@ -204,7 +204,7 @@ def test_what_cannot_make_a_head_is_refused(pair: Tuple[Path, Path], tmp_path: P
 
 
 def test_a_d2t_outside_the_target_vocabulary_is_refused(pair: Tuple[Path, Path], tmp_path: Path,
-                                                         capsys: pytest.CaptureFixture) -> None:
+                                                        capsys: pytest.CaptureFixture) -> None:
     from safetensors.numpy import load_file, save_file
 
     head_dir = write_published_head(tmp_path / "d2t", "specforge")
