@@ -16,9 +16,12 @@ run: setup
 	$(VENV)/bin/gemma-spec-serve --params-file $(PARAMS)
 
 # also unpacks llama.cpp's exact build beside the venv's: test/engine/test_exact_build.py runs the tests of
-# bit-identical output under it (the default build, fast, does not promise them)
+# bit-identical output under it (the default build, fast, does not promise them); and makes .venv-humble
+# (Python 3.10, Ubuntu 22.04's numpy/PyYAML/jsonschema, where a Python 3.10 is found):
+# test/node/test_humble_floor.py runs the engine and node tests there
 test:
 	GEMMA_SPEC_EXACT_SIDE=1 bash scripts/setup.sh
+	bash scripts/setup_humble_lane.sh
 	GEMMA_SPEC_EXACT_SIDE=1 $(VENV)/bin/python -m pytest -ra test
 
 bench: setup

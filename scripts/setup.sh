@@ -15,6 +15,8 @@
 #   GEMMA_SPEC_CACHE  wheel/model cache                 (default: ~/.cache/gemma_spec_ros)
 #   GEMMA_SPEC_LLAMA_BUILD  fast (default) | exact: llamafile's sgemm on | off (see below)
 #   GEMMA_SPEC_EXACT_SIDE   1: also unpack the exact build into $VENV/opt/llama-cpp-exact
+#   GEMMA_SPEC_CONSTRAINTS  a pip constraints file that every install here follows, e.g.
+#                     constraints/humble-jammy.txt (Ubuntu 22.04's versions: scripts/setup_humble_lane.sh)
 #   LLAMA_CMAKE_ARGS  llama.cpp build flags (e.g. "-DGGML_CUDA=on" on a Jetson Orin); replaces
 #                     the CPU flags below, GEMMA_SPEC_LLAMA_BUILD included
 set -euo pipefail
@@ -23,6 +25,11 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
 PYTHON="${PYTHON:-python3}"
 CACHE="${GEMMA_SPEC_CACHE:-$HOME/.cache/gemma_spec_ros}"
+if [ -n "${GEMMA_SPEC_CONSTRAINTS:-}" ]; then
+  # an environment variable, so that pip's isolated build environments follow it too
+  PIP_CONSTRAINT="$(cd "$(dirname "$GEMMA_SPEC_CONSTRAINTS")" && pwd)/$(basename "$GEMMA_SPEC_CONSTRAINTS")"
+  export PIP_CONSTRAINT
+fi
 . "$ROOT/scripts/versions.sh"  # LLAMA_VERSION
 # GGML_NATIVE=OFF: -march=native enables the AMX backend, which segfaults on these CPUs (ENV.md).
 # GEMMA_SPEC_LLAMA_BUILD: llamafile's sgemm computes the F16/F32/Q8_0/Q4_0 matrix products of a
@@ -77,7 +84,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-deps_key="$(hash_of "${ROS_PKGS[*]} ${PY_PKGS[*]} ${NODEPS_PKGS[*]}")"
+deps_key="$(hash_of "${ROS_PKGS[*]} ${PY_PKGS[*]} ${NODEPS_PKGS[*]}${PIP_CONSTRAINT:+ $(cat "$PIP_CONSTRAINT")}")"
 if ! stamp_ok "$VENV/.gemma_spec_deps" "$deps_key"; then
   log "installing ROS 2 Jazzy wheels and Python dependencies"
   # A venv's bundled pip may be old enough to fall back to `setup.py develop` for the editable

@@ -228,10 +228,16 @@ class NgramCache:
             words.extend([PAD_TOKEN] * (NGRAM_MAX - len(ngram)))
             words.append(len(part))
             words.extend(itertools.chain.from_iterable(part.items()))
+        # through int64 and checked: numpy before 2.0 (Ubuntu 22.04's 1.21) wraps a Python int past
+        # int32 silently where numpy 2 raises
         try:
-            return np.asarray(words, dtype=_INT32).tobytes()
-        except OverflowError as error:  # a count set past COUNT_MAX other than by update/merge
+            wide = np.asarray(words, dtype=np.int64)
+        except OverflowError as error:
             raise ValueError(f"an n-gram count does not fit the file's int32: {error}") from None
+        if wide.size and (wide.max() > COUNT_MAX or wide.min() < -COUNT_MAX - 1):
+            # a count set past COUNT_MAX other than by update/merge
+            raise ValueError(f"an n-gram count does not fit the file's int32: {int(wide.max())}")
+        return wide.astype(_INT32).tobytes()
 
     @classmethod
     def from_bytes(cls, data: bytes, source: str = "<bytes>",
