@@ -12,10 +12,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+
+from support.junit import junit_counts
 
 EXACT_FILES = ("test/engine/test_models.py", "test/engine/test_prompt_reuse.py",
                "test/engine/test_sliding_window.py", "test/engine/test_mtp.py", "test/engine/test_grammar.py",
@@ -55,9 +56,7 @@ def test_bit_identical_output_under_the_exact_build(repo_root: Path, venv_python
         env=env, cwd=repo_root, capture_output=True, text=True, timeout=1700)
     tail = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0, tail
-    suite = ET.parse(report).getroot()
-    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-    counts = {key: int(suite.get(key, "0")) for key in ("tests", "failures", "errors", "skipped")}
+    counts = junit_counts(report)
     # 4 greedy modes, the seeded sampling test, the prompt-reuse test, speculation past the
     # sliding-window ring (greedy, seeded), MTP's greedy and seeded tests, constrained output's
     # greedy and seeded tests, shadow drafting's greedy and seeded tests

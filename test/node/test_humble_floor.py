@@ -13,10 +13,11 @@ import json
 import os
 import subprocess
 import sys
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+
+from support.junit import junit_counts
 
 REPO = Path(__file__).resolve().parents[2]
 CONSTRAINTS = REPO / "constraints" / "humble-jammy.txt"
@@ -74,9 +75,7 @@ def test_the_engine_and_node_tests_pass_on_humbles_python_floor(tmp_path: Path) 
         env=env, cwd=REPO, capture_output=True, text=True, timeout=3500)
     tail = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0, tail
-    suite = ET.parse(report).getroot()
-    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-    counts = {key: int(suite.get(key, "0")) for key in ("tests", "failures", "errors", "skipped")}
+    counts = junit_counts(report)
     assert counts["failures"] == counts["errors"] == 0, (counts, tail)
     assert counts["tests"] - counts["skipped"] >= 100, (counts, tail)
     print(f"\nHumble floor ({sys.platform}, Python 3.10): {counts}")
