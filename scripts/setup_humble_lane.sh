@@ -29,8 +29,12 @@ if ! PY310="$(python310)"; then
 fi
 log "Python $("$PY310" -c 'import platform; print(platform.python_version())') at $PY310"
 VENV="$VENV" PYTHON="$PY310" GEMMA_SPEC_CONSTRAINTS="$ROOT/constraints/humble-jammy.txt" bash "$ROOT/scripts/setup.sh"
+# every pin installed as pinned, also where an earlier run installed another version of it
+pins=($(grep -oE '^[A-Za-z0-9_.-]+==[^ ]+' "$ROOT/constraints/humble-jammy.txt"))
+PIP_CONSTRAINT="$ROOT/constraints/humble-jammy.txt" "$VENV/bin/python" -m pip --disable-pip-version-check -q \
+  install "${pins[@]}"
 # the constraints held (a pin pip could not honour would have failed above; this names the result)
 "$VENV/bin/python" -c '
-import sys, numpy, yaml, jsonschema
+import sys, numpy, yaml, jsonschema, jinja2
 print("[humble-lane] python", sys.version.split()[0], "numpy", numpy.__version__, "PyYAML", yaml.__version__,
-      "jsonschema", jsonschema.__version__)'
+      "jsonschema", jsonschema.__version__, "Jinja2", jinja2.__version__)'

@@ -30,6 +30,7 @@ ROSDEP_KEY_OF_MODULE: Dict[str, str] = {
     "matplotlib": "python3-matplotlib",
     "tqdm": "python3-tqdm",
     "jsonschema": "python3-jsonschema",
+    "jinja2": "python3-jinja2",
 }
 #: Imported but installed with pip on every machine, so not a rosdep key (reason given).
 PIP_ONLY: Dict[str, str] = {
@@ -37,10 +38,13 @@ PIP_ONLY: Dict[str, str] = {
                  "Orin) by scripts/setup.sh or the README's pip command; rosdep has no key for it",
     "llguidance": "the grammar engine of constrained output (abi3 wheels for x86_64 and aarch64 on "
                   "PyPI, installed by scripts/setup.sh or the README's pip command); no rosdep key",
+    "safetensors": "read by gemma-spec-eagle3-convert (published EAGLE-3 heads); pip (scripts/setup.sh)",
+    "gguf": "written by gemma-spec-eagle3-convert and the tests' tiny models; pip (scripts/setup.sh)",
+    "langchain_core": "gemma_spec_dev.langchain_chat, an optional extra (pip install langchain-core) that "
+                      "nothing else imports",
 }
 #: Imported by tests only and installed with pip (scripts/setup.sh), not a rosdep key (reason given).
 TEST_PIP_ONLY: Dict[str, str] = {
-    "gguf": "writes the tiny model files of the engine tests; no rosdep key",
     "fastapi": "llama-cpp-python[server]'s web stack, for a real llama.cpp server in the remote tests",
     "uvicorn": "llama-cpp-python[server]'s web stack",
     "pydantic_settings": "llama-cpp-python[server]'s web stack",
