@@ -245,12 +245,15 @@ class Soak:
 
     def _draw_goal(self, rng: random.Random, index: int,
                    invalid: List[Tuple[str, Dict[str, Any]]]) -> Tuple[GoalRecord, Dict[str, Any]]:
-        """The next goal of a client: invalid, hostile (their kinds in turn), constrained by a
-        schema, or another valid one (which may get a cancel point)."""
+        """The next goal of a client: invalid, hostile (their kinds in turn; none during the
+        remote phase), constrained by a schema, or another valid one (which may get a cancel
+        point)."""
         if rng.random() < self.args.invalid_share:
             kind, fields = rng.choice(invalid)
             return GoalRecord(index, kind, invalid=True), fields
-        if rng.random() < self.args.hostile_share:
+        # not to a remote server: its own grammar engine is not the node's to bound
+        remote = self.remote is not None and self.remote.active
+        if rng.random() < self.args.hostile_share and not remote:
             hostile = hostile_goals(self.limits, self.args.max_tokens)
             with self.lock:
                 kind, fields = hostile[self.hostile_sent % len(hostile)]
@@ -352,12 +355,12 @@ class Soak:
         plan = cycle_plan(rng, cycles, self.args.goals)
         first = list(BAD_DEFAULT_CONSTRAINTS)  # each once, early: a short run sets them too
         while not self.stop_event.wait(rng.uniform(*self.args.flip_period)):
-            if plan and self.next_index >= plan[0][0]:
-                self._cycle(plan.pop(0)[1])
-                continue
-            if first:
+            if first:  # before any cycle: a short run may have time for little else
                 name, value = first.pop(0)
                 self._set_and_note(name, value, valid=False)
+                continue
+            if plan and self.next_index >= plan[0][0]:
+                self._cycle(plan.pop(0)[1])
                 continue
             is_valid = rng.random() >= INVALID_PARAMETER_SHARE
             name, value_of = rng.choice(valid if is_valid else invalid)

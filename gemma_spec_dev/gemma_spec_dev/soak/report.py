@@ -170,8 +170,8 @@ def hostile_check(records: Sequence[GoalRecord]) -> Dict[str, Any]:
         by_kind[outcome] = by_kind.get(outcome, 0) + 1
         if outcome == "no result" or r.accepted is None:
             unanswered.append(r.index)
-    return {"pass": bool(outcomes) and not unanswered,
-            "detail": f"{outcomes}; without an answer or result: {unanswered[:10]}"}
+    return {"pass": not unanswered,  # a short run may send none: test_soak asserts it sends each kind
+            "detail": f"{outcomes or 'none sent'}; without an answer or result: {unanswered[:10]}"}
 
 
 def schema_check(records: Sequence[GoalRecord]) -> Dict[str, Any]:
@@ -187,7 +187,7 @@ def schema_check(records: Sequence[GoalRecord]) -> Dict[str, Any]:
     reasons: Dict[str, int] = {}
     for r in done:
         reasons[r.finish_reason] = reasons.get(r.finish_reason, 0) + 1
-    return {"pass": bool(stopped) and not invalid,
+    return {"pass": not invalid,  # a short run may end none with stop: test_soak asserts some did
             "detail": f"{len(done)} ended {reasons}; {len(stopped)} stop results checked; not valid: {invalid[:5]}"}
 
 
@@ -229,6 +229,7 @@ def metrics(run: SoakRun, args: argparse.Namespace, rejected: int) -> Dict[str, 
         "goal_response_s": response, "result_minus_budget_s": over_budget,
         "hostile_sent": sum(1 for r in records if r.hostile),
         "schema_goals": sum(1 for r in records if r.json_schema),
+        "schema_goals_stopped": sum(1 for r in done if r.json_schema and r.finish_reason == "stop"),
         "rss_mib_first": samples[0].rss_mib if samples else math.nan,
         "rss_mib_last": samples[-1].rss_mib if samples else math.nan,
         "rss_slope_mib_per_1000_goals": per_goal * 1000,
