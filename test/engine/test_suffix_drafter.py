@@ -37,8 +37,7 @@ def test_an_earlier_output_is_drafted_from_a_long_match() -> None:
     drafter.begin([1, 2, 9])  # a new request that starts the same answer
     draft = drafter.propose([1, 2, 9, 40, 41, 42, 43], 5)
     assert draft.tokens == (44, 45, 46, 47, 48) and draft.source == "suffix"
-    assert {e[0] for e in draft.evidence} == {"history"}
-    assert [e[1] for e in draft.evidence] == [2, 2, 2, 2, 3]  # a match of 4 tokens, then 5 .. 8
+    assert draft.evidence == (("history", True),) * 5
 
 
 def test_the_prompt_is_drafted_from_and_marked_as_the_request() -> None:
@@ -65,7 +64,7 @@ def test_a_split_vote_lowers_the_probability_and_stops_the_draft() -> None:
     drafter.begin([2])
     draft = drafter.propose([2, 30, 31], 8)
     assert draft.tokens == (5, 6)  # 5: 3 of 3; 6: 2 of 3 (p 0.67); then 8 or 7: p 0.33 < 0.4
-    assert [e[3] for e in draft.evidence] == [True, False]  # unanimous, then not
+    assert [unanimous for _, unanimous in draft.evidence] == [True, False]
     assert drafter.propose([2, 30, 31, 5, 6], 8).tokens == (8,)  # a tie: the newest answer wins
 
 
@@ -218,4 +217,4 @@ def test_drafts_an_earlier_plan_in_the_embedded_models_tokens(embedded_model_pat
     drafter.begin(prompts[2])
     draft = drafter.propose(started, 8)
     assert list(draft.tokens) == milk_answer[done:done + 8]
-    assert draft.evidence[0][0] == "history" and draft.evidence[0][1] == 4  # a match of 16+ tokens
+    assert draft.evidence[0] == ("history", True)  # the one occurrence of the long match

@@ -66,14 +66,17 @@ def _free_port() -> int:
 class LlamaServer:
     """llama-server on loopback with one speculative setting; ``stop()`` ends it."""
 
-    def __init__(self, exe: Path, model: str, n_ctx: int, threads: int, spec_type: str, log_dir: Path) -> None:
+    def __init__(self, exe: Path, model: str, n_ctx: int, threads: int, spec_type: str, log_dir: Path,
+                 extra_args: Sequence[str] = (), name: str = "") -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [str(exe), "-m", model, "--host", "127.0.0.1", "--port", str(self.port), "-c", str(n_ctx),
                 "-t", str(threads), "-np", "1", "--metrics"]
         if spec_type != "none":
             argv += ["--spec-type", spec_type]
-        self._log = open(log_dir / f"llama-server-{spec_type}.log", "wb")
+        argv += list(extra_args)  # the type's sizes, a dynamic cache, flash attention
+        self.argv = argv
+        self._log = open(log_dir / f"llama-server-{name or spec_type}.log", "wb")
         self._proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

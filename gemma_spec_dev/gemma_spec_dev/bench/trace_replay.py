@@ -1,0 +1,286 @@
+"""Replay drafters over a trace's reference outputs, in order, with modelled pass costs: how each
+drafting strategy would fare on a multi-request trace, in seconds of CPU, unmoved by a busy host.
+
+Greedy decoding makes the accepted tokens a function of the drafts. For each request of the trace,
+in order, each strategy drafts as the engine does (:func:`~gemma_spec_ros.engine.drafting.propose`
+with the real drafters, their draft-length policies, the per-draft cut, and under a schema the real
+grammar: forced text first, drafts cut before the first refused token); a draft is accepted up to
+its first mismatch with the reference output, and the pass is charged the measured cost of its
+rows. The drafters and policies live across the requests, as in one engine: what a request's
+output teaches the history (or the learned n-gram cache) serves the next requests.
+
+Printed per strategy: the modelled speedup over plain decoding per request and its median over the
+requests after the first five (the traces' acceptance figure), and the tokens per pass.
+
+    python -m gemma_spec_dev.bench.trace_replay --trace planner --outputs /tmp/planner_free.json
+    python -m gemma_spec_dev.bench.trace_replay --trace planner --constrained \\
+        --outputs /tmp/planner_json.json --strategies lookup,suffix,suffix+lookup
+
+The reference outputs are generated once (greedy, with the pass costs the engine calibrates on this
+host) and kept in ``--outputs``; later replays read them and take seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from gemma_spec_ros.engine.drafting import (DRAFTERS_BY_MODE, GRAMMAR_DRAFT_MAX, GRAMMAR_K, Drafting,
+                                            propose)
+from gemma_spec_ros.engine.engine import Engine
+from gemma_spec_ros.engine.grammar import Grammar, GrammarVocab, compiled_constraint
+from gemma_spec_ros.engine.lookup import LookupDrafter
+from gemma_spec_ros.engine.policy import CostModel, DraftLengthPolicy
+from gemma_spec_ros.engine.stats import SpecStats
+from gemma_spec_ros.engine.suffix import SuffixConfig, SuffixDrafter
+from gemma_spec_ros.engine.types import Drafter, GenerationRequest, LookupConfig, SpecConfig
+from gemma_spec_ros.engine.uncut import UncutDrafts
+from .config import default_params, engine_config, load_params
+from .trace_requests import TRACES, TraceRequest, trace_requests
+
+#: Requests a trace's median leaves out: the first ones, before any history.
+WARM_REQUESTS = 5
+#: Pass sizes the reference run calibrates (a draft of up to 32 tokens + the pending one).
+CALIBRATED_ROWS = 33
+#: Milliseconds per target pass by rows charged by default: llama.cpp's own step profile of the
+#: embedded model on a quiet 2-core CPU (scripts/lookup_replay.py), 4.9 ms per row past 9. A busy
+#: host's calibration is no shape to charge (one measured 450 ms for 1 row and 3100 for 13).
+QUIET_HOST_PASS_MS = "1:20,2:25,3:27.6,4:27.6,5:33,6:35,7:38,8:41,9:43.6,33:161.2"
+
+
+def pass_costs(text: str, max_rows: int = CALIBRATED_ROWS) -> Dict[int, float]:
+    """``"1:20,4:27.6,9:43.6"`` -> ms for every size 1..max_rows, linear between the sizes given
+    and flat past the last.
+
+    >>> pass_costs("1:20,3:30", 4)
+    {1: 20.0, 2: 25.0, 3: 30.0, 4: 30.0}
+    """
+    given = sorted((int(rows), float(ms)) for rows, ms in (item.split(":") for item in text.split(",")))
+    costs = {}
+    for rows in range(1, max_rows + 1):
+        below = [g for g in given if g[0] <= rows] or given[:1]
+        above = [g for g in given if g[0] >= rows] or given[-1:]
+        (r0, m0), (r1, m1) = below[-1], above[0]
+        costs[rows] = m0 if r1 == r0 else m0 + (m1 - m0) * (rows - r0) / (r1 - r0)
+    return costs
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A chain of drafters (tried in order, as a mode of the engine's table) and their settings."""
+
+    name: str
+    chain: Tuple[str, ...]  # drafter names: "lookup", "suffix"
+    suffix: SuffixConfig = SuffixConfig()
+    draft_max: int = 12  # K (spec.draft_max)
+
+
+def parse_strategies(text: str, suffix_variants: Mapping[str, SuffixConfig], draft_max: int) -> List[Strategy]:
+    """``lookup,suffix,suffix+lookup,suffix[f2]/K16`` -> strategies: ``+`` chains drafters in
+    order, ``[name]`` picks a suffix variant (``--suffix-variant``), ``/K<n>`` sets K."""
+    out = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        body, _, k = item.partition("/K")
+        variant = SuffixConfig()
+        if "[" in body:
+            before, _, rest = body.partition("[")
+            name, _, after = rest.partition("]")
+            body = before + after
+            if name not in suffix_variants:
+                raise ValueError(f"strategy {item}: no suffix variant {name!r} (--suffix-variant)")
+            variant = suffix_variants[name]
+        chain = tuple(body.split("+"))
+        unknown = [d for d in chain if d not in ("lookup", "suffix")]
+        if unknown:
+            raise ValueError(f"strategy {item}: unknown drafter(s) {', '.join(unknown)}")
+        out.append(Strategy(item, chain, variant, int(k) if k else draft_max))
+    return out
+
+
+def parse_suffix_variant(text: str) -> Tuple[str, SuffixConfig]:
+    """``f2:match_factor=2,min_token_probability=0.2`` -> ("f2", SuffixConfig(...))."""
+    name, _, assignments = text.partition(":")
+    fields: Dict[str, Any] = {}
+    for assignment in filter(None, assignments.split(",")):
+        key, _, value = assignment.partition("=")
+        default = getattr(SuffixConfig(), key)
+        fields[key] = (value.lower() in ("1", "true", "yes")) if isinstance(default, bool) else type(default)(value)
+    return name, SuffixConfig(**fields)
+
+
+class Replayer:
+    """One strategy's drafters and policies, alive across the requests of the trace."""
+
+    def __init__(self, strategy: Strategy, pass_ms: Mapping[int, float]) -> None:
+        self.strategy = strategy
+        self.pass_ms = pass_ms
+        self.costs = CostModel()
+        for rows, ms in sorted(pass_ms.items()):
+            self.costs.observe_verify(rows, ms / 1e3)
+        self.drafters: Dict[str, Drafting] = {}
+        for name in strategy.chain:
+            drafter: Drafter = (LookupDrafter(LookupConfig()) if name == "lookup"
+                                else SuffixDrafter(strategy.suffix))
+            self.drafters[name] = Drafting(drafter, DraftLengthPolicy(name, self.costs))
+        self.mode = f"replay:{strategy.name}"
+        DRAFTERS_BY_MODE[self.mode] = strategy.chain  # the engine's table has no such chain yet
+        self.spec = SpecConfig(mode="lookup", draft_max=strategy.draft_max)
+
+    def replay(self, prompt: Sequence[int], out: Sequence[int],
+               grammar: Optional[Grammar]) -> Dict[str, float]:
+        """One request: modelled seconds after the first token, its speedup and tokens per pass."""
+        policies = {name: d.policy for name, d in self.drafters.items()}
+        for drafting in self.drafters.values():
+            drafting.drafter.begin(prompt)
+            drafting.policy.new_request()
+        uncut, stats = UncutDrafts(), SpecStats()
+        if grammar is not None:
+            grammar.accept(out[0])
+        context, i, seconds, passes, draft_s = list(prompt) + [out[0]], 1, 0.0, 0, 0.0
+        while i < len(out):
+            hard_cap = len(out) - i - 1
+            k_cap = min(self.spec.draft_max if grammar is None else max(self.spec.draft_max, GRAMMAR_K),
+                        hard_cap)
+            if uncut.pending:
+                uncut.settle(out[:i], policies)
+            started, emitted = time.perf_counter(), i
+            draft, _, n_forced = propose(self.drafters, self.costs, self.mode, self.spec, context, k_cap,
+                                         grammar, stats, min(GRAMMAR_DRAFT_MAX, hard_cap), True,
+                                         lambda whole: uncut.add(whole, emitted, policies))
+            draft_s += time.perf_counter() - started
+            accepted = 0
+            while accepted < len(draft) and draft.tokens[accepted] == out[i + accepted]:
+                accepted += 1
+            own = len(draft) - n_forced
+            if own > 0 and accepted >= n_forced:
+                self.drafters[draft.source].policy.observe(own, accepted - n_forced)
+            new = list(out[i:i + accepted + 1])
+            if grammar is not None:
+                grammar.advance(new)
+            seconds += self.pass_ms[1 + len(draft)] / 1e3
+            passes += 1
+            context.extend(new)
+            i += len(new)
+        for drafting in self.drafters.values():
+            drafting.drafter.end(context)
+        plain = (len(out) - 1) * self.pass_ms[1] / 1e3
+        return {"speedup": plain / (seconds + draft_s) if seconds else 1.0,
+                "tokens_per_pass": (len(out) - 1) / passes if passes else 1.0,
+                "draft_ms_per_pass": 1e3 * draft_s / passes if passes else 0.0}
+
+
+def generate_outputs(params: Mapping[str, Any], requests: Sequence[TraceRequest], max_tokens: int,
+                     mode: str) -> Dict[str, Any]:
+    """Greedy outputs of ``requests`` in order (with ``mode``: greedy speculative output is the
+    plain one up to near-ties of quantized logits) and the pass costs calibrated on this host."""
+    config = engine_config(params, mode, None)
+    with Engine(config, calibrate=False) as engine:
+        engine.calibrate(sizes=range(1, CALIBRATED_ROWS + 1))
+        pass_ms = {n: 1e3 * engine.costs.verify_cost(n) for n in range(1, CALIBRATED_ROWS + 1)}
+        texts = []
+        for request in requests:
+            generation = GenerationRequest(prompt=request.prompt, max_tokens=max_tokens, spec_mode=mode,
+                                           json_schema=request.json_schema)
+            out = [t for step in engine.generate(generation) for t in step.tokens]
+            texts.append({"id": request.id, "prompt": engine.prompt_tokens(generation), "out": out})
+    return {"pass_ms": pass_ms, "texts": texts, "max_tokens": max_tokens}
+
+
+def _grammar_factory(params: Mapping[str, Any], schema: str) -> Callable[[], Optional[Grammar]]:
+    """Fresh grammar states of ``schema`` for the embedded model's vocabulary ('' = none)."""
+    if not schema:
+        return lambda: None
+    from gemma_spec_ros.engine.backend import LlamaBackend
+
+    target = LlamaBackend(engine_config(params, "off", None).target)
+    vocab = GrammarVocab.of(target)
+    constraint = compiled_constraint("", schema)
+
+    def start() -> Grammar:
+        assert target.n_vocab > 0  # the vocabulary lives as long as the model: keep it referenced
+        return vocab.start(constraint)
+
+    return start
+
+
+def replay_all(saved: Mapping[str, Any], strategies: Sequence[Strategy], pass_ms: Mapping[int, float],
+               new_grammar: Callable[[], Optional[Grammar]]) -> Dict[str, List[Dict[str, float]]]:
+    """Every strategy over every request of ``saved`` in order (the requests interleaved)."""
+    replayers = [Replayer(s, pass_ms) for s in strategies]
+    figures: Dict[str, List[Dict[str, float]]] = {s.name: [] for s in strategies}
+    for text in saved["texts"]:
+        for replayer in replayers:
+            grammar = new_grammar()
+            try:
+                figures[replayer.strategy.name].append(replayer.replay(text["prompt"], text["out"], grammar))
+            finally:
+                if grammar is not None:
+                    grammar.close()
+    return figures
+
+
+def median_after_warm(values: Sequence[float]) -> float:
+    """The median over the requests after the first :data:`WARM_REQUESTS`."""
+    rest = list(values[WARM_REQUESTS:]) or list(values)
+    return statistics.median(rest)
+
+
+def report(saved: Mapping[str, Any], figures: Mapping[str, List[Dict[str, float]]]) -> str:
+    names = list(figures)
+    lines = ["request".ljust(12) + "".join(n[:16].rjust(17) for n in names)]
+    for index, text in enumerate(saved["texts"]):
+        lines.append(text["id"].ljust(12) + "".join(f"{figures[n][index]['speedup']:17.2f}" for n in names))
+    lines.append("median>5".ljust(12) + "".join(
+        f"{median_after_warm([f['speedup'] for f in figures[n]]):17.3f}" for n in names))
+    lines.append("tok/pass".ljust(12) + "".join(
+        f"{median_after_warm([f['tokens_per_pass'] for f in figures[n]]):17.2f}" for n in names))
+    lines.append("draft ms".ljust(12) + "".join(
+        f"{median_after_warm([f['draft_ms_per_pass'] for f in figures[n]]):17.3f}" for n in names))
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trace", choices=TRACES, default="planner")
+    parser.add_argument("--constrained", action="store_true", help="with the plan schema (planner)")
+    parser.add_argument("--config", default="", help="node params file (default: the embedded config)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--outputs", required=True,
+                        help="JSON file of the reference outputs and pass costs: read if it exists, "
+                             "else generated and written")
+    parser.add_argument("--reference-mode", default="lookup",
+                        help="mode that generates the reference outputs (greedy)")
+    parser.add_argument("--strategies", default="lookup,suffix,suffix+lookup,lookup+suffix")
+    parser.add_argument("--suffix-variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
+                        help="a named SuffixConfig for strategies such as suffix[NAME]")
+    parser.add_argument("--draft-max", type=int, default=0, help="K (default: the config's)")
+    parser.add_argument("--pass-ms", default=QUIET_HOST_PASS_MS,
+                        help="ms per pass by rows, e.g. 1:20,4:27.6,9:43.6 (interpolated), or 'measured' "
+                             "for the costs calibrated with the reference outputs")
+    args = parser.parse_args(argv)
+    params = load_params(args.config) if args.config else default_params()
+    requests = trace_requests(args.trace, args.constrained)
+    path = Path(args.outputs)
+    if path.is_file():
+        saved = json.loads(path.read_text())
+    else:
+        saved = generate_outputs(params, requests, args.max_tokens, args.reference_mode)
+        path.write_text(json.dumps(saved))
+    draft_max = args.draft_max or engine_config(params, "lookup", None).spec.draft_max
+    variants = dict(parse_suffix_variant(v) for v in args.suffix_variant)
+    strategies = parse_strategies(args.strategies, variants, draft_max)
+    pass_ms = ({int(n): ms for n, ms in saved["pass_ms"].items()} if args.pass_ms == "measured"
+               else pass_costs(args.pass_ms))
+    figures = replay_all(saved, strategies, pass_ms, _grammar_factory(params, requests[0].json_schema))
+    print(report(saved, figures))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
