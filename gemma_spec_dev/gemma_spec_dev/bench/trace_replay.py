@@ -6,8 +6,9 @@ in order, each strategy drafts as the engine does (:func:`~gemma_spec_ros.engine
 with the real drafters, their draft-length policies, the per-draft cut, and under a schema the real
 grammar: forced text first, drafts cut before the first refused token); a draft is accepted up to
 its first mismatch with the reference output, and the pass is charged the cost of its rows
-(``--pass-ms``; drafting time is reported apart, and charged with ``--charge-drafting``). The drafters and policies live across the requests, as in one engine: what a request's
-output teaches the history (or the learned n-gram cache) serves the next requests.
+(``--pass-ms``; drafting time is reported apart, and charged with ``--charge-drafting``). The
+drafters and policies live across the requests, as in one engine: what a request's output teaches
+the history (or the learned n-gram cache) serves the next requests.
 
 Printed per strategy: the modelled speedup over plain decoding per request and its median over the
 requests after the first five (the traces' acceptance figure), and the tokens per pass.
