@@ -362,3 +362,30 @@ def test_a_tool_without_parameters_and_a_nested_schema(gemma4: ChatModel, gemma3
         decoded = model.decode(turn, max_tokens=200)
         reply = decoded.reply(conversation)
         assert decoded.ended == "stop" and reply.error == "" and reply.tool_calls[0].name == choice, reply
+
+
+@pytest.mark.parametrize("arguments", [
+    {"place": "dock", "speed": 0.5},
+    {"route": ["dock", "lab"], "pose": {"x": -3, "ok": True, "note": None}, "Name": "a, b: {c}"},
+    {},
+])
+def test_the_calls_a_template_writes_are_the_calls_the_parser_reads(gemma4: ChatModel, gemma3: ChatModel,
+                                                                    arguments: dict) -> None:
+    """An earlier call as each template writes it into the prompt (Gemma 4's native syntax, the
+    fallback's tagged JSON) reads back as the same call: the model is shown the syntax it is held to."""
+    for model in (gemma4, gemma3):
+        messages = (ChatMessage("user", "go"),
+                    ChatMessage("assistant", tool_calls=(ToolCall("c1", "move_to", json.dumps(arguments)),)),
+                    ChatMessage("tool", "ok", tool_call_id="c1"), ChatMessage("user", "again"))
+        turn = prepare_turn(Conversation(messages, parse_tools(SKILLS_JSON)), model.template, model.vocab)
+        syntax = turn.syntax
+        if syntax is GEMMA_CALLS:  # the call's tokens, markers and all, as the model would write them
+            start, end = turn.tokens.index(token_id("<|tool_call>")), turn.tokens.index(token_id("<tool_call|>"))
+            stream = reply_module.ReplyStream(model.vocab, syntax)
+            stream.push(list(turn.tokens[start:end + 1]))
+            stream.flush()
+            pieces = stream.pieces
+        else:  # the model's earlier turn: plain text
+            at = turn.text.index("<start_of_turn>model\n") + len("<start_of_turn>model\n")
+            pieces = [(turn.text[at:turn.text.index("<end_of_turn>", at)], False)]
+        assert syntax.parse(pieces).calls == (("move_to", arguments),)
