@@ -169,6 +169,8 @@ def _walk(index: SuffixIndex, match: Match, limit: int, min_probability: float,
     return tokens, evidence
 
 
+#: Tokens at the end of the known context that each step compares with the new one.
+SYNC_CHECK = 64
 #: Slots of the index for the current request (prompt + output) beyond the history's cap; a longer
 #: request evicts the oldest history while it runs.
 REQUEST_ROOM = 8192
@@ -251,12 +253,15 @@ class SuffixDrafter:
 
     def _sync(self, context: Sequence[int]) -> None:
         """Make the request's part of the index equal ``context``: take back what differs, then
-        append what is new."""
+        append what is new. Only the last :data:`SYNC_CHECK` known tokens are compared (the context
+        only grows, or takes back tokens drafted ahead at its end), so a step costs O(1) whatever
+        the context's length."""
         known = self._request
         same = len(known)
         if not isinstance(context, list):
             context = list(context)
-        if len(context) < same or context[:same] != known:
+        tail = max(0, same - SYNC_CHECK)
+        if len(context) < same or context[tail:same] != known[tail:]:
             same = next((i for i, (a, b) in enumerate(zip(known, context)) if a != b),
                         min(len(known), len(context)))
             self._index.truncate(self._request_start + same)
