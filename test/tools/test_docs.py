@@ -1,0 +1,116 @@
+"""The user's documentation holds together: every relative link of README.md and docs/*.md reaches a
+file that exists (and, for a link into a Markdown page, a heading that exists), the README stays a
+short manual, and no page speaks of the history of the work instead of the product.
+
+A moved or renamed file, page or heading breaks a link silently on a rendered page; this is where it
+fails instead.
+"""
+from __future__ import annotations
+
+import re
+import unicodedata
+from pathlib import Path
+from typing import Iterator, List, Set, Tuple
+
+import pytest
+
+#: The README is the manual's first page; the rest lives in docs/ (a little slack over ~250).
+README_MAX_LINES = 260
+#: ``[text](target)`` and ``![alt](target)``; the target ends at the first space or ``)``.
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+CODE_SPAN = re.compile(r"`[^`]*`")
+#: Work-process words that belong in commit messages, never in a page.
+HISTORY = re.compile(r"\b(sessions? [0-9]+|issues? [0-9]+)\b|ENV\.md", re.IGNORECASE)
+
+
+def pages(repo_root: Path) -> List[Path]:
+    return [repo_root / "README.md", *sorted((repo_root / "docs").glob("*.md"))]
+
+
+def prose_lines(text: str) -> Iterator[Tuple[int, str]]:
+    """(line number, line) outside fenced code blocks, with inline code spans blanked out."""
+    fenced = False
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if not fenced:
+            yield number, CODE_SPAN.sub("", line)
+
+
+def slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to hyphens.
+
+    >>> slug("2. A robot plus an edge GPU server (llama-server)")
+    '2-a-robot-plus-an-edge-gpu-server-llama-server'
+    >>> slug("Against llama.cpp's own `tools`")
+    'against-llamacpps-own-tools'
+    """
+    kept = "".join(ch for ch in heading.strip().lower()
+                   if ch in " -_" or unicodedata.category(ch)[0] in "LN")
+    return kept.replace(" ", "-")
+
+
+def anchors(page: Path) -> Set[str]:
+    """Every heading anchor of a Markdown page, repeated headings numbered as GitHub numbers them."""
+    seen: Set[str] = set()
+    fenced = False
+    for line in page.read_text(encoding="utf-8").splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced and re.match(r"#{1,6} ", line):
+            base = slug(line.lstrip("#"))
+            anchor, n = base, 0
+            while anchor in seen:
+                n += 1
+                anchor = f"{base}-{n}"
+            seen.add(anchor)
+    return seen
+
+
+def link_problems(page: Path) -> List[str]:
+    problems = []
+    for number, line in prose_lines(page.read_text(encoding="utf-8")):
+        for target in LINK.findall(line):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto:: not this test's business
+                continue
+            path, _, anchor = target.partition("#")
+            resolved = (page.parent / path).resolve() if path else page
+            where = f"{page.name}:{number}: {target}"
+            if not resolved.exists():
+                problems.append(f"{where}: no such file")
+            elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
+                problems.append(f"{where}: no heading with that anchor in {resolved.name}")
+    return problems
+
+
+def test_every_relative_link_reaches_an_existing_file_and_heading(repo_root: Path) -> None:
+    problems = [problem for page in pages(repo_root) for problem in link_problems(page)]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_readme_is_a_short_manual(repo_root: Path) -> None:
+    lines = (repo_root / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move detail into docs/"
+
+
+def test_no_page_speaks_of_the_history_of_the_work(repo_root: Path) -> None:
+    found = [f"{page.name}:{number}: {line.strip()}"
+             for page in pages(repo_root) + [repo_root / "CHANGELOG.md"]
+             for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1)
+             if HISTORY.search(line)]
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("broken, why", [
+    ("[a](docs/nowhere.md)", "no such file"),
+    ("[a](docs/design.md#no-such-heading)", "no heading"),
+])
+def test_the_link_check_sees_a_broken_link(tmp_path: Path, broken: str, why: str) -> None:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "design.md").write_text("# Design\n\n## The floor plan\n", encoding="utf-8")
+    page = tmp_path / "README.md"
+    page.write_text(f"See {broken} and [b](docs/design.md#the-floor-plan) and `[c](not/a/link.md)`.\n",
+                    encoding="utf-8")
+    assert [problem for problem in link_problems(page) if why in problem] != []
+    assert len(link_problems(page)) == 1
