@@ -39,13 +39,7 @@ def prose_lines(text: str) -> Iterator[Tuple[int, str]]:
 
 
 def slug(heading: str) -> str:
-    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to hyphens.
-
-    >>> slug("2. A robot plus an edge GPU server (llama-server)")
-    '2-a-robot-plus-an-edge-gpu-server-llama-server'
-    >>> slug("Against llama.cpp's own `tools`")
-    'against-llamacpps-own-tools'
-    """
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to hyphens."""
     kept = "".join(ch for ch in heading.strip().lower()
                    if ch in " -_" or unicodedata.category(ch)[0] in "LN")
     return kept.replace(" ", "-")
@@ -82,6 +76,15 @@ def link_problems(page: Path) -> List[str]:
             elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
                 problems.append(f"{where}: no heading with that anchor in {resolved.name}")
     return problems
+
+
+@pytest.mark.parametrize("heading, anchor", [
+    ("2. A robot plus an edge GPU server (llama-server)", "2-a-robot-plus-an-edge-gpu-server-llama-server"),
+    ("Against llama.cpp's own `tools`", "against-llamacpps-own-tools"),
+    ("rqt_plot: τ and tokens/s over time", "rqt_plot-τ-and-tokenss-over-time"),
+])
+def test_a_heading_gets_githubs_anchor(heading: str, anchor: str) -> None:
+    assert slug(heading) == anchor
 
 
 def test_every_relative_link_reaches_an_existing_file_and_heading(repo_root: Path) -> None:
