@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import unicodedata
 from pathlib import Path
-from typing import Iterator, List, Set, Tuple
+from typing import List, Set
 
 import pytest
 
@@ -27,15 +27,18 @@ def pages(repo_root: Path) -> List[Path]:
     return [repo_root / "README.md", *sorted((repo_root / "docs").glob("*.md"))]
 
 
-def prose_lines(text: str) -> Iterator[Tuple[int, str]]:
-    """(line number, line) outside fenced code blocks, with inline code spans blanked out."""
+def prose(text: str) -> str:
+    """The text with fenced code blocks and inline code spans blanked out, line breaks kept (a link's
+    text may wrap onto the next line)."""
     fenced = False
-    for number, line in enumerate(text.splitlines(), 1):
+    lines = []
+    for line in text.splitlines():
         if line.lstrip().startswith("```"):
             fenced = not fenced
-            continue
-        if not fenced:
-            yield number, CODE_SPAN.sub("", line)
+            lines.append("")
+        else:
+            lines.append("" if fenced else CODE_SPAN.sub("", line))
+    return "\n".join(lines)
 
 
 def slug(heading: str) -> str:
@@ -64,17 +67,18 @@ def anchors(page: Path) -> Set[str]:
 
 def link_problems(page: Path) -> List[str]:
     problems = []
-    for number, line in prose_lines(page.read_text(encoding="utf-8")):
-        for target in LINK.findall(line):
-            if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto:: not this test's business
-                continue
-            path, _, anchor = target.partition("#")
-            resolved = (page.parent / path).resolve() if path else page
-            where = f"{page.name}:{number}: {target}"
-            if not resolved.exists():
-                problems.append(f"{where}: no such file")
-            elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
-                problems.append(f"{where}: no heading with that anchor in {resolved.name}")
+    text = prose(page.read_text(encoding="utf-8"))
+    for match in LINK.finditer(text):
+        target = match.group(1)
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto:: not this test's business
+            continue
+        path, _, anchor = target.partition("#")
+        resolved = (page.parent / path).resolve() if path else page
+        where = f"{page.name}:{text.count(chr(10), 0, match.start()) + 1}: {target}"
+        if not resolved.exists():
+            problems.append(f"{where}: no such file")
+        elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
+            problems.append(f"{where}: no heading with that anchor in {resolved.name}")
     return problems
 
 
@@ -113,7 +117,7 @@ def test_the_link_check_sees_a_broken_link(tmp_path: Path, broken: str, why: str
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "design.md").write_text("# Design\n\n## The floor plan\n", encoding="utf-8")
     page = tmp_path / "README.md"
-    page.write_text(f"See {broken} and [b](docs/design.md#the-floor-plan) and `[c](not/a/link.md)`.\n",
-                    encoding="utf-8")
+    page.write_text(f"See {broken} and [b](docs/design.md#the-floor-plan) and `[c](not/a/link.md)`,\n"
+                    "[a link that\nwraps](docs/design.md#the-floor-plan).\n", encoding="utf-8")
     assert [problem for problem in link_problems(page) if why in problem] != []
     assert len(link_problems(page)) == 1
