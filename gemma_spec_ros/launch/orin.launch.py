@@ -69,6 +69,10 @@ def launch_node(context: LaunchContext) -> List[Any]:
     params_file = LaunchConfiguration("params_file").perform(context)
     overrides = parameter_overrides(LaunchConfiguration("models_dir").perform(context),
                                     LaunchConfiguration("spec_mode").perform(context))
+    enclave = LaunchConfiguration("enclave").perform(context).strip()
+    # SROS2: the override wins over --enclave and over what the launch process itself inherited
+    # (its own enclave), so the node runs in its enclave whatever the launching shell set.
+    extra_env = {"ROS_SECURITY_ENCLAVE_OVERRIDE": enclave} if enclave else None
     return [LifecycleNode(
         package=PACKAGE,
         executable="gemma_spec_node",
@@ -81,6 +85,7 @@ def launch_node(context: LaunchContext) -> List[Any]:
         respawn_delay=RESPAWN_DELAY,
         sigterm_timeout=str(SIGTERM_TIMEOUT),
         sigkill_timeout=str(SIGKILL_TIMEOUT),
+        additional_env=extra_env,
     )]
 
 
@@ -101,5 +106,8 @@ def generate_launch_description() -> LaunchDescription:
         DeclareLaunchArgument("autostart", default_value="true",
                               description="configure + activate at every process start; false: "
                                           "a lifecycle manager drives the transitions"),
+        DeclareLaunchArgument("enclave", default_value="",
+                              description="SROS2 enclave of the node (e.g. /robot/gemma_spec); empty: "
+                                          "the launching shell's security settings"),
         OpaqueFunction(function=launch_node),
     ])

@@ -216,3 +216,26 @@ def test_under_enforce_a_node_enclave_without_the_lifecycle_profile_stops_the_no
     assert done.returncode != 0 and READY not in out
     refused = [line for line in out.splitlines() if "failed to create" in line]
     assert refused and any(name in refused[0] for name in LIFECYCLE_NAMES), out[-3000:]
+
+
+@pytest.mark.timeout(600)
+def test_under_enforce_the_launch_file_runs_the_node_in_its_enclave(
+        secure_env: Dict[str, str], secure_node: subprocess.Popen, tmp_path: Path, embedded_model_path: Path) -> None:
+    """`ros2 launch ... enclave:=/robot/gemma_spec` from a shell in the launch enclave: launch_ros's
+    own node runs as /robot/launch, the node it starts as /robot/gemma_spec (the launch file's
+    ``ROS_SECURITY_ENCLAVE_OVERRIDE``), and the node serves a planner's goal. The module's secured
+    node is stopped first: the launched one has the same name."""
+    from support.ros2_cli import Background, params_file
+    secure_node.kill()
+    secure_node.wait()
+    ros2 = str(Path(sys.prefix) / "bin" / "ros2")
+    launched = Background([ros2, "launch", "gemma_spec_ros", "orin.launch.py",
+                           f"params_file:={params_file(tmp_path, embedded_model_path)}", "respawn:=false",
+                           f"enclave:={NODE_ENCLAVE}"], tmp_path / "launch.log", env=as_enclave(secure_env, LAUNCH_ENCLAVE))
+    try:
+        launched.wait_for("active: accepting goals", 300)
+        assert "failed to create" not in launched.output, launched.output[-3000:]
+        test_under_enforce_the_node_serves_a_planners_goal(secure_env, secure_node)
+        assert launched.interrupt() == 0, launched.output[-3000:]
+    finally:
+        launched.close()

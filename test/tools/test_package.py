@@ -278,10 +278,12 @@ def test_launch_file_is_conventional(repo_root: Path) -> None:
     keywords = {node.arg for node in ast.walk(tree) if isinstance(node, ast.keyword)}
     assert {"LifecycleNode", "DeclareLaunchArgument", "OpaqueFunction", "NODE_NAME"} <= names
     assert {"params_file", "models_dir", "spec_mode", "respawn", "autostart", "--autostart", "orin.yaml",
+            "enclave", "ROS_SECURITY_ENCLAVE_OVERRIDE",
             "gemma_spec_node", "spec.mode", "target.model_path", "draft.model_path"} <= strings
     # the node configures + activates itself at each process start (a launch-side configure was
     # lost after kill -9); launch's SIGTERM / SIGKILL come after the node's shutdown bound
-    assert {"respawn", "respawn_delay", "sigterm_timeout", "sigkill_timeout", "arguments"} <= keywords
+    assert {"respawn", "respawn_delay", "sigterm_timeout", "sigkill_timeout", "arguments",
+            "additional_env"} <= keywords
 
 
 def test_launch_arguments_override_the_right_parameters(repo_root: Path) -> None:
