@@ -23,6 +23,7 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
+case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac  # the links into the venv need a whole path
 PYTHON="${PYTHON:-python3}"
 CACHE="${GEMMA_SPEC_CACHE:-$HOME/.cache/gemma_spec_ros}"
 if [ -n "${GEMMA_SPEC_CONSTRAINTS:-}" ]; then
