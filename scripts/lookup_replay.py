@@ -29,10 +29,13 @@ from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
 from gemma_spec_ros.engine.engine import Engine
-from gemma_spec_ros.engine.lookup import LookupDrafter
-from gemma_spec_ros.engine.policy import CostModel, DraftLengthPolicy
-from gemma_spec_ros.engine.uncut import UncutDrafts
-from gemma_spec_ros.engine.types import Draft, GenerationRequest, LookupConfig, SamplingParams
+from gemma_spec_ros.engine.drafters.lookup import LookupDrafter
+from gemma_spec_ros.engine.policy.costs import CostModel
+from gemma_spec_ros.engine.policy.length import DraftLengthPolicy
+from gemma_spec_ros.engine.policy.hindsight import DraftHindsight
+from gemma_spec_ros.engine.drafters.base import Draft
+from gemma_spec_ros.engine.request import GenerationRequest
+from gemma_spec_ros.engine.config import LookupConfig, SamplingParams
 from gemma_spec_dev.bench.config import (apply_overrides, default_params, engine_config, find_data_dir,
                                          load_params, load_suites)
 from gemma_spec_dev.bench.corpus import default_corpus, random_suite
@@ -69,13 +72,13 @@ class Replayer:
         policy.new_request()
         drafter.begin(prompt)
         context, i, seconds = list(prompt) + list(out[:1]), 1, 0.0
-        uncut = UncutDrafts()
+        uncut = DraftHindsight(policies)
         while i < len(out):
             k_cap = min(cap, len(out) - i - 1)
             if self.cut:  # as the engine does (drafting.propose): draft up to the cap, keep it whole, cut it
-                uncut.settle(out[:i], policies)
+                uncut.settle(out[:i])
                 whole = drafter.propose(context, k_cap) if k_cap > 0 else Draft()
-                uncut.add(whole, i, policies)
+                uncut.add(whole, i)
                 draft = whole.tokens[:policy.cut(whole.evidence).draft_len] if whole.tokens else ()
             else:
                 k = policy.decide(k_cap, self.adaptive).draft_len if k_cap > 0 else 0

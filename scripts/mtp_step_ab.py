@@ -18,7 +18,8 @@ import subprocess
 import sys
 
 from gemma_spec_ros.engine.engine import Engine
-from gemma_spec_ros.engine.types import EngineConfig, GenerationRequest, ModelConfig, SpecConfig
+from gemma_spec_ros.engine.config import EngineConfig, ModelConfig, SpecConfig
+from gemma_spec_ros.engine.request import GenerationRequest
 
 TOOL = os.path.expanduser("~/.cache/gemma_spec_ros/native/bin/llama-speculative-simple")
 PROMPT, K, P_MIN = "the robot picks up the red cup. ", 3, 0.75

@@ -32,7 +32,7 @@ if [ -n "${GEMMA_SPEC_CONSTRAINTS:-}" ]; then
   export PIP_CONSTRAINT
 fi
 . "$ROOT/scripts/versions.sh"  # LLAMA_VERSION
-# GGML_NATIVE=OFF: -march=native enables the AMX backend, which segfaults on these CPUs (ENV.md).
+# GGML_NATIVE=OFF: -march=native enables the AMX backend, which segfaults on these CPUs (docs/design.md).
 # GEMMA_SPEC_LLAMA_BUILD: llamafile's sgemm computes the F16/F32/Q8_0/Q4_0 matrix products of a
 # multi-token batch (never a one-token decode) in another order: logits of a verify batch then
 # differ from a one-token decode by up to ~0.03 (F16, measured). fast (default, llama.cpp's own

@@ -95,7 +95,7 @@ def exact_build() -> None:
     (``GEMMA_SPEC_LLAMA_BUILD=exact``: no llamafile sgemm). Under the default ``fast`` build they skip
     here, said why, and test/engine/test_exact_build.py runs them in a child session under the exact build
     that `make test` unpacks beside the venv's."""
-    from gemma_spec_ros.engine.llama_process import batch_invariant_build
+    from gemma_spec_ros.engine.llama.process import batch_invariant_build
     if not batch_invariant_build():
         pytest.skip("this llama.cpp build has llamafile's sgemm (the default, fast): F16 logits depend on "
                     "the batch by up to ~0.03; test/engine/test_exact_build.py runs this under the exact build")

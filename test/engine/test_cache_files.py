@@ -7,7 +7,6 @@ engine before the fix.
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import threading
 from pathlib import Path
@@ -16,12 +15,12 @@ from typing import List
 import numpy as np
 import pytest
 
-from gemma_spec_ros.engine import learned_cache
+from gemma_spec_ros.engine.drafters import learned_cache
 from gemma_spec_ros.engine.engine import Engine
-from gemma_spec_ros.engine.lookup import LookupDrafter
-from gemma_spec_ros.engine.ngram_cache import NgramCache
-from gemma_spec_ros.engine.types import (CacheFormatError, EngineConfig, GenerationRequest,
-                                         LookupConfig, ModelConfig)
+from gemma_spec_ros.engine.drafters.lookup import LookupDrafter
+from gemma_spec_ros.engine.drafters.ngram_cache import NgramCache
+from gemma_spec_ros.engine.config import EngineConfig, LookupConfig, ModelConfig
+from gemma_spec_ros.engine.request import GenerationRequest
 from support.tiny_gguf import write_tiny_gguf
 
 KEY = b"ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOqsecretsecretsecret robot@arm\n"
@@ -132,8 +131,9 @@ def test_a_failed_periodic_save_fails_no_request_and_is_a_fault(tmp_path: Path, 
 
 _PEAK_SCRIPT = """
 import sys
-from gemma_spec_ros.engine.lookup import LookupDrafter
-from gemma_spec_ros.engine.types import CacheFormatError, LookupConfig
+from gemma_spec_ros.engine.drafters.lookup import LookupDrafter
+from gemma_spec_ros.engine.errors import CacheFormatError
+from gemma_spec_ros.engine.config import LookupConfig
 def peak_kib():
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) for line in status if line.startswith("VmHWM"))

@@ -1,5 +1,5 @@
 """Calibration on a shared host: a burst of load during one timed pass must not stay in the cost
-shape (issue 25, session 26: a 5-row pass measured at 2.8 V(1) instead of ~2.2 kept the policy from
+shape (a 5-row pass measured at 2.8 V(1) instead of ~2.2 kept the policy from
 drafting 4 tokens for a whole run).
 
 The target here is a fake whose pass times we script: no real model can be made to run one chosen
@@ -9,8 +9,8 @@ from typing import List, Sequence, Tuple
 
 import pytest
 
-from gemma_spec_ros.engine.calibration import calibrate, non_decreasing
-from gemma_spec_ros.engine.policy import CostModel
+from gemma_spec_ros.engine.policy.calibration import measure_costs, non_decreasing
+from gemma_spec_ros.engine.policy.costs import CostModel
 
 
 class ScriptedTarget:
@@ -46,7 +46,7 @@ def test_sizes_are_timed_in_rounds_and_a_burst_costs_one_pass_not_the_figure() -
     # repeats would fall in it
     target = ScriptedTarget(BASE, bursts=(12, 13, 14))
     costs = CostModel()
-    measured = calibrate(target, [], costs, draft_max=8, repeats=3)
+    measured = measure_costs(target, [], costs, draft_max=8, repeats=3)
     assert target.timed[:18] == list(range(1, 10)) * 2  # round after round over every size
     assert measured == pytest.approx(BASE)
     assert costs.verify_cost(5) == pytest.approx(BASE[5])
@@ -55,7 +55,7 @@ def test_sizes_are_timed_in_rounds_and_a_burst_costs_one_pass_not_the_figure() -
 def test_a_size_measured_dearer_than_the_next_is_pooled_with_it() -> None:
     # every repeat of size 5 is slow (a burst as long as the whole calibration hits only size 5 here)
     target = ScriptedTarget(BASE, bursts=[i for i in range(27) if i % 9 == 4], burst=0.030)
-    measured = calibrate(target, [], CostModel(), draft_max=8, repeats=3)
+    measured = measure_costs(target, [], CostModel(), draft_max=8, repeats=3)
     assert measured[5] == measured[6] == pytest.approx((BASE[5] + 0.030 + BASE[6]) / 2)
     assert [measured[n] for n in range(1, 10)] == sorted(measured[n] for n in range(1, 10))
 

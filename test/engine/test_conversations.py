@@ -4,16 +4,15 @@ same logits; the store stays within its bytes, least recently used out first."""
 from __future__ import annotations
 
 import doctest
-from pathlib import Path
 from typing import Iterator, List
 
 import numpy as np
 import pytest
 
 from gemma_spec_ros.engine import conversations
-from gemma_spec_ros.engine.backend import LlamaBackend
+from gemma_spec_ros.engine.llama.model import LlamaModel
 from gemma_spec_ros.engine.conversations import ConversationCache
-from gemma_spec_ros.engine.types import ModelConfig
+from gemma_spec_ros.engine.config import ModelConfig
 from support.tiny_gguf import write_tiny_gguf
 
 
@@ -22,14 +21,14 @@ def test_module_doctests() -> None:
 
 
 @pytest.fixture(scope="module")
-def backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaBackend]:
+def backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaModel]:
     path = write_tiny_gguf(tmp_path_factory.mktemp("conv") / "tiny.gguf", vocab_size=64, n_layer=2)
-    model = LlamaBackend(ModelConfig(str(path), n_ctx=1024, n_threads=1))
+    model = LlamaModel(ModelConfig(str(path), n_ctx=1024, n_threads=1))
     yield model
     model.close()
 
 
-def turn(backend: LlamaBackend, prompt: List[int]) -> np.ndarray:
+def turn(backend: LlamaModel, prompt: List[int]) -> np.ndarray:
     """A turn's prompt pass with prompt reuse: keep the common prefix, decode the rest; the last
     row's logits."""
     reused = backend.reuse_prefix(prompt, keep_last=1)
@@ -40,7 +39,7 @@ def conversation(seed: int, n: int) -> List[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(3, 64, n)]
 
 
-def test_a_follow_up_after_another_conversation_reuses_its_own_kv(backend: LlamaBackend) -> None:
+def test_a_follow_up_after_another_conversation_reuses_its_own_kv(backend: LlamaModel) -> None:
     cache = ConversationCache(max_bytes=64 << 20, min_gain=8)
     a1, b1 = conversation(1, 200), conversation(2, 180)
     a2 = a1 + conversation(3, 20)
@@ -58,7 +57,7 @@ def test_a_follow_up_after_another_conversation_reuses_its_own_kv(backend: Llama
     assert np.array_equal(got, turn(backend, a2))  # the same logits as evaluating a2 whole
 
 
-def test_the_store_keeps_within_its_bytes_and_drops_the_oldest(backend: LlamaBackend) -> None:
+def test_the_store_keeps_within_its_bytes_and_drops_the_oldest(backend: LlamaModel) -> None:
     backend.clear()
     turn(backend, conversation(4, 100))
     one = ConversationCache(max_bytes=1 << 30)
@@ -76,7 +75,7 @@ def test_the_store_keeps_within_its_bytes_and_drops_the_oldest(backend: LlamaBac
     assert ConversationCache(max_bytes=size - 1).save(backend) is False
 
 
-def test_a_later_turn_replaces_its_earlier_snapshot_and_small_gains_are_not_restored(backend: LlamaBackend) -> None:
+def test_a_later_turn_replaces_its_earlier_snapshot_and_small_gains_are_not_restored(backend: LlamaModel) -> None:
     cache = ConversationCache(max_bytes=64 << 20, min_gain=32)
     first = conversation(20, 100)
     backend.clear()

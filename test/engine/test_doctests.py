@@ -1,16 +1,32 @@
-"""The worked examples in the engine's pure modules' docstrings run (merge rules, text, sampling,
-verification, the plain prompt, and the remote backend's wire rooms)."""
+"""The worked examples in the engine's docstrings run: every module of the engine and its rooms
+(merge rules, text, sampling, verification, the mode table, the policy's maths, the remote
+backend's wire formats, ...). None of them needs a model."""
 from __future__ import annotations
 
 import doctest
+import importlib
+import pkgutil
 from types import ModuleType
+from typing import List
 
 import pytest
 
-from gemma_spec_ros.engine import policy, sampling, stats, text, types, verify
-from gemma_spec_ros.engine.remote import http, metrics, payload, sse
+import gemma_spec_ros.engine as engine_package
 
-MODULES = [policy, sampling, stats, text, types, verify, http, metrics, payload, sse]
+
+def engine_modules() -> List[ModuleType]:
+    names = [m.name for m in pkgutil.walk_packages(engine_package.__path__, engine_package.__name__ + ".")]
+    return [importlib.import_module(name) for name in sorted(names)]
+
+
+MODULES = [module for module in engine_modules() if doctest.DocTestFinder().find(module)
+           and any(test.examples for test in doctest.DocTestFinder().find(module))]
+
+
+def test_the_examples_are_found() -> None:
+    """The modules with worked examples are collected (a wrong walk would test nothing)."""
+    names = {module.__name__.rsplit(".", 1)[-1] for module in MODULES}
+    assert {"lookup", "sampling", "stats", "verify", "modes", "sse"} <= names
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)

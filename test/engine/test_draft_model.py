@@ -7,10 +7,10 @@ incremental, KV-reusing decodes must pick the same tokens.
 import numpy as np
 import pytest
 
-from gemma_spec_ros.engine.backend import LlamaBackend
-from gemma_spec_ros.engine.draft_model import DraftModelDrafter
+from gemma_spec_ros.engine.llama.model import LlamaModel
+from gemma_spec_ros.engine.drafters.draft_model import DraftModelDrafter
 from gemma_spec_ros.engine.sampling import make_rng
-from gemma_spec_ros.engine.types import ModelConfig, SamplingParams, SpecConfig
+from gemma_spec_ros.engine.config import ModelConfig, SamplingParams, SpecConfig
 from support.tiny_gguf import EOS_ID, logits_of, tokenize, write_tiny_pair
 
 K = 6
@@ -32,7 +32,7 @@ def pair(tmp_path_factory):
 @pytest.fixture(scope="module")
 def drafter(pair):
     target_path, draft_path = pair
-    target = LlamaBackend(ModelConfig(str(target_path), n_ctx=64, n_threads=1))
+    target = LlamaModel(ModelConfig(str(target_path), n_ctx=64, n_threads=1))
     drafter = DraftModelDrafter(ModelConfig(str(draft_path), n_ctx=64, n_threads=1), target)
     yield drafter
     drafter.close()

@@ -1,4 +1,4 @@
-"""EAGLE-3 drafting (engine/eagle3.py) on tiny gemma4 targets + eagle3 heads written with gguf-py.
+"""EAGLE-3 drafting (engine/drafters/eagle3.py) on tiny gemma4 targets + eagle3 heads written with gguf-py.
 
 Two pairs (test/support/tiny_eagle3.py): a **random** head, right about as often as chance (every
 round rejected: the head's cache is rolled back at every step), and an **agreeing** one that
@@ -19,10 +19,11 @@ from typing import Iterator, List, Sequence, Tuple
 import numpy as np
 import pytest
 
-from gemma_spec_ros.engine.backend import LlamaBackend
-from gemma_spec_ros.engine.eagle3 import (STASH_ROWS, Eagle3Bindings, Eagle3Drafter,
-                                          HeadMismatchError, is_eagle3_head)
-from gemma_spec_ros.engine.types import EngineError, ModelConfig, SamplingParams, SpecConfig
+from gemma_spec_ros.engine.llama.model import LlamaModel
+from gemma_spec_ros.engine.drafters.eagle3 import (STASH_ROWS, Eagle3Bindings, Eagle3Drafter,
+                                                   HeadMismatchError, is_eagle3_head)
+from gemma_spec_ros.engine.errors import EngineError
+from gemma_spec_ros.engine.config import ModelConfig, SamplingParams, SpecConfig
 from support.spec_loop import generate
 from support.tiny_eagle3 import (random_draft_vocabulary, write_eagle3_head, write_eagle3_pair,
                                  write_probe_head)
@@ -52,7 +53,7 @@ class Loaded:
     """A target and an EAGLE-3 drafter over it, freed in the right order (the head first)."""
 
     def __init__(self, pair: Pair, n_batch: int = 512, n_ctx: int = N_CTX) -> None:
-        self.target = LlamaBackend(ModelConfig(str(pair[0]), n_ctx=n_ctx, n_batch=n_batch, n_threads=1))
+        self.target = LlamaModel(ModelConfig(str(pair[0]), n_ctx=n_ctx, n_batch=n_batch, n_threads=1))
         try:
             self.drafter = Eagle3Drafter(ModelConfig(str(pair[1]), n_ctx=n_ctx, n_threads=1), self.target)
         except BaseException:
@@ -61,7 +62,7 @@ class Loaded:
         self.prompt = self.target.tokenize(PROMPT)
 
     def run(self, drafted: bool = True, max_tokens: int = LONG, **options: object):
-        self.drafter.enable(drafted)
+        self.drafter.before_target_pass(drafted)
         return generate(self.target, self.drafter if drafted else None, self.prompt, max_tokens,
                         **options)
 
@@ -107,7 +108,7 @@ def draft_distributions(models: Loaded, context: Sequence[int], k: int = 3) -> L
 def fresh_distributions(pair: Pair, context: Sequence[int], n_batch: int = 512) -> List[np.ndarray]:
     """:func:`draft_distributions` of a target and head that decode ``context[:-1]`` from nothing."""
     for fresh in loaded(pair, n_batch=n_batch):
-        fresh.drafter.enable(True)
+        fresh.drafter.before_target_pass(True)
         fresh.target.decode(list(context[:-1]), [len(context) - 2])
         return draft_distributions(fresh, context)
     raise AssertionError("unreachable")
@@ -179,7 +180,7 @@ def test_a_new_request_rewrites_the_head_cells_after_the_shared_prefix(random_pa
     for models in loaded(random_pair):
         models.run(max_tokens=40)
         second = models.target.tokenize(PROMPT + "then it puts the cup down.")
-        models.drafter.enable(True)
+        models.drafter.before_target_pass(True)
         result = generate(models.target, models.drafter, second, 30)
         context = list(models.target.kv_tokens) + [result.tokens[-1]]
         long_run = draft_distributions(models, context)
@@ -192,7 +193,7 @@ def test_features_of_undrafted_passes_are_kept(random_pair: Pair) -> None:
     (encoded once it is full), and the next draft is a fresh head's over the same context."""
     for models in loaded(random_pair):
         target, drafter = models.target, models.drafter
-        drafter.enable(True)
+        drafter.before_target_pass(True)
         target.decode(models.prompt, [len(models.prompt) - 1])
         token = 40
         for _ in range(STASH_ROWS + 20):  # one-row passes with no draft
@@ -247,7 +248,7 @@ def test_tokens_a_grammar_forces_are_fed_before_the_head_drafts(agreeing_models:
 
     succ = successor_cycle()
     target, drafter = agreeing_models.target, agreeing_models.drafter
-    drafter.enable(True)
+    drafter.before_target_pass(True)
     prompt = agreeing_models.prompt
     pending = int(succ[prompt[-1]])
     target.decode(prompt, [len(prompt) - 1])
@@ -296,9 +297,9 @@ def test_features_are_exported_only_while_the_drafter_may_draft(agreeing_models:
     assert drafter.features.enabled and target.after_chunk is not None
     agreeing_models.run(max_tokens=8)
     assert len(calls) == 2  # already on
-    drafter.enable(False)
+    drafter.before_target_pass(False)
     assert calls[2:] == [(0, False), (1, False)] and target.after_chunk is None
-    plain = LlamaBackend(ModelConfig(str(random_pair[0]), n_ctx=N_CTX, n_threads=1))
+    plain = LlamaModel(ModelConfig(str(random_pair[0]), n_ctx=N_CTX, n_threads=1))
     try:
         assert plain.after_chunk is None
     finally:
@@ -314,7 +315,7 @@ def test_switched_off_and_on_while_generating(agreeing_models: Loaded) -> None:
 
     def propose(context, max_tokens, spec):  # the real drafter, switched off for passes 10..19
         step = len(sizes)
-        drafter.enable(not 10 <= step < 20)
+        drafter.before_target_pass(not 10 <= step < 20)
         draft = real_propose(context, max_tokens, spec)
         sizes.append(len(draft))
         return draft
@@ -364,7 +365,7 @@ def test_seeded_sampling_eagle3_equals_plain(exact_build, random_models: Loaded)
 # -- refusals at load --------------------------------------------------------------------------------
 def load_pair(target: Path, head: Path, head_n_ctx: int = N_CTX) -> None:
     """Load the head for the target, free both; the refusal under test raises in between."""
-    backend = LlamaBackend(ModelConfig(str(target), n_ctx=N_CTX, n_threads=1))
+    backend = LlamaModel(ModelConfig(str(target), n_ctx=N_CTX, n_threads=1))
     try:
         Eagle3Drafter(ModelConfig(str(head), n_ctx=head_n_ctx, n_threads=1), backend).close()
     finally:

@@ -30,7 +30,7 @@ def exact_llama_dir() -> Path:
 
 @pytest.mark.timeout(1800)
 def test_bit_identical_output_under_the_exact_build(repo_root: Path, venv_python: Path, tmp_path: Path) -> None:
-    from gemma_spec_ros.engine.llama_process import batch_invariant_build
+    from gemma_spec_ros.engine.llama.process import batch_invariant_build
     if batch_invariant_build():
         pytest.skip("this session's llama.cpp build is the exact one: the tests marked exact run in it directly")
     folder = exact_llama_dir()

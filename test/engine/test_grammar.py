@@ -1,4 +1,4 @@
-"""Constrained output (engine/grammar.py): llguidance's grammar engine on the real Gemma 3 270M.
+"""Constrained output (engine/grammar/matcher.py): llguidance's grammar engine on the real Gemma 3 270M.
 
 - every mode's constrained output parses and validates against the planner suite's plan schema;
 - exactly the output of constrained plain decoding in every mode (greedy and seeded sampling,
@@ -18,9 +18,9 @@ import pytest
 import yaml
 
 from gemma_spec_ros.engine.engine import Engine
-from gemma_spec_ros.engine.grammar import GrammarError, GrammarVocab, compiled_constraint
-from gemma_spec_ros.engine.types import (EngineConfig, GenerationRequest, ModelConfig, SamplingParams,
-                                         SpecConfig)
+from gemma_spec_ros.engine.grammar.matcher import GrammarError, GrammarVocab, compiled_constraint
+from gemma_spec_ros.engine.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
+from gemma_spec_ros.engine.request import GenerationRequest
 from support.engine import collect
 
 REPO = Path(__file__).resolve().parents[2]

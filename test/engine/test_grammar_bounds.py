@@ -1,4 +1,4 @@
-"""Hostile constraints on the real Gemma 3 270M (engine/grammar.py, engine/gbnf.py): a constraint of a
+"""Hostile constraints on the real Gemma 3 270M (engine/grammar/matcher.py, engine/grammar/gbnf.py): a constraint of a
 few bytes from any client must neither hang the engine nor crash the process, and checking one
 costs bounded work.
 
@@ -22,10 +22,11 @@ from typing import Any, Dict, Iterator, List
 
 import pytest
 
-from gemma_spec_ros.engine import grammar as grammar_module
+from gemma_spec_ros.engine.grammar import matcher as grammar_module
 from gemma_spec_ros.engine.engine import Engine
-from gemma_spec_ros.engine.grammar import compiled_constraint
-from gemma_spec_ros.engine.types import EngineConfig, GenerationRequest, ModelConfig, SpecConfig
+from gemma_spec_ros.engine.grammar.matcher import compiled_constraint
+from gemma_spec_ros.engine.config import EngineConfig, ModelConfig, SpecConfig
+from gemma_spec_ros.engine.request import GenerationRequest
 from support.engine import collect
 
 #: 39 bytes: every character so far may be matched by any number of pending "1"/"2" closers.
@@ -98,7 +99,8 @@ def test_an_ambiguous_constraint_costs_bounded_work_per_token_and_a_cancel_ends_
 CHILD = """
 import json, resource, sys
 from gemma_spec_ros.engine.engine import Engine
-from gemma_spec_ros.engine.types import EngineConfig, GenerationRequest, ModelConfig
+from gemma_spec_ros.engine.config import EngineConfig, ModelConfig
+from gemma_spec_ros.engine.request import GenerationRequest
 engine = Engine(EngineConfig(ModelConfig(sys.argv[1], n_ctx=256)), calibrate=False)
 request = GenerationRequest("Name:", max_tokens=4, **json.load(open(sys.argv[2])))
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -12,13 +12,15 @@ from typing import Iterator, List, Sequence, Tuple, Union, overload
 
 import pytest
 
-from gemma_spec_ros.engine import learned_cache
-from gemma_spec_ros.engine import lookup as lookup_module
-from gemma_spec_ros.engine.lookup import (
-    LAX_THRESHOLDS, STRICT_THRESHOLDS, DraftThresholds, LookupDrafter, draft_tokens)
-from gemma_spec_ros.engine.ngram_cache import NgramCache
+from gemma_spec_ros.engine.drafters import learned_cache
+from gemma_spec_ros.engine.drafters import lookup as lookup_module
+from gemma_spec_ros.engine.drafters.lookup import (LAX_THRESHOLDS, STRICT_THRESHOLDS, DraftThresholds,
+                                                   LookupDrafter, draft_tokens)
+from gemma_spec_ros.engine.drafters.ngram_cache import NgramCache
 from gemma_spec_ros.engine.stats import SpecStats
-from gemma_spec_ros.engine.types import EMPTY_DRAFT, CacheFormatError, Draft, LookupConfig
+from gemma_spec_ros.engine.drafters.base import EMPTY_DRAFT, Draft
+from gemma_spec_ros.engine.errors import CacheFormatError
+from gemma_spec_ros.engine.config import LookupConfig
 from gemma_spec_ros.tools import lookup_create
 
 PATTERN = [11, 12, 13, 14, 15]
@@ -160,7 +162,7 @@ def test_context_cache_resets_per_request() -> None:
 
 
 def test_dynamic_cache_learns_across_requests_and_persists(tmp_path: Path) -> None:
-    (tmp_path / "sub").mkdir()  # the folder must exist (issue 11: no folders created by a parameter)
+    (tmp_path / "sub").mkdir()  # the folder must exist: no folders are created by a parameter
     dynamic_path = tmp_path / "sub" / "dynamic.bin"
     lookup = drafter(dynamic_path=str(dynamic_path))
     finished = [5, 6] + PATTERN * 3

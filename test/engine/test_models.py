@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from gemma_spec_ros.engine.engine import Engine, TextAssembler
-from gemma_spec_ros.engine.types import (EngineConfig, GenerationRequest, KVCacheError, LookupConfig,
-                                         ModelConfig, ModelLoadError, PromptTooLongError,
-                                         SamplingParams, SpecConfig, VocabMismatchError)
+from gemma_spec_ros.engine.config import EngineConfig, LookupConfig, ModelConfig, SamplingParams, SpecConfig
+from gemma_spec_ros.engine.request import GenerationRequest
+from gemma_spec_ros.engine.errors import KVCacheError, ModelLoadError, PromptTooLongError, VocabMismatchError
 from support.engine import collect
 
 PROMPTS = {
@@ -80,7 +80,7 @@ def test_f16_logits_do_not_depend_on_the_batch(f16_engine):
     """What exact parity rests on: the setup's default build (no llamafile sgemm) gives the same
     logits for a position whether it is decoded alone or inside a verify batch; the ``fast`` build
     (llamafile sgemm) only within 0.05 (measured up to 0.019), which this checks under that build."""
-    from gemma_spec_ros.engine.llama_process import batch_invariant_build
+    from gemma_spec_ros.engine.llama.process import batch_invariant_build
     exact = batch_invariant_build()
     target = f16_engine.target
     tokens = f16_engine.prompt_tokens(GenerationRequest(PROMPTS["technical"]))
@@ -338,7 +338,7 @@ def test_static_cache_drafts_end_to_end(tmp_path, f16_model_path, venv_python):
 def test_dynamic_cache_is_saved_and_reloaded_by_the_next_engine(tmp_path, f16_model_path):
     """lookup.dynamic_path: n-grams of finished requests are saved at close, loaded by a new engine
     and draft its first request; an engine without them drafts far less on that request."""
-    from gemma_spec_ros.engine import learned_cache
+    from gemma_spec_ros.engine.drafters import learned_cache
 
     path = tmp_path / "dynamic.bin"
     with lookup_engine(f16_model_path, **{"lookup.dynamic_path": str(path)}) as first:
@@ -404,7 +404,7 @@ def test_draft_with_another_vocabulary_is_refused(embedded_model_path, other_voc
 
 
 def test_corrupt_lookup_cache_is_refused(tmp_path, embedded_model_path):
-    from gemma_spec_ros.engine.types import CacheFormatError
+    from gemma_spec_ros.engine.errors import CacheFormatError
 
     bad = tmp_path / "static.bin"
     bad.write_bytes(b"\x01\x02\x03")
@@ -442,7 +442,8 @@ def test_context_overflow_is_loud(embedded_model_path):
 MEMORY_SCRIPT = r"""
 import json, os, sys
 from gemma_spec_ros.engine.engine import Engine, TextAssembler
-from gemma_spec_ros.engine.types import *
+from gemma_spec_ros.engine.config import EngineConfig, ModelConfig, SpecConfig
+from gemma_spec_ros.engine.request import GenerationRequest
 target, draft = sys.argv[1], sys.argv[2]
 engine = Engine(EngineConfig(target=ModelConfig(target, n_ctx=4096), draft=ModelConfig(draft, n_ctx=4096),
                              spec=SpecConfig(mode="draft", draft_max=6, adaptive=False)))

@@ -10,9 +10,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Dict, List, Tuple
 
-from gemma_spec_ros.engine.drafting import DRAFTERS_BY_MODE, Drafting, drafting_order
-from gemma_spec_ros.engine.policy import CostModel, DraftLengthPolicy
-from gemma_spec_ros.engine.types import DRAFT_MODES, SPEC_MODES
+from gemma_spec_ros.engine.modes import DRAFT_SLOT, MODES, SPEC_MODES, mode_problem
+from gemma_spec_ros.engine.policy.costs import CostModel
+from gemma_spec_ros.engine.policy.length import DraftLengthPolicy
+from gemma_spec_ros.engine.propose import Drafting, drafting_order
 
 
 def drafters(lookup_accepts: int, rounds: int = 30) -> Dict[str, Drafting]:
@@ -37,9 +38,21 @@ def order(mode: str, table: Dict[str, Drafting], adaptive: bool = True) -> List[
             for d, decision in drafting_order(mode, table, 3, adaptive)]
 
 
-def test_every_mode_has_a_drafting_order() -> None:
-    assert set(DRAFTERS_BY_MODE) == set(SPEC_MODES)
-    assert set(DRAFT_MODES) == {m for m in SPEC_MODES if "draft" in DRAFTERS_BY_MODE[m]} - {"auto"}
+def test_the_mode_table_names_each_mode_once_and_what_it_needs() -> None:
+    assert SPEC_MODES == tuple(MODES) and all(MODES[name].name == name for name in MODES)
+    for mode in MODES.values():  # a mode that needs a drafter tries it; only ranked modes do without
+        assert not mode.needs or mode.needs in mode.chain
+        assert not mode.needs or mode.needs in DRAFT_SLOT
+    assert [m.name for m in MODES.values() if m.ranked] == ["auto"]
+    assert mode_problem("auto", loaded=["lookup"]) == ""  # auto runs with whatever is loaded
+
+
+def test_a_mode_whose_drafter_is_missing_or_of_another_kind_says_so() -> None:
+    assert "needs a draft model, and none is loaded" in mode_problem("draft+lookup", ["lookup"])
+    assert "needs a Gemma 4 assistant" in mode_problem("mtp", ["lookup", "draft"])
+    wrong_kind = mode_problem("draft", ["lookup", "mtp"])
+    assert "names a Gemma 4 assistant" in wrong_kind and "'mtp'" in wrong_kind
+    assert "expected one of" in mode_problem("warp", ["lookup"])
 
 
 def test_draft_plus_lookup_is_a_fixed_chain_auto_ranks_by_predicted_speedup() -> None:

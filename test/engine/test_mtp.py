@@ -1,4 +1,4 @@
-"""Gemma 4 MTP drafting (engine/mtp.py) on tiny gemma4 + gemma4-assistant pairs written with gguf-py.
+"""Gemma 4 MTP drafting (engine/drafters/mtp.py) on tiny gemma4 + gemma4-assistant pairs written with gguf-py.
 
 Two pairs (test/support/tiny_gemma4.py): **random** weights, whose assistant is right about as often as
 chance (every round rejected: rollback and carry-over are exercised at every step), and an
@@ -19,13 +19,13 @@ from typing import List, Tuple
 import numpy as np
 import pytest
 
-from gemma_spec_ros.engine.backend import LlamaBackend
+from gemma_spec_ros.engine.llama.model import LlamaModel
 from gemma_spec_ros.engine.engine import Engine
-from gemma_spec_ros.engine.gguf_header import architecture
-from gemma_spec_ros.engine.mtp import AssistantMismatchError, TargetHiddenRows, is_assistant
-from gemma_spec_ros.engine.types import (EngineConfig, GenerationRequest, ModelConfig, SamplingParams,
-                                         SpecConfig, Step)
-from support.tiny_gemma4 import write_gemma4_assistant, write_gemma4_pair, write_gemma4_target
+from gemma_spec_ros.engine.llama.gguf import architecture
+from gemma_spec_ros.engine.drafters.mtp import AssistantMismatchError, TargetHiddenRows, is_assistant
+from gemma_spec_ros.engine.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
+from gemma_spec_ros.engine.request import GenerationRequest, Step
+from support.tiny_gemma4 import write_gemma4_assistant, write_gemma4_pair
 from support.tiny_gguf import write_tiny_gguf
 
 N_CTX = 512
@@ -134,7 +134,7 @@ def test_the_carried_hidden_row_is_the_target_state_of_the_last_position(random_
         tokens = list(target.kv_tokens)
     finally:
         engine.close()
-    fresh = LlamaBackend(ModelConfig(str(random_pair[0]), n_ctx=N_CTX, n_threads=1))
+    fresh = LlamaModel(ModelConfig(str(random_pair[0]), n_ctx=N_CTX, n_threads=1))
     rows = TargetHiddenRows(fresh)
     try:
         rows.enable(True)

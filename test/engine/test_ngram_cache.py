@@ -13,10 +13,9 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 import pytest
 
-from gemma_spec_ros.engine import ngram_cache as ngram_cache_module
-from gemma_spec_ros.engine.ngram_cache import (
-    NGRAM_MAX, CacheFileNotFoundError, NgramCache)
-from gemma_spec_ros.engine.types import CacheFormatError
+from gemma_spec_ros.engine.drafters import ngram_cache as ngram_cache_module
+from gemma_spec_ros.engine.drafters.ngram_cache import NGRAM_MAX, CacheFileNotFoundError, NgramCache
+from gemma_spec_ros.engine.errors import CacheFormatError
 from gemma_spec_ros.tools import lookup_create
 
 Counts = Dict[Tuple[int, ...], Dict[int, int]]

@@ -10,10 +10,11 @@ from typing import Iterator, List, Tuple
 import numpy as np
 import pytest
 
-from gemma_spec_ros.engine.backend import LlamaBackend
+from gemma_spec_ros.engine.llama.model import LlamaModel
 from gemma_spec_ros.engine.engine import Engine
-from gemma_spec_ros.engine.types import (EngineConfig, GenerationRequest, KVCacheError, ModelConfig,
-                                         SamplingParams, SpecConfig)
+from gemma_spec_ros.engine.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
+from gemma_spec_ros.engine.request import GenerationRequest
+from gemma_spec_ros.engine.errors import KVCacheError
 from support.engine import collect
 
 SYSTEM = ("You control a mobile manipulator in a kitchen. Skills: move_to(place), pick(object), "
@@ -105,7 +106,7 @@ def test_window_sized_sliding_cache_rolls_back_its_last_pass_and_refuses_a_lost_
     tokens (rejected drafts) is safe; a deeper rollback whose window is gone is refused with the
     cache cleared, and prompt reuse then starts over (before the check, reuse kept a prefix whose
     window the sliding layers no longer had)."""
-    backend = LlamaBackend(ModelConfig(str(embedded_model_path), n_ctx=2048, n_batch=256, n_threads=2),
+    backend = LlamaModel(ModelConfig(str(embedded_model_path), n_ctx=2048, n_batch=256, n_threads=2),
                            full_swa_cache=False)
     try:
         assert backend.n_swa == 512

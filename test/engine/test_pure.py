@@ -8,11 +8,13 @@ import math
 import numpy as np
 import pytest
 
-from gemma_spec_ros.engine.policy import AcceptanceModel, CostModel, DraftLengthPolicy
+from gemma_spec_ros.engine.policy.acceptance import AcceptanceModel
+from gemma_spec_ros.engine.policy.costs import CostModel
+from gemma_spec_ros.engine.policy.length import DraftLengthPolicy
 from gemma_spec_ros.engine.sampling import Sampler, make_rng
 from gemma_spec_ros.engine.stats import SpecStats
-from gemma_spec_ros.engine.types import (EngineConfig, GenerationRequest, LookupConfig, ModelConfig,
-                                         SamplingParams, SpecConfig)
+from gemma_spec_ros.engine.config import EngineConfig, LookupConfig, ModelConfig, SamplingParams, SpecConfig
+from gemma_spec_ros.engine.request import GenerationRequest
 from gemma_spec_ros.engine.verify import verify_exact, verify_rejection
 from support.stats import chi_square_p_value
 
@@ -153,7 +155,7 @@ def test_cost_model_interpolates_and_extrapolates():
 
 
 def test_cost_model_a_load_change_moves_every_size_alike():
-    """Regression (issue 12): with one moving average per size, passes of the size in use that got
+    """Regression: with one moving average per size, passes of the size in use that got
     dearer (a busier CPU, a longer context) left the other sizes at their older, cheaper figures, and
     the policy moved to short drafts although nothing but the level had changed."""
     costs = CostModel()
@@ -310,7 +312,7 @@ CPU_PASS_MS = {1: 20.0, 2: 25.0, 3: 27.6, 4: 27.6, 5: 33.0, 6: 35.0, 7: 38.0, 8:
 
 
 def test_story_case_long_accepted_drafts_are_not_cut_at_four():
-    """The short-story prompt of issue 25 (0.72x the best native setting) lost because our K stopped
+    """The short-story prompt (once 0.72x the best native setting) lost because our K stopped
     at 4 (spec.draft_max of config/embedded.yaml): in a replay of its greedy output, 23 of 25 drafts were accepted whole and each time the drafter had a
     longer correct continuation that the cap cut. With the CPU's measured pass costs and that
     acceptance, the policy must draft past 4 when allowed (cap 8) and predict it faster; with a text

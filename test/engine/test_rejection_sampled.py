@@ -7,14 +7,14 @@ robot's versions runs them there. Tiny random-weight F32 pair (same vocabulary),
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Iterator, Tuple
 
 import numpy as np
 import pytest
 
 from gemma_spec_ros.engine.engine import Engine, draft_stream
-from gemma_spec_ros.engine.types import EngineConfig, GenerationRequest, ModelConfig, SamplingParams, SpecConfig
+from gemma_spec_ros.engine.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
+from gemma_spec_ros.engine.request import GenerationRequest
 from support.engine import collect
 from support.tiny_gguf import write_tiny_pair
 

@@ -1,4 +1,4 @@
-"""Reliability regressions at the engine level (issue 11): real llama.cpp on tiny GGUFs and the
+"""Reliability regressions at the engine level: real llama.cpp on tiny GGUFs and the
 embedded model. Each test names the defect it guards and fails on the code before its fix."""
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gemma_spec_ros.engine.backend import LlamaBackend
+from gemma_spec_ros.engine.llama.model import LlamaModel
 from gemma_spec_ros.engine.engine import Engine
-from gemma_spec_ros.engine.types import (EngineConfig, GenerationRequest, ModelConfig, SamplingParams,
-                                         SpecConfig)
+from gemma_spec_ros.engine.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
+from gemma_spec_ros.engine.request import GenerationRequest
 from support.tiny_gguf import write_tiny_gguf
 
 REPEAT_PROMPT = "abcab abcab abcab abcab abcab abcab abcab"
@@ -31,8 +31,8 @@ def test_chunked_verify_keeps_every_row(tiny_dir: Path) -> None:
     own position (before: rows of earlier chunks were views the next chunk overwrote)."""
     path = write_tiny_gguf(tiny_dir / "t.gguf", vocab_size=40, seed=5)
     tokens = [1, 4, 5, 6, 7, 8, 9]
-    whole = LlamaBackend(ModelConfig(str(path), n_ctx=64, n_batch=64, n_threads=1))
-    chunked = LlamaBackend(ModelConfig(str(path), n_ctx=64, n_batch=2, n_threads=1))
+    whole = LlamaModel(ModelConfig(str(path), n_ctx=64, n_batch=64, n_threads=1))
+    chunked = LlamaModel(ModelConfig(str(path), n_ctx=64, n_batch=2, n_threads=1))
     try:
         want = [row.copy() for row in whole.decode(tokens, range(len(tokens)))]
         got = chunked.decode(tokens, range(len(tokens)))
@@ -107,13 +107,13 @@ def test_close_frees_the_models_when_the_cache_save_fails(tiny_dir: Path, tmp_pa
 
 
 def _lookup(dynamic_path: str = "", static_path: str = ""):
-    from gemma_spec_ros.engine.types import LookupConfig
+    from gemma_spec_ros.engine.config import LookupConfig
     return LookupConfig(static_path=static_path, dynamic_path=dynamic_path)
 
 
 def _construct_in_thread(config, timeout: float = 20.0):
     """Build a LookupDrafter in a thread: (finished, exception). A hang shows as finished False."""
-    from gemma_spec_ros.engine.lookup import LookupDrafter
+    from gemma_spec_ros.engine.drafters.lookup import LookupDrafter
     outcome = {}
 
     def build() -> None:
@@ -134,7 +134,7 @@ def _construct_in_thread(config, timeout: float = 20.0):
 def test_cache_files_must_be_regular_files(tmp_path: Path, kind: str, which: str) -> None:
     """Defect 9: a cache path naming a FIFO, /dev/zero or a directory is refused with a reason,
     never a hang (before: a FIFO blocked configure forever, /dev/zero read until out of memory)."""
-    from gemma_spec_ros.engine.types import CacheFormatError
+    from gemma_spec_ros.engine.errors import CacheFormatError
     if kind == "fifo":
         path = tmp_path / "cache.fifo"
         os.mkfifo(path)
@@ -152,7 +152,7 @@ def test_cache_files_must_be_regular_files(tmp_path: Path, kind: str, which: str
 
 def test_dynamic_cache_folder_must_exist(tmp_path: Path) -> None:
     """Defect 9: the dynamic cache's parent folder must exist (before: close created any folder)."""
-    from gemma_spec_ros.engine.types import CacheFormatError
+    from gemma_spec_ros.engine.errors import CacheFormatError
     finished, error = _construct_in_thread(_lookup(str(tmp_path / "no" / "such" / "dynamic.bin")))
     assert finished and isinstance(error, CacheFormatError), error
     assert "does not exist" in str(error)
@@ -198,7 +198,8 @@ CLOSE_DURING_PROMPT = textwrap.dedent("""
     import sys, threading, faulthandler
     faulthandler.enable()
     from gemma_spec_ros.engine.engine import Engine
-    from gemma_spec_ros.engine.types import EngineConfig, GenerationRequest, ModelConfig, SpecConfig
+    from gemma_spec_ros.engine.config import EngineConfig, ModelConfig, SpecConfig
+    from gemma_spec_ros.engine.request import GenerationRequest
     LONG_PROMPT = {long_prompt!r}
     engine = Engine(EngineConfig(ModelConfig({model!r}, n_ctx=2048, n_batch=512, n_threads=1),
                                  spec=SpecConfig(mode="off")), calibrate=False)
@@ -259,8 +260,8 @@ def test_dynamic_cache_is_bounded_and_keeps_what_recurs(tmp_path: Path) -> None:
     """Defect 3: the dynamic cache holds at most lookup.dynamic_max_ngrams n-grams whatever the
     traffic; n-grams that recur survive the eviction (before: every request's n-grams were kept
     forever)."""
-    from gemma_spec_ros.engine.lookup import LookupDrafter
-    from gemma_spec_ros.engine.types import LookupConfig
+    from gemma_spec_ros.engine.drafters.lookup import LookupDrafter
+    from gemma_spec_ros.engine.config import LookupConfig
     lookup = LookupDrafter(LookupConfig(dynamic_max_ngrams=2000, save_period=0))
     rng = np.random.default_rng(0)
     routine = [7, 8, 9, 10, 11, 12, 13, 14]
@@ -276,9 +277,9 @@ def test_dynamic_cache_is_saved_periodically(tmp_path: Path) -> None:
     """Defect 3: with lookup.save_period the learned cache is saved while serving, atomically
     (before: only at cleanup/shutdown, so a crash lost everything learned)."""
     import time
-    from gemma_spec_ros.engine import learned_cache
-    from gemma_spec_ros.engine.lookup import LookupDrafter
-    from gemma_spec_ros.engine.types import LookupConfig
+    from gemma_spec_ros.engine.drafters import learned_cache
+    from gemma_spec_ros.engine.drafters.lookup import LookupDrafter
+    from gemma_spec_ros.engine.config import LookupConfig
     path = tmp_path / "dynamic.bin"
     lookup = LookupDrafter(LookupConfig(dynamic_path=str(path), save_period=0.01))
     _learn(lookup, np.random.default_rng(1), 1)
@@ -292,10 +293,11 @@ def test_corrupt_learned_cache_is_moved_aside(tmp_path: Path) -> None:
     """Defect 3: a corrupt learned cache (one this engine wrote: it has the header) is moved aside
     with a warning and learning restarts (before: configure failed); a corrupt static cache still
     fails with its reason. Two corrupt files in the same second get two aside files."""
-    from gemma_spec_ros.engine import learned_cache
-    from gemma_spec_ros.engine.lookup import LookupDrafter
-    from gemma_spec_ros.engine.ngram_cache import NgramCache
-    from gemma_spec_ros.engine.types import CacheFormatError, LookupConfig
+    from gemma_spec_ros.engine.drafters import learned_cache
+    from gemma_spec_ros.engine.drafters.lookup import LookupDrafter
+    from gemma_spec_ros.engine.drafters.ngram_cache import NgramCache
+    from gemma_spec_ros.engine.errors import CacheFormatError
+    from gemma_spec_ros.engine.config import LookupConfig
     path = tmp_path / "dynamic.bin"
     corrupt = learned_cache.encode(NgramCache(), "") + b"\x01\x00\x00\x00garbage"
     for _ in range(2):
@@ -312,7 +314,9 @@ TOKENIZE_DURING_CLOSE = textwrap.dedent("""
     import threading, faulthandler
     faulthandler.enable()
     from gemma_spec_ros.engine.engine import Engine
-    from gemma_spec_ros.engine.types import EngineConfig, EngineError, GenerationRequest, ModelConfig
+    from gemma_spec_ros.engine.config import EngineConfig, ModelConfig
+    from gemma_spec_ros.engine.errors import EngineError
+    from gemma_spec_ros.engine.request import GenerationRequest
     request = GenerationRequest("walk to the kitchen and " * 2700, use_chat_template=True)  # ~64 KB
     for attempt in range(2):
         engine = Engine(EngineConfig(ModelConfig({model!r}, n_ctx=512, n_threads=1)), calibrate=False)

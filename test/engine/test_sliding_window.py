@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Iterator, List, Tuple
+from typing import List, Tuple
 
 import numpy as np
 import pytest
 
-from gemma_spec_ros.engine.llama_process import batch_invariant_build
+from gemma_spec_ros.engine.llama.process import batch_invariant_build
 from gemma_spec_ros.engine.engine import Engine
 from gemma_spec_ros.engine.sampling import Sampler
-from gemma_spec_ros.engine.types import (EngineConfig, GenerationRequest, ModelConfig, SamplingParams,
-                                         SpecConfig)
+from gemma_spec_ros.engine.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
+from gemma_spec_ros.engine.request import GenerationRequest
 from support.engine import collect
 from support.tiny_gguf import write_tiny_gguf
 

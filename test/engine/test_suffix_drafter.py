@@ -3,15 +3,15 @@ in a bounded, persisted history of earlier outputs (scripted tokens, then the em
 from __future__ import annotations
 
 import doctest
-import os
 from pathlib import Path
-from typing import List, Sequence
+from typing import Sequence
 
 import pytest
 
-from gemma_spec_ros.engine import learned_cache, suffix, suffix_history
-from gemma_spec_ros.engine.suffix import SuffixConfig, SuffixDrafter
-from gemma_spec_ros.engine.types import EMPTY_DRAFT, CacheFormatError
+from gemma_spec_ros.engine.drafters import suffix, suffix_history
+from gemma_spec_ros.engine.drafters.suffix import SuffixConfig, SuffixDrafter
+from gemma_spec_ros.engine.drafters.base import EMPTY_DRAFT
+from gemma_spec_ros.engine.errors import CacheFormatError
 from gemma_spec_ros.tools import lookup_create
 
 TAG = "vocab-1-262144-" + "ab" * 20

@@ -10,8 +10,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import pytest
 
-from gemma_spec_ros.engine import learned_cache, suffix_history, suffix_index
-from gemma_spec_ros.engine.suffix_index import DEFAULT_LEVELS, SEPARATOR, SuffixIndex
+from gemma_spec_ros.engine.drafters import learned_cache, suffix_history, suffix_index
+from gemma_spec_ros.engine.drafters.suffix_index import DEFAULT_LEVELS, SEPARATOR, SuffixIndex
 
 TAG = "vocab-1-262144-" + "ab" * 20
 

@@ -9,8 +9,8 @@ import pytest
 from dataclasses import replace
 
 from gemma_spec_ros.engine.engine import Engine
-from gemma_spec_ros.engine.types import (EngineConfig, GenerationRequest, ModelConfig, SamplingParams,
-                                         SpecConfig)
+from gemma_spec_ros.engine.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
+from gemma_spec_ros.engine.request import GenerationRequest
 from support.engine import collect
 from support.stats import chi_square_p_value
 from support.tiny_gguf import EOS_ID, write_tiny_pair

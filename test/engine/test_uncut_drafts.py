@@ -1,4 +1,4 @@
-"""Cut drafts (policy.py "Cutting each draft", engine/uncut.py): n-gram lookup drafts long at every
+"""Cut drafts (policy.py "Cutting each draft", engine/policy/hindsight.py): n-gram lookup drafts long at every
 step, each whole draft is checked token by token against the emitted text and teaches the policy per
 evidence class, and the policy cuts each draft where its expected gain peaks. The mechanism on the
 real LookupDrafter and policy (no model), then output parity on the F16 copy under the exact build."""
@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 
 from gemma_spec_ros.engine.engine import Engine
-from gemma_spec_ros.engine.lookup import LookupDrafter
-from gemma_spec_ros.engine.policy import CostModel, DraftLengthPolicy
-from gemma_spec_ros.engine.uncut import UncutDrafts
-from gemma_spec_ros.engine.types import (Draft, EngineConfig, GenerationRequest, LookupConfig, ModelConfig,
-                                         SamplingParams, SpecConfig)
+from gemma_spec_ros.engine.drafters.lookup import LookupDrafter
+from gemma_spec_ros.engine.policy.costs import CostModel
+from gemma_spec_ros.engine.policy.length import DraftLengthPolicy
+from gemma_spec_ros.engine.policy.hindsight import DraftHindsight
+from gemma_spec_ros.engine.drafters.base import Draft
+from gemma_spec_ros.engine.config import EngineConfig, LookupConfig, ModelConfig, SamplingParams, SpecConfig
+from gemma_spec_ros.engine.request import GenerationRequest
 
 #: this 2-core CPU's pass costs by rows (ms; llama.cpp's step profile of the embedded model, fast
 #: build): a 9-row pass costs 2.2 one-row passes
@@ -47,7 +49,7 @@ def test_the_cut_verifies_strong_evidence_whole_and_cuts_weak_evidence() -> None
 
 
 def test_a_match_seen_again_is_its_own_class() -> None:
-    """The drafter tells a unanimous long match seen once from one seen again (engine/lookup.py,
+    """The drafter tells a unanimous long match seen once from one seen again (engine/drafters/lookup.py,
     Evidence); where the first keep failing and the second holding, the cut keeps the draft up to its
     first match seen only once."""
     context = [1, 2, 3, 4, 5, 9, 1, 2, 3, 4, 5, 9, 1, 2, 3, 4, 5, 7, 1, 2, 3, 4, 5]
@@ -75,29 +77,29 @@ def test_an_unknown_class_starts_at_the_prior_and_learns_per_position() -> None:
 
 
 def test_a_whole_draft_teaches_as_the_text_comes_the_tokens_past_the_cut_included() -> None:
-    p, uncut, drafter = policy(), UncutDrafts(), LookupDrafter(LookupConfig())
-    policies = {"lookup": p}
+    p = policy()
+    uncut, drafter = DraftHindsight({"lookup": p}), LookupDrafter(LookupConfig())
     context = [1, 2, 3, 7, 8, 9, 1, 2, 3]
     drafter.begin(context)
     whole = drafter.propose(context, 3)
     assert whole.tokens == (7, 8, 9) and whole.evidence == (STRONG,) * 3
-    uncut.add(whole, 5, policies)  # it guesses emitted[5:8]
+    uncut.add(whole, 5)  # it guesses emitted[5:8]
     emitted = [0, 0, 0, 0, 0, 7]
-    uncut.settle(emitted, policies)  # 7 is known right, the rest not yet
+    uncut.settle(emitted)  # 7 is known right, the rest not yet
     assert p.evidence.tried == {(STRONG, 0): 1.0} and uncut.pending
-    uncut.settle(emitted + [8, 4], policies)  # 8 right, then 4 where it guessed 9: done
+    uncut.settle(emitted + [8, 4])  # 8 right, then 4 where it guessed 9: done
     assert p.evidence.tried == {(STRONG, 0): 1.0, (STRONG, 1): 1.0, (STRONG, 2): 1.0}
     assert p.evidence.accepted == {(STRONG, 0): 1.0, (STRONG, 1): 1.0, (STRONG, 2): 0.0}
     assert not uncut.pending
-    uncut.add(Draft((5,), None, "lookup"), 9, policies)  # a draft without evidence is not kept
+    uncut.add(Draft((5,), None, "lookup"), 9)  # a draft without evidence is not kept
     assert not uncut.pending
 
 
 def test_a_policy_that_cut_everything_drafts_again_when_the_text_repeats() -> None:
     """Text that stopped repeating cut every draft to nothing; once it repeats again the whole
     drafts, checked against it, bring long drafts back within a few steps (no probe needed)."""
-    p, uncut, drafter = policy(), UncutDrafts(), LookupDrafter(LookupConfig())
-    policies = {"lookup": p}
+    p = policy()
+    uncut, drafter = DraftHindsight({"lookup": p}), LookupDrafter(LookupConfig())
     for _ in range(40):
         p.evidence.observe((STRONG,) * 4, 0)  # strong matches kept failing
     pattern = list(range(100, 112))
@@ -105,9 +107,9 @@ def test_a_policy_that_cut_everything_drafts_again_when_the_text_repeats() -> No
     drafter.begin(prompt)
     context, emitted, lengths = list(prompt), [], []
     for _ in range(40):
-        uncut.settle(emitted, policies)
+        uncut.settle(emitted)
         whole = drafter.propose(context, 8)
-        uncut.add(whole, len(emitted), policies)
+        uncut.add(whole, len(emitted))
         lengths.append(p.cut(whole.evidence).draft_len if whole.tokens else 0)
         token = pattern[len(emitted) % len(pattern)]  # plain steps: the text goes on repeating
         context.append(token)

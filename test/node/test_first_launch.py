@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Iterator
 
 import pytest
 
-from gemma_spec_ros.engine import learned_cache
+from gemma_spec_ros.engine.drafters import learned_cache
 from support.node import ServedNode, node_factory
 from support.tiny_gguf import write_tiny_gguf
 

@@ -22,7 +22,8 @@ from diagnostic_msgs.msg import DiagnosticStatus
 
 from gemma_spec_ros.client import GenerateClient, key_values, wait_until
 from gemma_spec_ros.engine.engine import Engine
-from gemma_spec_ros.engine.types import GenerationRequest, SamplingParams
+from gemma_spec_ros.engine.request import GenerationRequest
+from gemma_spec_ros.engine.config import SamplingParams
 from gemma_spec_ros.node import spec_status_name
 from gemma_spec_ros.node.parameters import defaults, engine_config_from
 from support.engine import collect

@@ -17,8 +17,8 @@ from action_msgs.msg import GoalStatus
 from diagnostic_msgs.msg import DiagnosticStatus
 
 from gemma_spec_ros.client import GenerateClient, collect, key_values, wait_until
-from gemma_spec_ros.engine import learned_cache
-from gemma_spec_ros.engine.types import KVCacheError
+from gemma_spec_ros.engine.drafters import learned_cache
+from gemma_spec_ros.engine.errors import KVCacheError
 from gemma_spec_ros.node import spec_status_name
 from gemma_spec_ros.node.node import GemmaSpecNode
 from support.node import ServedNode, node_factory

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gemma_spec_ros.engine.mtp import is_assistant
+from gemma_spec_ros.engine.drafters.mtp import is_assistant
 from gemma_spec_ros.node.parameters import check_values, defaults, engine_config_from
 from gemma_spec_dev.bench import config as bench_config
 from support.node import config_values

@@ -19,7 +19,7 @@ from diagnostic_msgs.msg import DiagnosticStatus
 from gemma_spec_msgs.action import Generate
 
 from gemma_spec_ros.engine.stats import SpecStats
-from gemma_spec_ros.engine.types import SpecConfig
+from gemma_spec_ros.engine.config import SpecConfig
 from gemma_spec_ros.node import diagnostics, goals, messages
 from gemma_spec_ros.node.messages import GoalRejected, request_from_goal
 from gemma_spec_ros.node.parameters import (PARAMETERS, check_values, defaults, engine_config_from,
@@ -62,7 +62,7 @@ def test_docs_parameters_md_is_generated_from_the_table(repo_root: Path) -> None
 def test_shipped_configs_give_valid_engine_configs(repo_root: Path) -> None:
     embedded = engine_config_from(config_values(repo_root, "embedded.yaml"))
     assert embedded.draft is None and embedded.target.n_gpu_layers == 0
-    # n-gram lookup drafts 12 tokens a step and the adaptive policy cuts each draft (issue 25): a
+    # n-gram lookup drafts 12 tokens a step and the adaptive policy cuts each draft: a
     # fixed K = 12 would be slower than plain decoding on many prompts of this CPU
     assert embedded.spec.mode == "lookup" and embedded.spec.draft_max == 12 and embedded.spec.adaptive
     assert embedded.target.resolved_path.endswith("gemma-3-270m-q4_k_m.gguf")

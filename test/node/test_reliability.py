@@ -1,4 +1,4 @@
-"""Reliability regressions of the node (issue 11) on real rclpy over loopback DDS and real
+"""Reliability regressions of the node on real rclpy over loopback DDS and real
 llama.cpp (tiny GGUFs: loaded in milliseconds). Each test names its defect; each failed before
 its fix. Fault injection is used only where no real component can produce the fault, and says so.
 """
@@ -397,7 +397,7 @@ def test_a_waiting_goal_s_far_deadline_never_overflows_the_queue_s_wait() -> Non
     """JobQueue.next_to_start waits for the earliest deadline of the waiting goals: a deadline
     beyond threading.TIMEOUT_MAX raised OverflowError (a Job made directly here, as a request
     made elsewhere than request_from_goal could carry any budget)."""
-    from gemma_spec_ros.engine.types import GenerationRequest
+    from gemma_spec_ros.engine.request import GenerationRequest
     from gemma_spec_ros.node.goals import Job, JobQueue
     jobs = JobQueue()
     first = Job(_SlowFeedbackHandle("first", []), GenerationRequest("a"))
@@ -477,9 +477,9 @@ def test_a_learned_count_at_int32_saturates_and_the_cache_still_saves(serve: Any
     are int32): the request whose periodic save came next ended ``error`` after its text had
     streamed, and nothing was saved again. Counts now stop at int32's maximum. The counts are
     set near it by hand (INJECTED state: the review measured ~186 h of traffic to get there)."""
-    from gemma_spec_ros.engine import learned_cache
-    from gemma_spec_ros.engine.lookup import LookupDrafter
-    from gemma_spec_ros.engine.ngram_cache import COUNT_MAX
+    from gemma_spec_ros.engine.drafters import learned_cache
+    from gemma_spec_ros.engine.drafters.lookup import LookupDrafter
+    from gemma_spec_ros.engine.drafters.ngram_cache import COUNT_MAX
     cache = tmp_path / "dynamic.bin"
     served = serve(lookup__dynamic_path=str(cache), lookup__cache_dir=str(tmp_path),
                    lookup__save_period=0.001)

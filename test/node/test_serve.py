@@ -20,7 +20,7 @@ from gemma_spec_msgs.action import Generate
 
 from gemma_spec_ros.client import GenerateClient, key_values, wait_until
 from gemma_spec_ros.engine.engine import Engine
-from gemma_spec_ros.engine import learned_cache
+from gemma_spec_ros.engine.drafters import learned_cache
 from gemma_spec_ros.node import spec_status_name
 from gemma_spec_ros.node.messages import request_from_goal
 from gemma_spec_ros.node.parameters import defaults, engine_config_from

@@ -1,4 +1,4 @@
-"""Constrained output over the remote backend (issue 23): a goal's ``grammar`` / ``json_schema``
+"""Constrained output over the remote backend: a goal's ``grammar`` / ``json_schema``
 reach the server in the form its kind takes, and a real llama.cpp ``llama-server`` returns text
 the constraint allows. Skipped where scripts/build_native_tools.sh has not built llama-server; the
 request bodies per kind and the refusals are checked without a server."""
@@ -13,7 +13,8 @@ import pytest
 from gemma_spec_ros.engine.remote import (KIND_LLAMA_CPP_PYTHON, KIND_LLAMA_SERVER, KIND_OPENAI,
                                           KIND_VLLM, RemoteConfig, RemoteEngine, RemoteError)
 from gemma_spec_ros.engine.remote.payload import completion_request
-from gemma_spec_ros.engine.types import GenerationRequest, SpecConfig
+from gemma_spec_ros.engine.request import GenerationRequest
+from gemma_spec_ros.engine.config import SpecConfig
 from support.servers import LLAMA_SERVER, Server, free_port, llama_server
 
 YES_NO = 'root ::= "yes" | "no"'

@@ -22,8 +22,9 @@ from gemma_spec_ros.engine.remote import (KIND_LLAMA_CPP_PYTHON, KIND_LLAMA_SERV
                                           RemoteConfig, RemoteEngine, RemoteError,
                                           ServerUnreachableError, parse_prometheus)
 from gemma_spec_ros.engine.remote.sse import SseReader, choice, parse_chunk
-from gemma_spec_ros.engine.types import (EngineConfig, GenerationRequest, ModelConfig, PromptTooLongError,
-                                         SpecConfig)
+from gemma_spec_ros.engine.config import EngineConfig, ModelConfig, SpecConfig
+from gemma_spec_ros.engine.request import GenerationRequest
+from gemma_spec_ros.engine.errors import PromptTooLongError
 from support.engine import collect
 from support.servers import (API_KEY, API_KEY_ENV, LLAMA_SERVER, Server, free_port, llama_cpp_server,
                             llama_server, running_llama_cpp_server)

@@ -12,7 +12,8 @@ from typing import Iterator
 import pytest
 
 from gemma_spec_ros.engine.remote import RemoteConfig, RemoteEngine
-from gemma_spec_ros.engine.types import GenerationRequest, SpecConfig
+from gemma_spec_ros.engine.request import GenerationRequest
+from gemma_spec_ros.engine.config import SpecConfig
 from support.servers import LLAMA_SERVER, Server, llama_server
 from support.tiny_gemma4 import write_gemma4_pair
 

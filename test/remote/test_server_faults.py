@@ -15,7 +15,6 @@ import json
 import math
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List
 
 import pytest
@@ -28,8 +27,9 @@ from gemma_spec_ros.engine.remote import (KIND_LLAMA_SERVER, KIND_VLLM, RemoteCo
                                           RemoteError)
 from gemma_spec_ros.engine.remote.metrics import parse_prometheus
 from gemma_spec_ros.engine.remote.sse import SseReader
-from gemma_spec_ros.engine.types import (EngineConfig, GenerationRequest, ModelConfig, PromptTooLongError,
-                                         SpecConfig)
+from gemma_spec_ros.engine.config import EngineConfig, ModelConfig, SpecConfig
+from gemma_spec_ros.engine.request import GenerationRequest
+from gemma_spec_ros.engine.errors import PromptTooLongError
 from support.servers import SSE_CHUNKED_HEAD, ScriptedStreamServer, chunk, free_port, json_answer
 from support.tiny_gguf import write_tiny_gguf
 

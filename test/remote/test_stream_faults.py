@@ -14,7 +14,8 @@ import pytest
 from gemma_spec_ros.engine.engine import Step
 from gemma_spec_ros.engine.remote import RemoteConfig, RemoteEngine, RemoteError
 from gemma_spec_ros.engine.remote.sse import MAX_EVENT_LINE_BYTES, SseReader
-from gemma_spec_ros.engine.types import GenerationRequest, SpecConfig
+from gemma_spec_ros.engine.request import GenerationRequest
+from gemma_spec_ros.engine.config import SpecConfig
 from support.servers import SSE_CHUNKED_HEAD, SSE_CLOSE_DELIMITED_HEAD, ScriptedStreamServer, chunk
 
 TOKEN_EVENT = b'data: {"choices": [{"text": "a", "finish_reason": null}]}\n\n'

@@ -31,7 +31,7 @@ from typing import Dict, Iterator, List
 import pytest
 import yaml
 
-from gemma_spec_ros.engine import learned_cache
+from gemma_spec_ros.engine.drafters import learned_cache
 from support.ros2_cli import NODE, VENV, Background, ros2, send_goal, wait_state
 
 REPO = Path(__file__).resolve().parents[2]

@@ -21,7 +21,7 @@ import jsonschema
 import pytest
 import yaml
 
-from gemma_spec_ros.engine import learned_cache
+from gemma_spec_ros.engine.drafters import learned_cache
 from support.ros2_cli import NODE, VENV, Background, launch, params_file, ros2, send_goal, wait_state
 
 

@@ -10,11 +10,11 @@ from typing import Any, List, Sequence
 
 import numpy as np
 
-from gemma_spec_ros.engine.backend import LlamaBackend
+from gemma_spec_ros.engine.llama.model import LlamaModel
 from gemma_spec_ros.engine.chat import (AssistantReply, ChatMessage, ChatTurn, ChatVocab, Conversation,
                                         ReplyStream, ToolCall, model_template, parse_tools)
-from gemma_spec_ros.engine.grammar import GrammarVocab, sample_constrained
-from gemma_spec_ros.engine.types import ModelConfig
+from gemma_spec_ros.engine.grammar.matcher import GrammarVocab, sample_constrained
+from gemma_spec_ros.engine.config import ModelConfig
 
 #: A robot planner's skills, as OpenAI function tools. Bounded strings and enums: a random-weight
 #: model writing free text inside a string would not stop within a test's token budget.
@@ -44,7 +44,7 @@ class ChatModel:
     llguidance's tokenizer of it."""
 
     def __init__(self, path: Path, n_ctx: int = 4096) -> None:
-        self.backend = LlamaBackend(ModelConfig(str(path), n_ctx=n_ctx))
+        self.backend = LlamaModel(ModelConfig(str(path), n_ctx=n_ctx))
         self.vocab = ChatVocab(self.backend)
         self.template = model_template(self.backend)
         self.grammar_vocab = GrammarVocab.of(self.backend)

@@ -7,7 +7,7 @@ from typing import List, Optional
 
 from gemma_spec_ros.engine.api import GenerationEngine
 from gemma_spec_ros.engine.stats import SpecStats
-from gemma_spec_ros.engine.types import GenerationRequest, Step
+from gemma_spec_ros.engine.request import GenerationRequest, Step
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""A minimal draft-verify loop: one drafter, a real target (LlamaBackend), the engine's own sampler
+"""A minimal draft-verify loop: one drafter, a real target (LlamaModel), the engine's own sampler
 and verification functions, for a drafter the engine's mode table does not name yet (EAGLE-3).
 
 It runs what the engine's loop runs, without its policy, grammar, text or stats: the prompt's
@@ -11,10 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Sequence
 
-from gemma_spec_ros.engine.backend import LlamaBackend
+from gemma_spec_ros.engine.llama.model import LlamaModel
 from gemma_spec_ros.engine.engine import draft_stream
 from gemma_spec_ros.engine.sampling import Sampler, make_rng
-from gemma_spec_ros.engine.types import Draft, SamplingParams, SpecConfig
+from gemma_spec_ros.engine.drafters.base import Draft
+from gemma_spec_ros.engine.config import SamplingParams, SpecConfig
 from gemma_spec_ros.engine.verify import verify_exact, verify_rejection
 
 
@@ -34,7 +35,7 @@ class LoopResult:
         return self.accepted / self.drafted if self.drafted else 0.0
 
 
-def generate(target: LlamaBackend, drafter, prompt: Sequence[int], max_tokens: int,
+def generate(target: LlamaModel, drafter, prompt: Sequence[int], max_tokens: int,
              k: int = 3, spec: SpecConfig = SpecConfig(p_min=0.0, adaptive=False),
              sampling: SamplingParams = SamplingParams(), rejection: bool = False,
              reuse_prompt: bool = True) -> LoopResult:

@@ -13,7 +13,7 @@ import pytest
 
 from gemma_spec_dev.bench import trace, trace_prompts, trace_replay
 from gemma_spec_dev.bench.trace_requests import trace_requests
-from gemma_spec_ros.engine.suffix import SuffixConfig
+from gemma_spec_ros.engine.drafters.suffix import SuffixConfig
 
 from support.servers import LLAMA_SERVER
 

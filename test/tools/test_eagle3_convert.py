@@ -138,9 +138,9 @@ def test_a_published_head_converts_to_the_same_tensors(pair: Tuple[Path, Path], 
 def test_a_bf16_head_converts_and_drafts(pair: Tuple[Path, Path], tmp_path: Path) -> None:
     """BF16 weights (what published heads carry), F16 out: the converted head loads in the drafter
     and drafts what the direct F32 head drafts, within the two roundings."""
-    from gemma_spec_ros.engine.backend import LlamaBackend
-    from gemma_spec_ros.engine.eagle3 import Eagle3Drafter
-    from gemma_spec_ros.engine.types import ModelConfig, SamplingParams, SpecConfig
+    from gemma_spec_ros.engine.llama.model import LlamaModel
+    from gemma_spec_ros.engine.drafters.eagle3 import Eagle3Drafter
+    from gemma_spec_ros.engine.config import ModelConfig, SamplingParams, SpecConfig
 
     target, direct = pair
     output = tmp_path / "head-f16.gguf"
@@ -149,7 +149,7 @@ def test_a_bf16_head_converts_and_drafts(pair: Tuple[Path, Path], tmp_path: Path
     types = {t.name: t.tensor_type for t in gguf.GGUFReader(str(output)).tensors}
     assert types["fc.weight"] == types["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.F16
     assert types["output_norm.weight"] == gguf.GGMLQuantizationType.F32
-    backend = LlamaBackend(ModelConfig(str(target), n_ctx=256, n_threads=1))
+    backend = LlamaModel(ModelConfig(str(target), n_ctx=256, n_threads=1))
     try:
         prompt = backend.tokenize("the robot picks up the red cup. ")
         distributions = []
@@ -157,7 +157,7 @@ def test_a_bf16_head_converts_and_drafts(pair: Tuple[Path, Path], tmp_path: Path
             drafter = Eagle3Drafter(ModelConfig(str(head), n_ctx=256, n_threads=1), backend)
             try:
                 backend.clear()
-                drafter.enable(True)
+                drafter.before_target_pass(True)
                 backend.decode(prompt, [len(prompt) - 1])
                 drafter.begin(prompt, SamplingParams(temperature=1.0), np.random.default_rng(1))
                 draft = drafter.propose(prompt + [40], 3, SpecConfig(p_min=0.0))

@@ -347,7 +347,8 @@ def test_pip_install_puts_share_files_where_ament_finds_them(
     assert_share_layout(share, repo_root)
     python = f"python{sys.version_info[0]}.{sys.version_info[1]}"
     site = pip_prefix / "lib" / python / "site-packages"
-    assert (site / PACKAGE / "engine" / "types.py").is_file()
+    assert (site / PACKAGE / "engine" / "config.py").is_file()
+    assert (site / PACKAGE / "engine" / "drafters" / "lookup.py").is_file()  # the sub-folders too
 
 
 @pytest.mark.timeout(300)

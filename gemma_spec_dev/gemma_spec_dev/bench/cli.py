@@ -40,8 +40,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Dict, IO, List, Mapping, Optional, Sequence, Tuple
 
-from gemma_spec_ros.engine.mtp import is_assistant
-from gemma_spec_ros.engine.types import expand_path
+from gemma_spec_ros.engine.drafters.mtp import is_assistant
+from gemma_spec_ros.engine.config import expand_path
 from .config import (Prompt, RunnerSpec, Suite, apply_overrides,
                      default_params, find_data_dir, load_params, load_suites, model_config, parse_baselines, parse_ks,
                      PROMPT_REUSE_CHOICES, parse_modes, parse_native_sweep, plan_runners, select_suites, thread_count)

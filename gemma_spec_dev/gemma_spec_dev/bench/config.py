@@ -16,7 +16,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
-from gemma_spec_ros.engine.types import DRAFT_MODES, MTP_MODES, SPEC_MODES, EngineConfig, ModelConfig, expand_path
+from gemma_spec_ros.engine.modes import MODES, SPEC_MODES
+from gemma_spec_ros.engine.config import EngineConfig, ModelConfig, expand_path
 from gemma_spec_ros.node import parameters as node_parameters
 
 PACKAGE = "gemma_spec_ros"
@@ -358,10 +359,11 @@ def plan_runners(modes: Sequence[str], ks: Sequence[Optional[int]], has_draft: b
     for mode in modes:
         if mode == "off":
             continue
-        if mode in DRAFT_MODES and not has_draft:
+        needs = MODES[mode].needs
+        if needs == "draft" and not has_draft:
             notes.append(f"mode {mode} skipped: no draft model configured (draft.model_path or --draft)")
             continue
-        if (mode in DRAFT_MODES and assistant) or (mode in MTP_MODES and not assistant):
+        if (needs == "draft" and assistant) or (needs == "mtp" and not assistant):
             notes.append(f"mode {mode} skipped: " + ("the draft model is a Gemma 4 assistant (mode mtp)"
                                                      if assistant else "no Gemma 4 assistant configured"))
             continue
@@ -426,7 +428,7 @@ def _native_runners(native_bin: str, native_ks: Sequence[int], has_draft: bool,
 
 
 __all__ = [
-    "BASELINES", "DRAFT_MODES", "NATIVE_NGRAM_SETTINGS", "NATIVE_SWEEP_LOOKUP_KS", "NATIVE_TOOLS",
+    "BASELINES", "NATIVE_NGRAM_SETTINGS", "NATIVE_SWEEP_LOOKUP_KS", "NATIVE_TOOLS",
     "PROMPT_LOOKUP_TOKENS", "Prompt",
     "REFERENCE_RUNNER", "RunnerSpec", "Suite", "apply_overrides", "base_config", "default_params",
     "engine_config",

@@ -1,6 +1,6 @@
 """Constrained output, measured: the planner suite's prompts with its plan schema, same run.
 
-    python -m gemma_spec_dev.bench.constrained --out docs/bench/constrained_cpu
+    python -m gemma_spec_dev.bench.constrained --out docs/bench/cpu_constrained
 
 Runners, interleaved prompt by prompt (each prompt: every runner once, in a rotating order):
 
@@ -34,7 +34,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from gemma_spec_ros.engine.engine import Engine
 from gemma_spec_ros.engine.remote import RemoteConfig, RemoteEngine
-from gemma_spec_ros.engine.types import EngineConfig, GenerationRequest, LookupConfig, ModelConfig, SpecConfig
+from gemma_spec_ros.engine.config import EngineConfig, LookupConfig, ModelConfig, SpecConfig
+from gemma_spec_ros.engine.request import GenerationRequest
 from .config import find_data_dir, load_suite
 
 #: llama-server's speculative settings tried (``--spec-type``; defaults of each type).

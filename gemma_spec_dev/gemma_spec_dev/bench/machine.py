@@ -37,7 +37,7 @@ def llama_build() -> Optional[str]:
     """``exact`` (no llamafile sgemm: batch-invariant F16/F32 logits) or ``fast``; None if llama.cpp
     does not load here."""
     try:
-        from gemma_spec_ros.engine.llama_process import batch_invariant_build
+        from gemma_spec_ros.engine.llama.process import batch_invariant_build
         return "exact" if batch_invariant_build() else "fast"
     except Exception:  # noqa: BLE001 - a header detail, never a reason to lose the results
         return None

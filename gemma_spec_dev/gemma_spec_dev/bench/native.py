@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from gemma_spec_ros.engine.types import expand_path
+from gemma_spec_ros.engine.config import expand_path
 from .config import NATIVE_TOOLS, RunnerSpec, base_config, model_config, thread_count
 from .runner import Request, RunResult
 

@@ -28,7 +28,8 @@ import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from gemma_spec_ros.engine.remote import RemoteConfig, RemoteEngine
-from gemma_spec_ros.engine.types import GenerationRequest, SamplingParams, SpecConfig
+from gemma_spec_ros.engine.request import GenerationRequest
+from gemma_spec_ros.engine.config import SamplingParams, SpecConfig
 from .config import REFERENCE_RUNNER, RunnerSpec
 from .runner import RunResult, Timeline, stats_dict
 

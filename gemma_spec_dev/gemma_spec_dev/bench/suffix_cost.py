@@ -21,7 +21,7 @@ import tracemalloc
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from gemma_spec_ros.engine.suffix import SuffixConfig, SuffixDrafter
+from gemma_spec_ros.engine.drafters.suffix import SuffixConfig, SuffixDrafter
 
 
 def _ms(samples: Sequence[float]) -> Dict[str, float]:

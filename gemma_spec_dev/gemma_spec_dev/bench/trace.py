@@ -38,11 +38,12 @@ import threading
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from gemma_spec_ros.engine import drafting, types
+from gemma_spec_ros.engine import modes
 from gemma_spec_ros.engine.engine import Engine
 from gemma_spec_ros.engine.remote import RemoteConfig, RemoteEngine
-from gemma_spec_ros.engine.suffix import SuffixConfig, SuffixDrafter
-from gemma_spec_ros.engine.types import GenerationRequest, SamplingParams, SpecConfig, expand_path
+from gemma_spec_ros.engine.drafters.suffix import SuffixConfig, SuffixDrafter
+from gemma_spec_ros.engine.request import GenerationRequest
+from gemma_spec_ros.engine.config import SamplingParams, SpecConfig, expand_path
 from .constrained import LlamaServer
 from .config import (NATIVE_NGRAM_SETTINGS, RunnerSpec, default_params, engine_config, load_params,
                      model_config, thread_count)
@@ -67,10 +68,7 @@ def register_chains(chains: Mapping[str, Tuple[str, ...]]) -> None:
     """Make each chain a spec mode of this process (the engine's mode table names the drafters
     each mode tries): the trace's chains of the suffix drafter run through the engine's own loop."""
     for mode, chain in chains.items():
-        if mode not in drafting.DRAFTERS_BY_MODE:
-            drafting.DRAFTERS_BY_MODE[mode] = chain
-        if mode not in types.SPEC_MODES:
-            types.SPEC_MODES = types.SPEC_MODES + (mode,)
+        modes.MODES.setdefault(mode, modes.Mode(mode, chain))
 
 
 class EngineTraceRunner:

@@ -2,7 +2,7 @@
 drafting strategy would fare on a multi-request trace, in seconds of CPU, unmoved by a busy host.
 
 Greedy decoding makes the accepted tokens a function of the drafts. For each request of the trace,
-in order, each strategy drafts as the engine does (:func:`~gemma_spec_ros.engine.drafting.propose`
+in order, each strategy drafts as the engine does (:func:`~gemma_spec_ros.engine.propose.propose`
 with the real drafters, their draft-length policies, the per-draft cut, and under a schema the real
 grammar: forced text first, drafts cut before the first refused token); a draft is accepted up to
 its first mismatch with the reference output, and the pass is charged the cost of its rows
@@ -30,16 +30,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from gemma_spec_ros.engine.drafting import (DRAFTERS_BY_MODE, GRAMMAR_DRAFT_MAX, GRAMMAR_K, Drafting,
-                                            propose)
+from gemma_spec_ros.engine.modes import MODES, Mode
+from gemma_spec_ros.engine.propose import GRAMMAR_DRAFT_MAX, GRAMMAR_K, Drafting, DraftRequest, propose
 from gemma_spec_ros.engine.engine import Engine
-from gemma_spec_ros.engine.grammar import Grammar, GrammarVocab, compiled_constraint
-from gemma_spec_ros.engine.lookup import LookupDrafter
-from gemma_spec_ros.engine.policy import CostModel, DraftLengthPolicy
+from gemma_spec_ros.engine.grammar.matcher import Grammar, GrammarVocab, compiled_constraint
+from gemma_spec_ros.engine.drafters.lookup import LookupDrafter
+from gemma_spec_ros.engine.policy.costs import CostModel
+from gemma_spec_ros.engine.policy.length import DraftLengthPolicy
 from gemma_spec_ros.engine.stats import SpecStats
-from gemma_spec_ros.engine.suffix import SuffixConfig, SuffixDrafter
-from gemma_spec_ros.engine.types import Drafter, GenerationRequest, LookupConfig, SpecConfig
-from gemma_spec_ros.engine.uncut import UncutDrafts
+from gemma_spec_ros.engine.drafters.suffix import SuffixConfig, SuffixDrafter
+from gemma_spec_ros.engine.drafters.base import Drafter
+from gemma_spec_ros.engine.request import GenerationRequest
+from gemma_spec_ros.engine.config import LookupConfig, SpecConfig
+from gemma_spec_ros.engine.policy.hindsight import DraftHindsight
 from .config import default_params, engine_config, load_params
 from .trace_requests import TRACES, TraceRequest, trace_requests
 
@@ -141,7 +144,7 @@ class Replayer:
                                 else SuffixDrafter(strategy.suffix))
             self.drafters[name] = Drafting(drafter, DraftLengthPolicy(name, self.costs))
         self.mode = f"replay:{strategy.name}"
-        DRAFTERS_BY_MODE[self.mode] = strategy.chain  # the engine's table has no such chain yet
+        MODES.setdefault(self.mode, Mode(self.mode, strategy.chain))  # a chain the table has no row for
         self.spec = SpecConfig(mode="lookup", draft_max=strategy.draft_max)
 
     def replay(self, prompt: Sequence[int], out: Sequence[int],
@@ -151,7 +154,7 @@ class Replayer:
         for drafting in self.drafters.values():
             drafting.drafter.begin(prompt)
             drafting.policy.new_request()
-        uncut, stats = UncutDrafts(), SpecStats()
+        uncut, stats = DraftHindsight(policies), SpecStats()
         if grammar is not None:
             grammar.accept(out[0])
         context, i, seconds, passes, draft_s = list(prompt) + [out[0]], 1, 0.0, 0, 0.0
@@ -160,11 +163,12 @@ class Replayer:
             k_cap = min(self.spec.draft_max if grammar is None else max(self.spec.draft_max, GRAMMAR_K),
                         hard_cap)
             if uncut.pending:
-                uncut.settle(out[:i], policies)
+                uncut.settle(out[:i])
             started, emitted = time.perf_counter(), i
-            draft, _, n_forced = propose(self.drafters, self.costs, self.mode, self.spec, context, k_cap,
-                                         grammar, stats, min(GRAMMAR_DRAFT_MAX, hard_cap), True,
-                                         lambda whole: uncut.add(whole, emitted, policies))
+            proposal = propose(self.drafters, self.costs, DraftRequest(
+                self.mode, self.spec, context, k_cap, min(GRAMMAR_DRAFT_MAX, hard_cap), grammar, stats,
+                uncut, emitted))
+            draft, n_forced = proposal.draft, proposal.n_forced
             draft_s += time.perf_counter() - started
             accepted = 0
             while accepted < len(draft) and draft.tokens[accepted] == out[i + accepted]:
@@ -209,9 +213,9 @@ def _grammar_factory(params: Mapping[str, Any], schema: str) -> Callable[[], Opt
     """Fresh grammar states of ``schema`` for the embedded model's vocabulary ('' = none)."""
     if not schema:
         return lambda: None
-    from gemma_spec_ros.engine.backend import LlamaBackend
+    from gemma_spec_ros.engine.llama.model import LlamaModel
 
-    target = LlamaBackend(engine_config(params, "off", None).target)
+    target = LlamaModel(engine_config(params, "off", None).target)
     vocab = GrammarVocab.of(target)
     constraint = compiled_constraint("", schema)
 

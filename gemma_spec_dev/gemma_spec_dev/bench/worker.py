@@ -11,7 +11,7 @@ Run as ``python -m gemma_spec_dev.bench.worker`` (the parent does this).
 """
 from __future__ import annotations
 
-from gemma_spec_ros.tools.llama_first import import_llama_cpp_first
+from gemma_spec_ros.engine.llama.process import import_llama_cpp_first
 
 import_llama_cpp_first()
 
@@ -60,7 +60,8 @@ class EngineRunner:
         self.info = {"model_info": self._engine.model_info(), "spec": repr(self._engine.spec)}
 
     def run(self, request: Request) -> RunResult:
-        from gemma_spec_ros.engine.types import GenerationRequest, SamplingParams
+        from gemma_spec_ros.engine.request import GenerationRequest
+        from gemma_spec_ros.engine.config import SamplingParams
 
         sampling = SamplingParams(temperature=float(request["temperature"]), seed=int(request["seed"]))
         req = GenerationRequest(prompt=request["prompt"], max_tokens=int(request["max_tokens"]),

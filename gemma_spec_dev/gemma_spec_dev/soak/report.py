@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Sequence
 
 import jsonschema
 
-from gemma_spec_ros.engine import learned_cache
+from gemma_spec_ros.engine.drafters import learned_cache
 from gemma_spec_ros.node.diagnostics import percentile
 
 from .records import GoalRecord, Report, SoakRun

@@ -12,7 +12,8 @@ import threading
 from typing import Any, Dict, Iterator, List, Optional, Protocol, runtime_checkable
 
 from .stats import SpecStats
-from .types import CountedPrompt, GenerationRequest, SpecConfig, Step
+from .request import CountedPrompt, GenerationRequest, Step
+from .config import SpecConfig
 
 
 @runtime_checkable

@@ -39,22 +39,25 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-
-from .backend import DecodeInterrupted, LlamaBackend
-from .llama_process import return_freed_memory
-from .draft_model import DraftModelDrafter
-from .drafting import DRAFTERS_BY_MODE, GRAMMAR_DRAFT_MAX, GRAMMAR_K, Drafting, propose
-from .grammar import Grammar, GrammarVocab, compiled_constraint
-from .lookup import LookupDrafter
-from .mtp import export_hidden_for, model_drafter, mtp_drafter, mtp_spec_problem
-from .calibration import calibrate
-from .policy import CostModel, DraftLengthPolicy
-from .run import Run
+from .config import EngineConfig, SpecConfig
+from .detokenize import TextAssembler
+from .drafters.base import Drafter
+from .drafters.lookup import LookupDrafter
+from .drafters.mtp import model_drafter
+from .errors import EngineError, PromptTooLongError
+from .grammar.matcher import Grammar, GrammarVocab, compiled_constraint
+from .llama.model import DecodeInterrupted, LlamaModel
+from .llama.process import return_freed_memory
+from .modes import MODES, mode_problem
+from .policy.calibration import measure_costs
+from .policy.costs import CostModel
+from .policy.hindsight import DraftHindsight
+from .policy.length import DraftLengthPolicy
+from .propose import GRAMMAR_DRAFT_MAX, GRAMMAR_K, Drafting, DraftRequest, Proposal, propose
+from .request import CountedPrompt, GenerationRequest, Step
+from .request_state import Ends, RequestState
 from .sampling import Sampler, make_rng
 from .stats import SpecStats, timed
-from .text import TextAssembler
-from .types import (DRAFT_MODES, CountedPrompt, Draft, Drafter, EngineConfig,
-                    EngineError, GenerationRequest, PromptTooLongError, SpecConfig, Step)
 from .verify import Verdict, verify_exact, verify_rejection
 
 
@@ -98,15 +101,14 @@ class Engine:
         self._rolling = SpecStats()
         self.costs = CostModel()
         self.drafters: Dict[str, Drafting] = {}
-        self._policies: Dict[str, DraftLengthPolicy] = {}  # each drafter's policy, by its name
         self._grammar_vocab: Optional[GrammarVocab] = None  # made by the first constrained request
-        # A window-sized sliding-window cache (LlamaBackend): the target rolls back only the
+        # A window-sized sliding-window cache (LlamaModel): the target rolls back only the
         # rejected tokens of its last pass, and prompt reuse checks the window. Safe only while
         # every verify pass is one llama.cpp batch: with a smaller n_batch, the full cache. The
         # window cache's cell order depends on the rollback history, so wherever bit-identical
         # output is promised (the exact build, F16/F32 weights) the backend keeps the full cache.
         one_batch = min(config.target.n_batch, config.target.n_ctx) >= MAX_VERIFY_ROWS
-        self.target = LlamaBackend(config.target, full_swa_cache=None if one_batch else True)
+        self.target = LlamaModel(config.target, full_swa_cache=None if one_batch else True)
         try:  # the draft model first: if it cannot draft for the target, no cache is loaded (or saved)
             if config.draft is not None:
                 self._add_drafter(model_drafter(config.draft, self.target))  # a model or an assistant
@@ -122,7 +124,6 @@ class Engine:
     def _add_drafter(self, drafter: Drafter) -> None:
         policy = DraftLengthPolicy(drafter.name, self.costs, probe_new_requests=drafter.cheap_to_probe)
         self.drafters[drafter.name] = Drafting(drafter, policy)
-        self._policies[drafter.name] = policy
 
     def __enter__(self) -> "Engine":
         return self
@@ -141,14 +142,14 @@ class Engine:
 
     @property
     def draft(self) -> Optional[Drafter]:
-        """The draft-model drafter, None without a draft model."""
-        drafting = self.drafters.get(DraftModelDrafter.name)
-        return drafting.drafter if drafting is not None else None
+        """The drafter that runs the model of ``draft.model_path`` (a draft model, an assistant),
+        None without one."""
+        return next((d.drafter for d in self.drafters.values() if d.drafter.model_info() is not None), None)
 
     @property
     def warnings(self) -> List[str]:
         """Problems the drafters recovered from while loading (e.g. a corrupt cache moved aside)."""
-        return [w for d in self.drafters.values() for w in getattr(d.drafter, "warnings", ())]
+        return [w for d in self.drafters.values() for w in d.drafter.warnings]
 
     def take_faults(self) -> List[str]:
         """Problems outside any request since the last call (a periodic save of the learned cache
@@ -167,12 +168,7 @@ class Engine:
 
     def check_spec(self, spec: SpecConfig) -> str:
         """Why ``spec`` cannot be used here ('' if it can)."""
-        reason = mtp_spec_problem(spec.mode, self.drafters)
-        if reason:
-            return reason
-        if spec.mode in DRAFT_MODES and self.draft is None:
-            return f"spec mode {spec.mode!r} needs a draft model, and none is configured (draft.model_path)"
-        return ""
+        return mode_problem(spec.mode, self.drafters)
 
     def update_spec(self, spec: SpecConfig) -> None:
         """Use ``spec`` from the next step on (of a running generation too); never reloads models.
@@ -233,7 +229,7 @@ class Engine:
         return snap
 
     def model_info(self) -> dict:
-        draft = self.draft or mtp_drafter(self.drafters)  # a standalone model or an assistant
+        draft = self.draft
         return {"target": self.target.model_info(),
                 "draft": draft.model_info() if draft is not None else None}
 
@@ -264,60 +260,72 @@ class Engine:
         else:
             prompt = self.prompt_tokens(request)
             self.check_request(request, len(prompt))
-        run = self._new_run(request, prompt)
+        state = self._start(request, prompt, cancel)
         try:
             try:
-                first = self._prompt_pass(run, cancel)
+                first = self._prompt_pass(state, cancel)
             except DecodeInterrupted:  # cancelled, closing or out of time between two prompt chunks
-                reason = "cancelled" if self._stop_requested(cancel) else "timeout"
-                yield Step((), run.text.flush(), run.stats.snapshot(), run.mode_label(self._spec.mode),
-                           self._spec.draft_max, reason)
+                yield state.step(self._spec, "cancelled" if self._stop_requested(cancel) else "timeout")
                 return
-            step = self._emit(run, (first,), run.mode_label(self._spec.mode), self._spec.draft_max, cancel)
+            step = state.emit((first,), self._spec)
             yield step
             while step.finish_reason is None:
                 if self._stop_requested(cancel):  # set while the consumer held the step
-                    yield Step((), run.text.flush(), run.stats.snapshot(), step.spec_mode,
-                               step.draft_max, "cancelled")
+                    yield state.step(self._spec, "cancelled")
                     return
-                tokens, mode_label, draft_max = self._speculative_step(run)
-                step = self._emit(run, tokens, mode_label, draft_max, cancel)
+                proposal, tokens = self._speculative_step(state)
+                step = state.emit(tokens, self._spec, proposal.draft.source or None)
                 yield step
         except BaseException:
             self.target.clear()  # the KV cache may not hold what kv_tokens says: reuse none of it
             raise
         finally:
-            self._end_run(run)
+            self._end(state)
 
-    def _new_run(self, request: GenerationRequest, prompt: List[int]) -> Run:
+    def _start(self, request: GenerationRequest, prompt: List[int],
+               cancel: Optional[threading.Event]) -> RequestState:
+        """A request's state: its sampler and seed stream, its text, its stats, its grammar."""
         sampler = Sampler(request.sampling)
         verification = self._spec.verification
-        run = Run(request, sampler, make_rng(request.sampling.seed),
-                  SpecStats(num_prompt_tokens=len(prompt)), TextAssembler(self.target, request.stop),
-                  prompt, verification, verification == "rejection" and not sampler.greedy)
-        run.grammar = self._start_grammar(request)  # after run.started: its time counts
-        return run
+        target = self.target
+        ends = Ends(is_eog=target.is_eog, context_full=lambda: target.n_past + 1 >= self.n_ctx,
+                    stop_requested=lambda: self._stop_requested(cancel))
+        state = RequestState(request, sampler, make_rng(request.sampling.seed),
+                             SpecStats(num_prompt_tokens=len(prompt)), TextAssembler(target, request.stop),
+                             prompt, ends, DraftHindsight({n: d.policy for n, d in self.drafters.items()}),
+                             verification, verification == "rejection" and not sampler.greedy)
+        state.stats.plain_token_time = self.costs.plain_token_time
+        state.grammar = self._start_grammar(request)  # after state.started: its time counts
+        return state
 
-    def _prompt_pass(self, run: Run, cancel: Optional[threading.Event] = None) -> int:
+    def _before_target_pass(self, mode: str) -> None:
+        """Each drafter learns whether the pass about to run belongs to a step of its mode (an
+        assistant's target then exports the hidden rows it reads; see Drafter.before_target_pass)."""
+        chain = MODES[mode].chain
+        for name, drafting in self.drafters.items():
+            drafting.drafter.before_target_pass(name in chain)
+
+    def _prompt_pass(self, state: RequestState, cancel: Optional[threading.Event] = None) -> int:
         """Decode the prompt, sample the first token, start the drafters and their policies.
 
         Raises DecodeInterrupted if ``cancel``, close() or the request's time budget stops it
         between two n_batch chunks."""
-        with timed(run.stats, "prompt_time"):
-            reused = self._keep_prompt_prefix(run.prompt, run.request.reuse_prompt)
-            export_hidden_for(self.drafters, DRAFTERS_BY_MODE[run.request.spec_mode or self._spec.mode])
-            rest = run.prompt[reused:]
+        with timed(state.stats, "prompt_time"):
+            reused = self._keep_prompt_prefix(state.prompt, state.request.reuse_prompt)
+            self._before_target_pass(state.mode(self._spec))
+            rest = state.prompt[reused:]
             rows = self.target.decode(
-                rest, [len(rest) - 1], stop=lambda: self._stop_requested(cancel) or run.over_budget())
-            first = verify_exact(rows, (), run.sampler, run.rng, run.grammar).tokens[0]
-        run.stats.num_prompt_tokens_reused = reused
-        run.stats.time_to_first_token = time.perf_counter() - run.started
+                rest, [len(rest) - 1], stop=lambda: self._stop_requested(cancel) or state.over_budget())
+            first = verify_exact(rows, (), state.sampler, state.rng, state.grammar).tokens[0]
+        state.stats.num_prompt_tokens_reused = reused
+        state.stats.time_to_first_token = time.perf_counter() - state.started
         # Drafts sampled for rejection verification draw from their own stream of the request's seed.
-        draft_rng = draft_stream(run.rng) if run.use_rejection else None
+        sampling = state.request.sampling if state.use_rejection else None
+        draft_rng = draft_stream(state.rng) if state.use_rejection else None
         for drafting in self.drafters.values():
-            drafting.drafter.begin(run.prompt, run.request.sampling if run.use_rejection else None, draft_rng)
+            drafting.drafter.begin(state.prompt, sampling, draft_rng)
             drafting.policy.new_request()
-        run.context, run.pending = list(run.prompt), first
+        state.context, state.pending = list(state.prompt), first
         return first
 
     def _keep_prompt_prefix(self, prompt: Sequence[int], reuse: bool) -> int:
@@ -333,50 +341,50 @@ class Engine:
             return 0
         return self.target.reuse_prefix(prompt, keep_last=1)
 
-    def _speculative_step(self, run: Run) -> Tuple[Tuple[int, ...], str, int]:
+    def _speculative_step(self, state: RequestState) -> Tuple[Proposal, Tuple[int, ...]]:
         """One target pass: propose a draft -> decode pending + draft -> accept -> roll back the
-        rejected tokens' KV cells -> observe. Returns the tokens the pass emits (the accepted draft
-        prefix + the recovered or bonus token), the mode label and K in effect."""
+        rejected tokens' KV cells -> observe. Returns the proposal and the tokens the pass emits
+        (the accepted draft prefix + the recovered or bonus token)."""
         started = time.perf_counter()
-        target, stats, spec = self.target, run.stats, self._spec
-        mode = run.request.spec_mode or spec.mode
+        target, stats, spec = self.target, state.stats, self._spec
+        mode = state.mode(spec)
         room = self.n_ctx - target.n_past - 1
-        hard_cap = max(0, min(run.request.max_tokens - len(run.generated) - 1, room))
-        # constrained text is more predictable: its drafts may run longer than K (drafting.py)
-        k_cap = min(spec.draft_max if run.grammar is None else max(spec.draft_max, GRAMMAR_K), hard_cap)
-        run.context.append(run.pending)
-        export_hidden_for(self.drafters, DRAFTERS_BY_MODE[mode])  # for this step's verify pass
+        hard_cap = max(0, min(state.request.max_tokens - len(state.generated) - 1, room))
+        # constrained text is more predictable: its drafts may run longer than K (propose.py)
+        k_cap = min(spec.draft_max if state.grammar is None else max(spec.draft_max, GRAMMAR_K), hard_cap)
+        state.context.append(state.pending)
+        self._before_target_pass(mode)  # for this step's verify pass
         with timed(stats, "draft_time"):
-            policies = self._policies
-            if run.uncut.pending:
-                run.uncut.settle(run.generated, policies)
-            n_emitted = len(run.generated)
-            draft, decision, n_forced = propose(self.drafters, self.costs, mode, spec, run.context,
-                                                k_cap, run.grammar, stats,
-                                                min(GRAMMAR_DRAFT_MAX, hard_cap), True,
-                                                lambda whole: run.uncut.add(whole, n_emitted, policies))
-        batch = [run.pending, *draft.tokens]
+            if state.hindsight.pending:
+                state.hindsight.settle(state.generated)
+            proposal = propose(self.drafters, self.costs, DraftRequest(
+                mode, spec, state.context, k_cap, min(GRAMMAR_DRAFT_MAX, hard_cap), state.grammar,
+                stats, state.hindsight, len(state.generated)))
+        draft = proposal.draft
+        batch = [state.pending, *draft.tokens]
         n_keep = target.n_past
         with timed(stats, "verify_time"):
             rows, seconds = target.timed_decode(batch, range(len(batch)))
         self.costs.observe_verify(len(batch), seconds)
         with timed(stats, "sample_time"):
-            if run.use_rejection:
-                verdict = verify_rejection(rows, draft.tokens, draft.probs, run.sampler, run.rng,
-                                           run.grammar)
+            if state.use_rejection:
+                verdict = verify_rejection(rows, draft.tokens, draft.probs, state.sampler, state.rng,
+                                           state.grammar)
             else:
-                verdict = verify_exact(rows, draft.tokens, run.sampler, run.rng, run.grammar)
+                verdict = verify_exact(rows, draft.tokens, state.sampler, state.rng, state.grammar)
         target.rollback(n_keep + 1 + verdict.num_accepted)
-        self._observe(stats, draft, verdict, n_forced)
-        run.context.extend(verdict.tokens[:-1])
-        run.pending = verdict.tokens[-1]
-        stats.predicted_speedup = decision.predicted_speedup
+        self._observe(stats, proposal, verdict)
+        state.context.extend(verdict.tokens[:-1])
+        state.pending = verdict.tokens[-1]
+        stats.predicted_speedup = proposal.decision.predicted_speedup
+        stats.plain_token_time = self.costs.plain_token_time
         stats.generation_time += time.perf_counter() - started
-        return verdict.tokens, run.mode_label(spec.mode, draft.source or None), spec.draft_max
+        return proposal, verdict.tokens
 
-    def _observe(self, stats: SpecStats, draft: Draft, verdict: Verdict, n_forced: int = 0) -> None:
+    def _observe(self, stats: SpecStats, proposal: Proposal, verdict: Verdict) -> None:
         """Feed one verify pass to the request's stats and to the drafter's policy (a drafter's
         policy learns from its own part of the draft, after the tokens a grammar forced)."""
+        draft, n_forced = proposal.draft, proposal.n_forced
         stats.num_steps += 1
         stats.num_step_tokens += len(verdict.tokens)
         if draft.tokens:
@@ -387,36 +395,27 @@ class Engine:
             if own > 0 and verdict.num_accepted >= n_forced:  # the drafter's part was reached
                 self.drafters[draft.source].policy.observe(own, verdict.num_accepted - n_forced)
 
-    def _emit(self, run: Run, tokens: Sequence[int], mode_label: str, draft_max: int,
-              cancel: Optional[threading.Event]) -> Step:
-        target = self.target
-        return run.emit(tokens, mode_label, draft_max, is_eog=target.is_eog,
-                        context_full=lambda: target.n_past + 1 >= self.n_ctx,
-                        stop_requested=lambda: self._stop_requested(cancel),
-                        plain_token_time=self.costs.plain_token_time)
-
-    def _end_run(self, run: Run) -> None:
+    def _end(self, state: RequestState) -> None:
         """The request ended (finished, cancelled, or failed): drafters learn, stats roll up."""
-        run.stats.plain_token_time = self.costs.plain_token_time
-        if run.grammar is not None:
-            run.grammar.close()
+        state.stats.plain_token_time = self.costs.plain_token_time
+        if state.grammar is not None:
+            state.grammar.close()
         with self._stats_lock:  # first: whatever follows, the request counts
-            self._rolling.merge(run.stats)
+            self._rolling.merge(state.stats)
         for drafting in self.drafters.values():
             drafter = drafting.drafter
-            drafter.end(run.prompt + run.generated)  # learns; a failed save is kept, never raised
-            save_error = getattr(drafter, "save_error", None)
-            if save_error:
-                drafter.save_error = None  # reported once per failed save
-                self._faults.append(save_error)
+            drafter.end(state.prompt + state.generated)  # learns; a failed save is kept, never raised
+            fault = drafter.take_fault()
+            if fault:
+                self._faults.append(fault)
 
     # -- calibration and teardown ---------------------------------------------------------------
     def calibrate(self, sizes: Sequence[int] = (), context_len: int = 64, repeats: int = 2,
                   warmup: int = 2) -> Dict[int, float]:
         """Measure the target's pass cost per batch size on this device (seeds the cost model);
-        see calibration.calibrate."""
-        return calibrate(self.target, [d.drafter for d in self.drafters.values()], self.costs,
-                         self._spec.draft_max, sizes, context_len, repeats, warmup)
+        see policy/calibration.py."""
+        return measure_costs(self.target, [d.drafter for d in self.drafters.values()], self.costs,
+                             self._spec.draft_max, sizes, context_len, repeats, warmup)
 
     def close(self, timeout: Optional[float] = None) -> bool:
         """Free models and persist the dynamic n-gram cache (idempotent). Never frees a model while

@@ -21,7 +21,9 @@ from .api import GenerationEngine
 from .remote.engine import RemoteEngine
 from .remote.http import ServerUnreachableError
 from .stats import SpecStats
-from .types import CountedPrompt, EngineError, GenerationRequest, PromptTooLongError, SpecConfig, Step
+from .request import CountedPrompt, GenerationRequest, Step
+from .errors import EngineError, PromptTooLongError
+from .config import SpecConfig
 
 
 class FallbackEngine:

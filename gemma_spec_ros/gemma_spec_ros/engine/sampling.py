@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .types import SamplingParams
+from .config import SamplingParams
 
 # Nucleus search starts from this many top candidates and falls back to a full sort only when
 # their mass is below top_p (a full argsort of 262k logits costs ~15 ms; argpartition ~2 ms).

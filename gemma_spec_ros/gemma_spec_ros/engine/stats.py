@@ -61,7 +61,7 @@ class SpecStats:
     accepted_at: List[int] = field(default_factory=list, metadata=_SUM)
     drafted_at: List[int] = field(default_factory=list, metadata=_SUM)
     drafts_by_source: Dict[str, int] = field(default_factory=dict, metadata=_SUM)
-    # constrained requests (engine/grammar.py): drafted tokens the grammar forced (no model ran for
+    # constrained requests (engine/grammar/matcher.py): drafted tokens the grammar forced (no model ran for
     # them), those of them the target accepted, whole-vocabulary masks, time in llguidance
     num_grammar_draft_tokens: int = field(default=0, metadata=_SUM)
     num_grammar_accepted_tokens: int = field(default=0, metadata=_SUM)

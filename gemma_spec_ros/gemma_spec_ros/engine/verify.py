@@ -30,7 +30,7 @@ from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
-from .grammar import Grammar, constrained_distribution, sample_constrained
+from .grammar.matcher import Grammar, constrained_distribution, sample_constrained
 from .sampling import Sampler, inverse_cdf
 
 
@@ -48,7 +48,7 @@ def verify_exact(rows: Sequence[np.ndarray], draft: Sequence[int], sampler: Samp
 
     >>> rows = [np.eye(10, dtype=np.float32)[t] for t in (7, 3, 4, 2)]
     >>> from .sampling import make_rng
-    >>> from .types import SamplingParams
+    >>> from .config import SamplingParams
     >>> verify_exact(rows, (7, 3, 9), Sampler(SamplingParams()), make_rng(0))
     Verdict(tokens=(7, 3, 4), num_accepted=2)
     """

@@ -15,7 +15,7 @@ from gemma_spec_msgs.msg import ChatMessage as ChatMessageMsg
 from gemma_spec_msgs.msg import ToolCall as ToolCallMsg
 
 from ..engine.chat import AssistantReply, ChatMessage, Conversation, ToolCall, parse_tools
-from ..engine.types import Step
+from ..engine.request import Step
 from .messages import GoalRejected, result
 
 

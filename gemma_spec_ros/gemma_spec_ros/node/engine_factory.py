@@ -12,13 +12,15 @@ import os
 from dataclasses import dataclass
 from typing import Any, List, Mapping, Optional
 
-from ..engine import learned_cache
+from ..engine.drafters import learned_cache
 from ..engine.api import GenerationEngine
 from ..engine.engine import Engine
 from ..engine.fallback import FallbackEngine
 from ..engine.remote import RemoteEngine
-from ..engine.ngram_cache import CacheFileNotFoundError
-from ..engine.types import EngineConfig, ModelLoadError, RemoteConfig, expand_path
+from ..engine.drafters.ngram_cache import CacheFileNotFoundError
+from ..engine.config import EngineConfig, expand_path
+from ..engine.errors import ModelLoadError
+from ..engine.remote.config import RemoteConfig
 from .parameters import engine_config_from, remote_config_from
 
 
@@ -68,7 +70,7 @@ def check_model_file(path: str) -> None:
 
 def check_files(plan: EnginePlan) -> List[str]:
     """Check every local file the plan reads or writes before any model loads; the folders created
-    for the learned n-gram cache (see :func:`~gemma_spec_ros.engine.learned_cache.prepare_folder`).
+    for the learned n-gram cache (see :func:`~gemma_spec_ros.engine.drafters.learned_cache.prepare_folder`).
 
     Loading a 4 GB target takes tens of seconds on an Orin: a missing draft file, static cache or
     cache folder must fail configure at once, not after that load. Raises an EngineError naming the

@@ -49,7 +49,8 @@ from rclpy.qos import QoSProfile
 
 from ..engine.api import GenerationEngine
 from ..engine.stats import SpecStats
-from ..engine.types import CountedPrompt, EngineError, GenerationRequest, Step
+from ..engine.request import CountedPrompt, GenerationRequest, Step
+from ..engine.errors import EngineError
 from . import messages
 from .goals import Job, JobQueue, LogBudget, check_fits
 from .messages import GoalRejected, check_input_bounds, clip, request_from_goal

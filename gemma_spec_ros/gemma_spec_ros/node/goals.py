@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Deque, Dict, List, Optional, Tuple
 
 from ..engine.api import GenerationEngine
-from ..engine.types import CountedPrompt, EngineError, GenerationRequest, Step
+from ..engine.request import CountedPrompt, GenerationRequest, Step
+from ..engine.errors import EngineError
 from .messages import GoalRejected
 
 if TYPE_CHECKING:

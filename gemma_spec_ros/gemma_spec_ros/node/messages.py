@@ -1,6 +1,6 @@
 """The Generate action's messages <-> the engine's types: pure mapping, no rclpy node, no state.
 
-In: a goal -> :class:`~gemma_spec_ros.engine.types.GenerationRequest` (:func:`request_from_goal`,
+In: a goal -> :class:`~gemma_spec_ros.engine.request.GenerationRequest` (:func:`request_from_goal`,
 after the cheap size checks of :func:`check_input_bounds`). Out: a ``Step`` -> feedback, the last
 ``Step`` -> the result, ``SpecStats`` -> ``gemma_spec_msgs/SpecStats``.
 """
@@ -14,7 +14,9 @@ from gemma_spec_msgs.action import Generate
 from gemma_spec_msgs.msg import SpecStats as SpecStatsMsg
 
 from ..engine.stats import SpecStats
-from ..engine.types import SPEC_MODES, GenerationRequest, SamplingParams, Step
+from ..engine.modes import SPEC_MODES
+from ..engine.request import GenerationRequest, Step
+from ..engine.config import SamplingParams
 from .parameters import PARAMETERS_BY_NAME
 
 #: Characters of a client's string (or a reason quoting one) kept in logs and /diagnostics.

@@ -28,9 +28,10 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
-from ..engine.grammar import MAX_GRAMMAR_BYTES, compiled_constraint
-from ..engine.types import (SPEC_MODES, VERIFICATIONS, EngineConfig, LookupConfig, ModelConfig,
-                            RemoteConfig, SamplingParams, SpecConfig)
+from ..engine.grammar.matcher import MAX_GRAMMAR_BYTES, compiled_constraint
+from ..engine.modes import SPEC_MODES
+from ..engine.config import VERIFICATIONS, EngineConfig, LookupConfig, ModelConfig, SamplingParams, SpecConfig
+from ..engine.remote.config import RemoteConfig
 
 ParamValue = Union[str, int, float, bool]
 

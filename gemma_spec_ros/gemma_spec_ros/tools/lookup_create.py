@@ -26,10 +26,10 @@ from typing import List, Optional, Sequence
 
 from tqdm import tqdm
 
-from ..engine import learned_cache
-from ..engine.vocab import vocab_tag_of
-from ..engine.ngram_cache import NGRAM_MAX, NGRAM_STATIC, NgramCache
-from ..engine.types import CacheFormatError, ModelLoadError
+from ..engine.drafters import learned_cache
+from ..engine.llama.vocab import vocab_tag_of
+from ..engine.drafters.ngram_cache import NGRAM_MAX, NGRAM_STATIC, NgramCache
+from ..engine.errors import CacheFormatError, ModelLoadError
 
 PROG = "gemma-spec-lookup-create"
 #: Tokens hashed between two progress-bar updates.

@@ -33,7 +33,7 @@ from typing import List, Optional, Sequence
 # badly (measured 0.4 vs 22 tokens/s with another process busy). Passive waiting unless the user
 # chose otherwise; it must be set before llama_cpp loads the OpenMP runtime.
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
-from .llama_first import import_llama_cpp_first  # noqa: E402  (imports nothing else)
+from ..engine.llama.process import import_llama_cpp_first  # noqa: E402  (imports nothing else)
 
 import_llama_cpp_first()
 
@@ -43,7 +43,7 @@ from rclpy.lifecycle import TransitionCallbackReturn
 from rclpy.signals import SignalHandlerOptions
 from rclpy.utilities import remove_ros_args
 
-from ..engine.llama_process import limit_malloc_arenas
+from ..engine.llama.process import limit_malloc_arenas
 from ..node import NODE_NAME, SHUTDOWN_BOUND
 from ..node.goal_server import DISPATCHER_JOIN, RESULT_GRACE, SHUTDOWN_STOP_TIMEOUT
 from ..node.node import MIN_EXECUTOR_THREADS, SHUTDOWN_CLOSE_TIMEOUT, GemmaSpecNode

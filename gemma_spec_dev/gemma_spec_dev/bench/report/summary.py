@@ -164,7 +164,7 @@ def same_text_as_off(records: Sequence[Record]) -> Dict[Tuple[str, str], Dict[st
     (every runner's first repeat). llama.cpp's tools may write a few tokens past the request, so
     one text being the start of the other counts as the same. A faster runner with another text
     is faster partly by its text: on the fast build near-ties resolve differently by batch shape,
-    and a continuation that repeats itself is easier to draft (see docs/benchmarks.md, issue 25).
+    and a continuation that repeats itself is easier to draft (see docs/benchmarks.md).
 
     >>> rows = [{"suite": "s", "prompt_id": "a", "repeat": 0, "runner": "off", "text": "one two"},
     ...         {"suite": "s", "prompt_id": "a", "repeat": 0, "runner": "x", "text": "one two three"},

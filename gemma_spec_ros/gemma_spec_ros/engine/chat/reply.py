@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
-from ..text import Utf8Stream
+from ..detokenize import Utf8Stream
 from .conversation import Conversation, ToolCall
 from .syntax import CallSyntax, Parsed, Piece
 

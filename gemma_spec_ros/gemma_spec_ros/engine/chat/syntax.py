@@ -15,7 +15,7 @@ writes):
   without tools, which :meth:`TaggedJsonCalls.describe` explains to the model). The arguments go
   through llguidance's JSON Schema compiler (``%json``), with the engine's JSON layout.
 
-Grammars (Lark for llguidance, engine/grammar.py's engine): with ``tool_choice`` required or a
+Grammars (Lark for llguidance, engine/grammar/matcher.py's engine): with ``tool_choice`` required or a
 name, the whole output is calls; with ``auto``, text stays free until the model opens a call (a
 *lazy* rule: any text up to the first ``<tool_call>``; Gemma's marker is a token no text can
 spell), and from there the call must follow the grammar. ``parallel_tool_calls`` false allows one
@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..grammar import JSON_OPTIONS
+from ..grammar.matcher import JSON_OPTIONS
 
 Piece = Tuple[str, bool]  # (text, is a control token)
 Call = Tuple[str, Dict[str, Any]]  # (tool name, arguments)

@@ -57,7 +57,7 @@ class TemplateError(ValueError):
 
 class ChatVocab:
     """What the chat layer asks of a model's vocabulary, over a loaded
-    :class:`~gemma_spec_ros.engine.backend.LlamaBackend`: plain tokenization, the control tokens a
+    :class:`~gemma_spec_ros.engine.llama.model.LlamaModel`: plain tokenization, the control tokens a
     text spells, and each generated token's text (control tokens apart)."""
 
     def __init__(self, backend: Any) -> None:

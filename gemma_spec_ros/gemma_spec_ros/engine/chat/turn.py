@@ -17,8 +17,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Tuple
 
-from .. import grammar as grammar_engine
-from ..grammar import Constraint, compiled_constraint
+from ..grammar import matcher as grammar_engine
+from ..grammar.matcher import Constraint, compiled_constraint
 from .conversation import Conversation
 from .reply import ReplyStream
 from .syntax import CallSyntax

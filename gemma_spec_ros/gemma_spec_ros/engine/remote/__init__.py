@@ -4,7 +4,7 @@ For a target too large for the robot, or a fleet sharing one GPU server, the nod
 (action, queue, cancel, diagnostics) and an existing serving engine generates: llama.cpp's
 ``llama-server``, vLLM, or llama-cpp-python's ``llama_cpp.server``. The server runs the speculation
 (its own configuration decides the mode); this package streams completions, maps them to
-:class:`~gemma_spec_ros.engine.types.Step` objects and reads the acceptance figures the server
+:class:`~gemma_spec_ros.engine.request.Step` objects and reads the acceptance figures the server
 exposes. Standard library only (``http.client``, ``json``, ``threading``); no ROS.
 
 Rooms, each readable and testable alone (lower ones never import higher ones):
@@ -46,7 +46,7 @@ tokenizer (within ``connect_timeout``), and raises PromptTooLongError when the p
 
 Fallback to a local engine when the server is unreachable: :class:`~gemma_spec_ros.engine.fallback.FallbackEngine`.
 """
-from ..types import RemoteConfig
+from .config import RemoteConfig
 from .engine import REMOTE_MODE, RemoteEngine
 from .http import RemoteError, ServerUnreachableError
 from .metrics import parse_prometheus

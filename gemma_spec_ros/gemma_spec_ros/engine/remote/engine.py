@@ -11,7 +11,10 @@ from functools import partial
 from typing import Any, Dict, Iterator, List, Mapping, Optional
 
 from ..stats import SpecStats
-from ..types import CountedPrompt, GenerationRequest, PromptTooLongError, RemoteConfig, SpecConfig, Step
+from ..request import CountedPrompt, GenerationRequest, Step
+from ..errors import PromptTooLongError
+from .config import RemoteConfig
+from ..config import SpecConfig
 from .http import HttpClient, RemoteError, ServerUnreachableError
 from .metrics import Counters, TauAttribution, fill_stats
 from .payload import completion_request, parse_json_schema

@@ -19,7 +19,8 @@ import time
 import urllib.parse
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-from ..types import EngineError, RemoteConfig
+from ..errors import EngineError
+from .config import RemoteConfig
 
 #: The most bytes read of a plain (not streamed) answer: tokenizer replies, /metrics, /props.
 MAX_BODY_BYTES = 1 << 22

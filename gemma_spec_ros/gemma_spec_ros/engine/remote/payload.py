@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, Optional, Tuple
 
-from ..types import GenerationRequest
+from ..request import GenerationRequest
 from .http import RemoteError
 from .server import KIND_LLAMA_CPP_PYTHON, KIND_LLAMA_SERVER, KIND_VLLM, LLAMA_CPP_KINDS
 

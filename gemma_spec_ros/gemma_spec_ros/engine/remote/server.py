@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, TypeVar
 
-from ..types import RemoteConfig
+from .config import RemoteConfig
 from .http import HttpClient, RemoteError, server_count
 from .metrics import Counters, TauAttribution, parse_prometheus
 

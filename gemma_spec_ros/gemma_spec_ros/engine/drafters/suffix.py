@@ -38,7 +38,9 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from . import learned_cache, suffix_history
 from .suffix_index import DEFAULT_LEVELS, Match, SuffixIndex
-from .types import EMPTY_DRAFT, CacheFormatError, Draft, SamplingParams, SpecConfig, expand_path
+from .base import EMPTY_DRAFT, Draft
+from ..errors import CacheFormatError
+from ..config import SamplingParams, SpecConfig, expand_path
 
 if TYPE_CHECKING:
     import numpy as np
@@ -179,12 +181,12 @@ REQUEST_ROOM = 8192
 class SuffixDrafter:
     """The ``suffix`` drafter: drafts from the longest earlier occurrence of the context's end.
 
-    Implements :class:`~gemma_spec_ros.engine.types.Drafter`. Per request: :meth:`begin` with the
+    Implements :class:`~gemma_spec_ros.engine.drafters.base.Drafter`. Per request: :meth:`begin` with the
     prompt, :meth:`propose` per step (the context may only grow, except that tokens drafted ahead,
     such as a grammar's forced text, may be taken back: the index follows), :meth:`end` with the
     final tokens (the output joins the history). :meth:`close` saves the history. Not thread-safe.
 
-    Raises :class:`~gemma_spec_ros.engine.types.CacheFormatError` if ``history_path`` names a file
+    Raises :class:`~gemma_spec_ros.engine.errors.CacheFormatError` if ``history_path`` names a file
     this engine did not write or one of another vocabulary (both left untouched); a damaged one of
     its own is moved aside with a warning and the history starts empty.
     """
@@ -299,6 +301,14 @@ class SuffixDrafter:
                 self.save()
             except (OSError, CacheFormatError, ValueError) as error:
                 self.save_error = f"saving the suffix history failed: {error}"
+
+    def before_target_pass(self, drafting: bool) -> None:
+        """Nothing: suffix drafts read no target rows."""
+
+    def take_fault(self) -> Optional[str]:
+        """A periodic save's failure since the last call (reported once), else None."""
+        fault, self.save_error = self.save_error, None
+        return fault
 
     def save(self) -> None:
         """Save the history now (atomically) if ``history_path`` is set; only over a file this

@@ -1,7 +1,7 @@
 """Lookup decoding ("lookahead cache"): drafts from n-gram statistics, no draft model.
 
 A reimplementation of llama.cpp's lookup decoding (``examples/lookup``,
-``common_ngram_cache_draft``) over :class:`~gemma_spec_ros.engine.ngram_cache.NgramCache`,
+``common_ngram_cache_draft``) over :class:`~gemma_spec_ros.engine.drafters.ngram_cache.NgramCache`,
 with its three caches:
 
 - **context** cache: n-grams of the current request (prompt + accepted tokens), rebuilt per request;
@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from . import learned_cache
 from .ngram_cache import NGRAM_MAX, NGRAM_STATIC, NgramCache
-from .types import EMPTY_DRAFT, CacheFormatError, Draft, LookupConfig, SamplingParams, SpecConfig, expand_path
+from .base import EMPTY_DRAFT, Draft
+from ..errors import CacheFormatError
+from ..config import LookupConfig, SamplingParams, SpecConfig, expand_path
 
 if TYPE_CHECKING:
     import numpy as np
@@ -75,10 +77,10 @@ def _most_likely_continuation(continuations: Dict[int, int],
 #: token at least twice). Cache: "context", "dynamic" or "static". On 71 replayed prompts these
 #: classes accept at very different rates (a unanimous 4-gram of the request itself far more often
 #: than a 1-gram's majority), which is what lets the policy verify a long draft whole where it rests
-#: on strong matches and cut a weak one. The last bit (session 27) splits the commonest class, a
+#: on strong matches and cut a weak one. The last bit splits the commonest class, a
 #: unanimous long n-gram of the request, into "seen once" and "seen again": replayed with the pass
 #: costs of the exact build, +1.3 % geometric mean on the 22 prompts of the oracle run and +1.6 % on
-#: 51 other prompts (docs/benchmarks.md, "Session 27").
+#: 51 other prompts (docs/benchmarks.md, "Levers tried and dropped").
 Evidence = Tuple[str, bool, bool, bool]
 LONG_NGRAM = 3
 
@@ -207,7 +209,7 @@ DYNAMIC_LOAD_MARGIN = 2
 class LookupDrafter:
     """The ``lookup`` drafter: n-gram drafts from the context, dynamic and static caches.
 
-    Implements :class:`~gemma_spec_ros.engine.types.Drafter`. Per request: :meth:`begin` with the
+    Implements :class:`~gemma_spec_ros.engine.drafters.base.Drafter`. Per request: :meth:`begin` with the
     prompt, then :meth:`propose` per step, :meth:`end` with the final tokens.
     :meth:`close` saves the dynamic cache. Not thread-safe: one request at a time.
 
@@ -220,7 +222,7 @@ class LookupDrafter:
     several drafters) instead of loading them from ``config``'s paths; a given ``dynamic_cache``
     is still saved to ``config.dynamic_path`` if that is set.
 
-    Raises :class:`~gemma_spec_ros.engine.types.CacheFormatError` if the static cache file is
+    Raises :class:`~gemma_spec_ros.engine.errors.CacheFormatError` if the static cache file is
     missing or corrupt, or the dynamic cache file exists but is corrupt.
     """
 
@@ -352,6 +354,14 @@ class LookupDrafter:
         if self._dynamic_path:
             learned_cache.save(self._dynamic_cache, self._dynamic_path, self._vocab_tag)
             self._dynamic_changed = False
+
+    def before_target_pass(self, drafting: bool) -> None:
+        """Nothing: n-gram drafts read no target rows."""
+
+    def take_fault(self) -> Optional[str]:
+        """A periodic save's failure since the last call (reported once), else None."""
+        fault, self.save_error = self.save_error, None
+        return fault
 
     def warm_up(self, filler: Sequence[int], max_rows: int, passes: int) -> None:
         """Nothing to warm up: no model."""

@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from . import learned_cache
-from .llama_process import _llama
-from .types import VocabMismatchError
+from .process import load_llama_cpp
+from ..errors import VocabMismatchError
 
 
 @dataclass(frozen=True)
@@ -21,12 +20,17 @@ class VocabIdentity:
     add_bos: bool
     token_texts_digest: str  # digest of all token texts, to compare without holding both lists
 
+    @property
+    def tag(self) -> str:
+        """The tag the learned caches of this vocabulary carry (:func:`vocab_tag`)."""
+        return vocab_tag(self.vocab_type, self.n_vocab, self.token_texts_digest)
+
 
 def token_texts_digest(vocab: object) -> str:
     """A digest of every token text of a llama.cpp vocabulary (``llama_model_get_vocab``)."""
     import hashlib
 
-    llama_cpp = _llama()
+    llama_cpp = load_llama_cpp()
     digest = hashlib.sha1()
     for token in range(int(llama_cpp.llama_vocab_n_tokens(vocab))):
         digest.update(llama_cpp.llama_vocab_get_text(vocab, token) or b"")
@@ -34,15 +38,26 @@ def token_texts_digest(vocab: object) -> str:
     return digest.hexdigest()
 
 
+def vocab_tag(vocab_type: int, n_vocab: int, token_texts_digest: str) -> str:
+    """The tag of a vocabulary: its type, size and a digest of all token texts. Learned cache files
+    (drafters/learned_cache.py) carry it, so that a file of another vocabulary is refused.
+
+    >>> vocab_tag(1, 262144, "ab" * 20)
+    'vocab-1-262144-abababababababababababababababababababab'
+    """
+    return f"vocab-{vocab_type}-{n_vocab}-{token_texts_digest}"
+
+
 def vocab_tag_of(vocab: object) -> str:
-    """The tag learned n-gram cache files of a llama.cpp vocabulary carry (learned_cache.vocab_tag)."""
-    llama_cpp = _llama()
-    return learned_cache.vocab_tag(int(llama_cpp.llama_vocab_type(vocab)),
-                                   int(llama_cpp.llama_vocab_n_tokens(vocab)), token_texts_digest(vocab))
+    """The tag the learned caches of a llama.cpp vocabulary carry (:func:`vocab_tag`), without a
+    loaded model's identity (the lookup-cache builder has only a vocabulary)."""
+    llama_cpp = load_llama_cpp()
+    return vocab_tag(int(llama_cpp.llama_vocab_type(vocab)), int(llama_cpp.llama_vocab_n_tokens(vocab)),
+                     token_texts_digest(vocab))
 
 
 class LoadedVocab(Protocol):
-    """What the compatibility check reads of a loaded model (backend.LlamaBackend has it)."""
+    """What the compatibility check reads of a loaded model (backend.LlamaModel has it)."""
 
     path: str
 

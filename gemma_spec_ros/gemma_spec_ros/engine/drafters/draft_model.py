@@ -6,10 +6,11 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from .backend import LlamaBackend
-from .vocab import check_vocab_compatible
-from .sampling import Sampler, inverse_cdf
-from .types import Draft, ModelConfig, SamplingParams, SpecConfig
+from ..llama.model import LlamaModel
+from ..llama.vocab import check_vocab_compatible
+from ..sampling import Sampler, inverse_cdf
+from .base import Draft
+from ..config import ModelConfig, SamplingParams, SpecConfig
 
 _GREEDY = Sampler(SamplingParams())
 
@@ -48,7 +49,7 @@ def next_draft_token(logits: np.ndarray, sampler: Optional[Sampler], rng: Option
 class DraftModelDrafter:
     """Greedy (or, for ``rejection`` verification, sampled) drafting with a small model.
 
-    Implements :class:`~gemma_spec_ros.engine.types.Drafter`.
+    Implements :class:`~gemma_spec_ros.engine.drafters.base.Drafter`.
 
     - KV reuse: the draft model keeps its cache across steps and requests; each ``propose`` keeps
       the longest common prefix with the new context and decodes only the rest (the rollback of
@@ -64,9 +65,10 @@ class DraftModelDrafter:
     name = "draft"
     cheap_to_probe = False  # a probe first decodes every context token the model has not seen
     cuts_drafts = False
+    warnings: List[str] = []  # nothing is recovered from at load: a mismatch refuses the model
 
-    def __init__(self, config: ModelConfig, target: LlamaBackend) -> None:
-        self.backend = LlamaBackend(config)
+    def __init__(self, config: ModelConfig, target: LlamaModel) -> None:
+        self.backend = LlamaModel(config)
         try:
             check_vocab_compatible(target, self.backend)
         except Exception:
@@ -115,6 +117,12 @@ class DraftModelDrafter:
 
     def end(self, tokens: Sequence[int]) -> None:
         """Nothing to learn; the KV cache stays for prefix reuse."""
+
+    def before_target_pass(self, drafting: bool) -> None:
+        """Nothing: the draft model reads no target rows."""
+
+    def take_fault(self) -> Optional[str]:
+        return None
 
     def warm_up(self, filler: Sequence[int], max_rows: int, passes: int) -> None:
         """Run the passes drafting uses (a catch-up batch, one-token steps) untimed, so the first

@@ -8,11 +8,11 @@ from __future__ import annotations
 import math
 from typing import Dict, Iterable, List, Sequence
 
-from .backend import LlamaBackend
-from .policy import CostModel
-from .types import Drafter
+from ..llama.model import LlamaModel
+from .costs import CostModel
+from ..drafters.base import Drafter
 
-#: calibrate() measures every pass size up to this one (then only K + 1; others interpolated).
+#: measure_costs() measures every pass size up to this one (then only K + 1; others interpolated).
 CALIBRATE_ALL_UP_TO = 9
 
 
@@ -33,9 +33,9 @@ def non_decreasing(values: Sequence[float]) -> List[float]:
     return [total / count for total, count in blocks for _ in range(int(count))]
 
 
-def calibrate(target: LlamaBackend, drafters: Iterable[Drafter], costs: CostModel, draft_max: int,
-              sizes: Sequence[int] = (), context_len: int = 64, repeats: int = 3,
-              warmup: int = 2) -> Dict[int, float]:
+def measure_costs(target: LlamaModel, drafters: Iterable[Drafter], costs: CostModel, draft_max: int,
+                  sizes: Sequence[int] = (), context_len: int = 64, repeats: int = 3,
+                  warmup: int = 2) -> Dict[int, float]:
     """Measure the target's pass cost per batch size on this device (seeds the cost model).
 
     Every size first runs ``warmup`` untimed passes: the first passes of a batch shape are slower
@@ -55,7 +55,7 @@ def calibrate(target: LlamaBackend, drafters: Iterable[Drafter], costs: CostMode
     its passes, not its figure. Timed size by size, a single burst stayed in the shape for good
     (the cost model moves a size's shape only slowly, and a size that looks dear is never drafted,
     so never measured again): a 5-row pass came out at 2.8 V(1) instead of ~2.2, and the policy
-    cut the drafts of a verbatim copy to 2 tokens where 8 paid (issue 25, session 26).
+    cut the drafts of a verbatim copy to 2 tokens where 8 paid.
     """
     k_rows = draft_max + 1
     sizes = sorted(set(sizes or (*range(1, min(k_rows, CALIBRATE_ALL_UP_TO) + 1), k_rows)))

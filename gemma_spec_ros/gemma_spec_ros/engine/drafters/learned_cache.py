@@ -27,8 +27,9 @@ import time
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from .ngram_cache import NgramCache, PathLike, read_cache_file, write_atomically
-from .types import CacheFormatError
+from .ngram_cache import NgramCache, read_cache_file
+from ..files import PathLike, write_atomically
+from ..errors import CacheFormatError
 
 MAGIC = b"\x89GSNGRM\n"  # high bit + name + newline: not text, not a llama.cpp record
 FORMAT_VERSION = 1
@@ -46,15 +47,6 @@ class VocabularyMismatchError(CacheFormatError):
 
 class CorruptLearnedCacheError(CacheFormatError):
     """A learned cache (it has the header) whose records are broken: the owner may move it aside."""
-
-
-def vocab_tag(vocab_type: int, n_vocab: int, token_texts_digest: str) -> str:
-    """The tag of a vocabulary: its type, size and a digest of all token texts.
-
-    >>> vocab_tag(1, 262144, "ab" * 20)
-    'vocab-1-262144-abababababababababababababababababababab'
-    """
-    return f"vocab-{vocab_type}-{n_vocab}-{token_texts_digest}"
 
 
 def encode(cache: NgramCache, tag: str) -> bytes:

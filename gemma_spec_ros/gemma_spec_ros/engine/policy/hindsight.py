@@ -7,20 +7,18 @@ cut it must know how such tokens fare, and the verify pass never sees them. The 
 goes on to emit do: under greedy decoding a draft token is accepted iff it is the token emitted
 (under rejection sampling too, for these one-hot drafts). So every whole draft is kept and checked
 token by token as the text comes, and each checked token teaches the policy's acceptance of its
-evidence class (:class:`~gemma_spec_ros.engine.policy.EvidenceAcceptance`). A policy that cut every
+evidence class (:class:`~gemma_spec_ros.engine.policy.acceptance.EvidenceAcceptance`). A policy that cut every
 draft to nothing still learns this way, so it drafts again the moment the text turns predictable.
 
-This replaces the shadow drafts of session 22 (a plain step drafted, unverified, while the policy
-was off): every step drafts now, and the cut decides. Output is untouched: nothing here reaches the
-target.
+Output is untouched: nothing here reaches the target.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import List, Mapping, Sequence
 
-from .policy import DraftLengthPolicy
-from .types import Draft
+from .length import DraftLengthPolicy
+from ..drafters.base import Draft
 
 
 @dataclass
@@ -30,29 +28,30 @@ class _Uncut:
     seen: int = 0  # of its tokens already checked against the emitted ones
 
 
-class UncutDrafts:
+class DraftHindsight:
     """One request's whole drafts (before their cut), checked token by token against the tokens
     the request emits (module docstring). A draft is done at its first wrong token or once matched
     whole; one still open when the request ends is dropped."""
 
-    def __init__(self) -> None:
+    def __init__(self, policies: Mapping[str, DraftLengthPolicy]) -> None:
+        self._policies = policies  # the request's drafters' policies, by drafter name
         self._pending: List[_Uncut] = []
 
     @property
     def pending(self) -> bool:
         return bool(self._pending)
 
-    def add(self, draft: Draft, n_emitted: int, policies: Dict[str, DraftLengthPolicy]) -> None:
+    def add(self, draft: Draft, n_emitted: int) -> None:
         """``draft`` guesses the tokens from emitted index ``n_emitted`` on."""
         if draft.tokens and draft.evidence is not None:
-            policies[draft.source].evidence.age()
+            self._policies[draft.source].evidence.age()
             self._pending.append(_Uncut(draft, n_emitted))
 
-    def settle(self, emitted: Sequence[int], policies: Dict[str, DraftLengthPolicy]) -> None:
+    def settle(self, emitted: Sequence[int]) -> None:
         """Check every open draft's tokens that the emitted ones now cover."""
         still = []
         for pending in self._pending:
-            draft, model = pending.draft, policies[pending.draft.source].evidence
+            draft, model = pending.draft, self._policies[pending.draft.source].evidence
             done = False
             while pending.seen < len(draft.tokens) and pending.start + pending.seen < len(emitted):
                 right = draft.tokens[pending.seen] == emitted[pending.start + pending.seen]

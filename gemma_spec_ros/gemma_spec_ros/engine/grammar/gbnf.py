@@ -321,7 +321,7 @@ def gbnf_to_lark(text: str) -> str:
     >>> gbnf_to_lark('root ::= "a" | nowhere')
     Traceback (most recent call last):
     ...
-    gemma_spec_ros.engine.gbnf.GbnfError: rule 'nowhere' is used but not defined (in rule 'root')
+    gemma_spec_ros.engine.grammar.gbnf.GbnfError: rule 'nowhere' is used but not defined (in rule 'root')
     """
     rules = _Converter(text).convert()
     if ROOT_RULE not in rules:

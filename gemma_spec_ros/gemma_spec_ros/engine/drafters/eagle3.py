@@ -34,14 +34,15 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .backend import BufferViews, LlamaBackend
+from ..llama.model import BufferViews, LlamaModel
 from .draft_model import next_draft_token
-from .gguf_header import GGUFHeaderError, architecture
+from ..llama.gguf import GGUFHeaderError, architecture
 from .linked_head import LinkedHead, nextn_bindings
-from .llama_process import _llama
-from .sampling import Sampler
-from .types import (Draft, EngineError, KVCacheError, ModelConfig, ModelLoadError, SamplingParams,
-                    SpecConfig)
+from ..llama.process import load_llama_cpp
+from ..sampling import Sampler
+from .base import Draft
+from ..errors import EngineError, KVCacheError, ModelLoadError
+from ..config import ModelConfig, SamplingParams, SpecConfig
 
 HEAD_ARCHITECTURE = "eagle3"
 #: Architectures whose llama.cpp graph exports layer inputs (``t_layer_inp``) at the llama.cpp
@@ -94,7 +95,7 @@ class Eagle3Bindings:
     }
 
     def __init__(self) -> None:
-        llama_cpp = _llama()
+        llama_cpp = load_llama_cpp()
         library = llama_cpp.llama_cpp._lib
         ctx, model = llama_cpp.llama_context_p_ctypes, llama_cpp.llama_model_p_ctypes
         floats = ctypes.POINTER(ctypes.c_float)
@@ -124,7 +125,7 @@ class Eagle3Bindings:
 def _meta_int(model: object, key: str) -> Optional[int]:
     """An integer GGUF key of a loaded model (llama.cpp prints every value as text)."""
     buf = ctypes.create_string_buffer(32)
-    n = _llama().llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    n = load_llama_cpp().llama_model_meta_val_str(model, key.encode(), buf, len(buf))
     try:
         return int(buf.value) if n > 0 else None
     except ValueError:
@@ -138,7 +139,7 @@ class Eagle3Head(LinkedHead):
     what = "the EAGLE-3 head"
     shares_positions = "its KV cache holds the target's positions"
 
-    def __init__(self, config: ModelConfig, target: LlamaBackend) -> None:
+    def __init__(self, config: ModelConfig, target: LlamaModel) -> None:
         path = config.resolved_path
         kind = architecture_of(path)
         if kind != HEAD_ARCHITECTURE:
@@ -147,10 +148,10 @@ class Eagle3Head(LinkedHead):
         check_feature_target(target)
         self.bindings = Eagle3Bindings()
         self._encoder = self._pairs = None
-        super().__init__(config, target, ctx_type=_llama().LLAMA_CONTEXT_TYPE_DEFAULT,
+        super().__init__(config, target, ctx_type=load_llama_cpp().LLAMA_CONTEXT_TYPE_DEFAULT,
                          n_batch=HEAD_BATCH_ROWS)
 
-    def _check_pair(self, target: LlamaBackend, target_model: object) -> None:
+    def _check_pair(self, target: LlamaModel, target_model: object) -> None:
         llama_cpp = self._llama_cpp
         self.n_embd = int(llama_cpp.llama_model_n_embd(self._model))
         self.n_embd_target = int(llama_cpp.llama_model_n_embd(target_model))
@@ -178,7 +179,7 @@ class Eagle3Head(LinkedHead):
                 f"{target.n_vocab}: its drafts would be other tokens")
         self.own_token_embd = bool(self.bindings.llama_model_get_tok_embd(self._model, None))
 
-    def _after_context(self, target: LlamaBackend, target_ctx: object) -> None:
+    def _after_context(self, target: LlamaModel, target_ctx: object) -> None:
         llama_cpp, nextn = self._llama_cpp, self.bindings.nextn
         if not self.own_token_embd and nextn.llama_get_ctx_other(self._ctx) != target_ctx:
             raise HeadMismatchError(f"llama.cpp did not link {self.path} to the target's context")
@@ -296,7 +297,7 @@ def architecture_of(path: str) -> str:
         return ""
 
 
-def check_feature_target(target: LlamaBackend) -> None:
+def check_feature_target(target: LlamaModel) -> None:
     """Refuse a target whose graph does not export layer features: asking it would abort."""
     kind = target.architecture
     if kind in FEATURE_ARCHITECTURES:
@@ -317,7 +318,7 @@ class TargetFeatures:
     layer_inp``); the id equal to it is the final post-norm state (``llama_set_embeddings_nextn``,
     every row, not only those asked for logits)."""
 
-    def __init__(self, target: LlamaBackend, layers: Sequence[int], n_layer: int, n_embd: int,
+    def __init__(self, target: LlamaModel, layers: Sequence[int], n_layer: int, n_embd: int,
                  bindings: Eagle3Bindings) -> None:
         _, self._ctx = target.handles
         self._layers, self._n_layer, self._bindings = list(layers), n_layer, bindings
@@ -349,7 +350,7 @@ class TargetFeatures:
 
 
 class Eagle3Drafter:
-    """Drafts with an EAGLE-3 head. Implements :class:`~gemma_spec_ros.engine.types.Drafter`.
+    """Drafts with an EAGLE-3 head. Implements :class:`~gemma_spec_ros.engine.drafters.base.Drafter`.
 
     State by position (see the module docstring): g rows (encoder outputs) held for
     [``_start``, ``_g_end``), feature rows not yet encoded for [``_g_end``, ``_f_end``) (the
@@ -366,11 +367,12 @@ class Eagle3Drafter:
     """
 
     name = "eagle3"
+    warnings: List[str] = []  # nothing is recovered from at load: a mismatch refuses the head
     #: a probe costs the head's catch-up on the passes since its last draft, and one step
     cheap_to_probe = True
     cuts_drafts = False  # each draft token is a head decode
 
-    def __init__(self, config: ModelConfig, target: LlamaBackend) -> None:
+    def __init__(self, config: ModelConfig, target: LlamaModel) -> None:
         self.target = target
         self.head = Eagle3Head(config, target)
         head = self.head
@@ -383,15 +385,15 @@ class Eagle3Drafter:
         self._rng: Optional[np.random.Generator] = None
 
     # -- the target's export --------------------------------------------------------------------
-    def enable(self, enabled: bool) -> None:
+    def before_target_pass(self, drafting: bool) -> None:
         """The target exports features from its next decode on (or stops): only while this drafter
         may draft, so that other modes pay nothing. What the target decoded while it was off was
         not seen: the head starts over at the next decode."""
-        if enabled == self.features.enabled:
+        if drafting == self.features.enabled:
             return
-        self.features.enable(enabled)
-        self.target.after_chunk = self._on_chunk if enabled else None
-        if enabled:
+        self.features.enable(drafting)
+        self.target.after_chunk = self._on_chunk if drafting else None
+        if drafting:
             self._restart(self.target.n_past)
 
     def _restart(self, position: int) -> None:
@@ -503,6 +505,10 @@ class Eagle3Drafter:
     def end(self, tokens: Sequence[int]) -> None:
         """Nothing to learn; the head's cache stays for the next request's shared prefix."""
 
+    def take_fault(self) -> Optional[str]:
+        """Nothing is saved, so nothing fails after a request."""
+        return None
+
     def warm_up(self, filler: Sequence[int], max_rows: int, passes: int) -> None:
         """Run the head's encoder, catch-up decodes and steps untimed, so that the first measured
         draft costs are steady-state ones; leaves the head's cache empty (the next draft catches
@@ -526,5 +532,5 @@ class Eagle3Drafter:
     def close(self) -> None:
         """Stop the target's export, then free the head (before the target)."""
         if self.head._ctx is not None and self.features.enabled:
-            self.enable(False)
+            self.before_target_pass(False)
         self.head.close()

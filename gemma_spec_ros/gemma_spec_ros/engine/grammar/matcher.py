@@ -42,7 +42,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, TypeVar
 import numpy as np
 
 from .gbnf import GbnfError, gbnf_to_lark
-from .types import EngineError
+from ..errors import EngineError
 
 #: A grammar or schema larger than this is refused (the node's ``limits.max_grammar_bytes`` may
 #: lower it): llguidance's compiler recurses per nested rule, see :data:`COMPILE_STACK_BYTES`.
@@ -198,7 +198,7 @@ class GrammarVocab:
 
     @classmethod
     def of(cls, backend: object) -> "GrammarVocab":
-        """The tokenizer of a :class:`~.backend.LlamaBackend` (~2-4 s for 262,144 tokens)."""
+        """The tokenizer of a :class:`~.backend.LlamaModel` (~2-4 s for 262,144 tokens)."""
         import llama_cpp  # noqa: WPS433
 
         vocab = backend.handles_vocab

@@ -24,17 +24,18 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .backend import BufferViews, LlamaBackend
-from .llama_process import _init_backend, _llama
+from ..llama.model import BufferViews, LlamaModel
+from ..llama.process import init_backend, load_llama_cpp
 from .draft_model import DraftModelDrafter, next_draft_token
-from .gguf_header import GGUFHeaderError, architecture
-from .sampling import Sampler
-from .types import (DRAFT_MODES, MTP_MODES, Draft, Drafter, EngineError, ModelConfig,
-                    ModelLoadError, SamplingParams, SpecConfig)
+from ..llama.gguf import GGUFHeaderError, architecture
+from ..sampling import Sampler
+from .base import Draft, Drafter
+from ..errors import EngineError, ModelLoadError
+from ..config import ModelConfig, SamplingParams, SpecConfig
 
 ASSISTANT_ARCHITECTURE = "gemma4-assistant"
 #: Targets whose graph exports the hidden row an assistant reads and whose cache it can share.
@@ -67,9 +68,9 @@ def is_assistant(path: str) -> bool:
         return False
 
 
-def model_drafter(config: ModelConfig, target: LlamaBackend) -> Drafter:
+def model_drafter(config: ModelConfig, target: LlamaModel) -> Drafter:
     """The drafter ``draft.model_path`` names: an :class:`MtpDrafter` for a Gemma 4 assistant, else a
-    standalone draft model (:class:`~gemma_spec_ros.engine.draft_model.DraftModelDrafter`)."""
+    standalone draft model (:class:`~gemma_spec_ros.engine.drafters.draft_model.DraftModelDrafter`)."""
     if is_assistant(config.resolved_path):
         return MtpDrafter(config, target)
     return DraftModelDrafter(config, target)
@@ -84,11 +85,11 @@ class TargetHiddenRows:
     (a verify pass longer than n_batch) are copied before the next chunk overwrites them.
     """
 
-    def __init__(self, target: LlamaBackend) -> None:
+    def __init__(self, target: LlamaModel) -> None:
         self._target = target
         model, self._ctx = target.handles
         self._bindings = nextn_bindings()
-        self.n_embd = int(_llama().llama_model_n_embd_out(model))
+        self.n_embd = int(load_llama_cpp().llama_model_n_embd_out(model))
         self._shape = (self.n_embd,)
         self._views = BufferViews()
         self._rows: Dict[int, np.ndarray] = {}  # copied rows, by position
@@ -148,9 +149,9 @@ class TargetHiddenRows:
 class GemmaAssistant:
     """The assistant model and its MTP context over the target's; one draft row per decode."""
 
-    def __init__(self, config: ModelConfig, target: LlamaBackend) -> None:
-        _init_backend()
-        llama_cpp = self._llama_cpp = _llama()
+    def __init__(self, config: ModelConfig, target: LlamaModel) -> None:
+        init_backend()
+        llama_cpp = self._llama_cpp = load_llama_cpp()
         self.config, self.path = config, config.resolved_path
         self._model = self._ctx = self._batch = None
         target_model, target_ctx = target.handles
@@ -175,7 +176,7 @@ class GemmaAssistant:
             self.close()
             raise
 
-    def _check_pair(self, target: LlamaBackend, target_model: object) -> None:
+    def _check_pair(self, target: LlamaModel, target_model: object) -> None:
         """Refuse what llama.cpp would not check before it runs the graph (it would read the wrong
         rows, or assert)."""
         llama_cpp = self._llama_cpp
@@ -191,7 +192,7 @@ class GemmaAssistant:
                 f"the assistant {self.path} has a vocabulary of {self.n_vocab} tokens and the target "
                 f"{target.path} {target.n_vocab}: its drafts would be other tokens")
 
-    def _create_context(self, target: LlamaBackend, target_ctx: object) -> None:
+    def _create_context(self, target: LlamaModel, target_ctx: object) -> None:
         llama_cpp, config = self._llama_cpp, self.config
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = target.n_ctx
@@ -263,7 +264,7 @@ class GemmaAssistant:
 
 
 class MtpDrafter:
-    """Drafts with a Gemma 4 MTP assistant. Implements :class:`~gemma_spec_ros.engine.types.Drafter`.
+    """Drafts with a Gemma 4 MTP assistant. Implements :class:`~gemma_spec_ros.engine.drafters.base.Drafter`.
 
     Greedy drafting stops when the assistant's top probability falls below ``spec.p_min`` (as
     llama.cpp's draft-mtp does); for ``rejection`` verification of a sampled request the drafts are
@@ -275,8 +276,9 @@ class MtpDrafter:
     #: cache), unlike a standalone draft model
     cheap_to_probe = True
     cuts_drafts = False  # each draft token is an assistant decode
+    warnings: List[str] = []  # nothing is recovered from at load: a mismatch refuses the assistant
 
-    def __init__(self, config: ModelConfig, target: LlamaBackend) -> None:
+    def __init__(self, config: ModelConfig, target: LlamaModel) -> None:
         self.target = target
         self.hidden = TargetHiddenRows(target)
         try:
@@ -315,8 +317,16 @@ class MtpDrafter:
             return Draft()
         return Draft(tuple(tokens), tuple(probs) if self._sampler is not None else None, self.name)
 
+    def before_target_pass(self, drafting: bool) -> None:
+        """The target exports its hidden rows only for passes whose step may draft with the
+        assistant (off, lookup and draft pay nothing for MTP)."""
+        self.hidden.enable(drafting)
+
     def end(self, tokens: Sequence[int]) -> None:
         """Nothing to learn, nothing to roll back: the assistant keeps no state between drafts."""
+
+    def take_fault(self) -> Optional[str]:
+        return None
 
     def warm_up(self, filler: Sequence[int], max_rows: int, passes: int) -> None:
         """Run assistant steps untimed over the filler in the target's cache, so that the first
@@ -335,29 +345,3 @@ class MtpDrafter:
     def close(self) -> None:
         self.hidden.close()
         self.assistant.close()
-
-
-# -- the engine's hooks (engine.py keeps to the mode table; what MTP adds to it lives here) --------
-def mtp_spec_problem(mode: str, drafters: Mapping[str, Any]) -> str:
-    """Why ``mode`` cannot run with these drafters (by name), as far as MTP goes ('' if it can)."""
-    if mode in MTP_MODES and MtpDrafter.name not in drafters:
-        return (f"spec mode {mode!r} needs a Gemma 4 assistant (a {ASSISTANT_ARCHITECTURE} GGUF in "
-                f"draft.model_path), and none is loaded")
-    if mode in DRAFT_MODES and MtpDrafter.name in drafters:
-        return (f"spec mode {mode!r} needs a standalone draft model; draft.model_path names a Gemma 4 "
-                f"assistant, which drafts in spec mode 'mtp' (or 'auto')")
-    return ""
-
-
-def mtp_drafter(drafters: Mapping[str, Any]) -> Optional[MtpDrafter]:
-    """The MTP drafter among the engine's ``Drafting`` entries, None without one."""
-    drafting = drafters.get(MtpDrafter.name)
-    return drafting.drafter if drafting is not None else None
-
-
-def export_hidden_for(drafters: Mapping[str, Any], chain: Sequence[str]) -> None:
-    """The target exports hidden rows only while the MTP drafter is in the step's drafter chain;
-    without an MTP drafter this does nothing (off, lookup and draft pay nothing for MTP)."""
-    drafter = mtp_drafter(drafters)
-    if drafter is not None:
-        drafter.hidden.enable(MtpDrafter.name in chain)

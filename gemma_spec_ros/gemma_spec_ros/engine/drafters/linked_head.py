@@ -1,6 +1,6 @@
 """A drafter model whose llama.cpp context is linked to the target's (``ctx_other``).
 
-Gemma 4's MTP assistant (engine/mtp.py) and an EAGLE-3 head (engine/eagle3.py) are such models:
+Gemma 4's MTP assistant (engine/drafters/mtp.py) and an EAGLE-3 head (engine/drafters/eagle3.py) are such models:
 llama.cpp builds their graph over the target's context (the assistant reads the target's KV cache,
 an EAGLE-3 head borrows the target's token embedding and, without its own, its output head), so
 their context must have the target's ``n_ctx`` and must be created after the target's and freed
@@ -17,9 +17,10 @@ from typing import Callable, Tuple, Type
 
 import numpy as np
 
-from .backend import BufferViews, LlamaBackend
-from .llama_process import _init_backend, _llama
-from .types import EngineError, ModelConfig, ModelLoadError
+from ..llama.model import BufferViews, LlamaModel
+from ..llama.process import init_backend, load_llama_cpp
+from ..errors import EngineError, ModelLoadError
+from ..config import ModelConfig
 
 
 class LinkedHead:
@@ -38,10 +39,10 @@ class LinkedHead:
     #: why its n_ctx must be the target's (a clause for the refusal's message)
     shares_positions = "its context is positioned like the target's"
 
-    def __init__(self, config: ModelConfig, target: LlamaBackend, *, ctx_type: int,
+    def __init__(self, config: ModelConfig, target: LlamaModel, *, ctx_type: int,
                  n_batch: int = 1) -> None:
-        _init_backend()
-        llama_cpp = self._llama_cpp = _llama()
+        init_backend()
+        llama_cpp = self._llama_cpp = load_llama_cpp()
         self.config, self.path = config, config.resolved_path
         self._model = self._ctx = self._batch = None
         require_target_n_ctx(config, target, self.what, self.shares_positions, self.mismatch)
@@ -68,12 +69,12 @@ class LinkedHead:
             raise
 
     # -- what subclasses provide ------------------------------------------------------------------
-    def _check_pair(self, target: LlamaBackend, target_model: object) -> None:
+    def _check_pair(self, target: LlamaModel, target_model: object) -> None:
         """Refuse (``self.mismatch``) what llama.cpp would not check before it runs the graph; set
         ``n_embd`` (the width of the embedding rows a step takes) and ``n_vocab``."""
         raise NotImplementedError
 
-    def _after_context(self, target: LlamaBackend, target_ctx: object) -> None:
+    def _after_context(self, target: LlamaModel, target_ctx: object) -> None:
         """Set up what the model needs beyond the one-row step (its export, more batches)."""
 
     # -- the one-row step -------------------------------------------------------------------------
@@ -145,7 +146,7 @@ def nextn_bindings():  # noqa: ANN201  the llama_cpp.llama_cpp_ext module
     return llama_cpp_ext
 
 
-def require_target_n_ctx(config: ModelConfig, target: LlamaBackend, what: str, why: str,
+def require_target_n_ctx(config: ModelConfig, target: LlamaModel, what: str, why: str,
                          error: Type[EngineError]) -> None:
     """Refuse a linked model configured for another context length than the target's."""
     if config.n_ctx not in (target.config.n_ctx, target.n_ctx):
@@ -153,11 +154,11 @@ def require_target_n_ctx(config: ModelConfig, target: LlamaBackend, what: str, w
                     "set draft.n_ctx to 0 (= the target's)")
 
 
-def linked_context(model: object, config: ModelConfig, target: LlamaBackend, ctx_type: int,
+def linked_context(model: object, config: ModelConfig, target: LlamaModel, ctx_type: int,
                    n_batch: int) -> object:
     """A context of ``model`` over the target's (``ctx_other``), with the target's n_ctx and
     ``n_batch`` rows a decode; NULL if llama.cpp could not create it."""
-    llama_cpp = _llama()
+    llama_cpp = load_llama_cpp()
     cparams = llama_cpp.llama_context_default_params()
     cparams.n_ctx = target.n_ctx
     cparams.n_batch = cparams.n_ubatch = n_batch

@@ -2,7 +2,7 @@
 
 An n-gram cache maps an n-gram (1 to :data:`NGRAM_MAX` tokens) to the tokens that followed it and
 how often: ``(5, 6) -> {7: 3, 9: 1}`` means "5 6" was followed by 7 three times and by 9 once.
-The lookup drafter (:mod:`gemma_spec_ros.engine.lookup`) drafts from three such caches.
+The lookup drafter (:mod:`gemma_spec_ros.engine.drafters.lookup`) drafts from three such caches.
 
 File format (llama.cpp's ``common_ngram_cache_save`` / ``_load``; little-endian, no header): a
 sequence of records, one per n-gram::
@@ -21,15 +21,13 @@ from __future__ import annotations
 import array
 import itertools
 import os
-import stat
 import sys
-import tempfile
-from pathlib import Path
-from typing import Dict, ItemsView, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Dict, ItemsView, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .types import CacheFormatError
+from ..errors import CacheFormatError
+from ..files import PathLike, read_regular_file, write_atomically
 
 #: Longest n-gram the file format holds (llama.cpp's LLAMA_NGRAM_MAX).
 NGRAM_MAX = 4
@@ -53,7 +51,6 @@ _BUILD_CHUNK = 1 << 16
 _NATIVE_LITTLE = sys.byteorder == "little"
 
 Ngram = Tuple[int, ...]
-PathLike = Union[str, "os.PathLike[str]"]
 
 
 class CacheFileNotFoundError(CacheFormatError, FileNotFoundError):
@@ -372,72 +369,6 @@ def read_cache_file(path: PathLike) -> bytes:
             f"cannot read n-gram cache file {os.fspath(path)}: {error.strerror or error}") from None
 
 
-def write_atomically(path: PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically: a temporary file of a unique name (``mkstemp``) in the
-    same directory, then a rename. A reader never sees a half-written file, a failed write keeps the
-    old file, and two writers (two engines in one process) never share a temporary file."""
-    target = Path(path)
-    fd, temporary = tempfile.mkstemp(dir=os.fspath(target.parent), prefix=f".{target.name}.",
-                                     suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as stream:
-            stream.write(data)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, target)
-        _fsync_directory(target.parent)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make a rename in ``directory`` durable (best effort: not every file system allows it)."""
-    try:
-        fd = os.open(os.fspath(directory), os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 #: The largest n-gram cache file read: 256 MiB holds ~10 million 2-gram records, far more than a
 #: robot keeps in memory as Python objects (a 27 MiB file of 1 million n-grams took ~0.7 GiB).
 MAX_FILE_BYTES = 256 << 20
-
-
-class NotARegularFileError(OSError):
-    """A path that must name a regular file names a directory, device, FIFO or socket."""
-
-
-def read_regular_file(path: PathLike, max_bytes: int) -> bytes:
-    """The bytes of the regular file ``path``, at most ``max_bytes`` of them.
-
-    Opened without blocking (a FIFO cannot hang the caller) and checked on the open descriptor: a
-    directory, a device such as ``/dev/zero``, a FIFO or a socket raises NotARegularFileError, a
-    larger file OSError, a missing one FileNotFoundError; never a hang or an unbounded read.
-    """
-    fd = os.open(os.fspath(path), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise NotARegularFileError(
-                f"{os.fspath(path)} is not a regular file (a directory, device or FIFO)")
-        if info.st_size > max_bytes:
-            raise OSError(f"{os.fspath(path)} has {info.st_size} bytes, more than the "
-                          f"{max_bytes} bytes allowed")
-        chunks = []
-        remaining = info.st_size
-        while remaining > 0:
-            chunk = os.read(fd, min(remaining, 1 << 24))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            remaining -= len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)

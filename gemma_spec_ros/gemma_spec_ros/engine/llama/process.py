@@ -1,8 +1,8 @@
 """Process-wide state of llama.cpp and of the C heap under it: backend init, the log filter,
 malloc arenas and trimming, and which build (exact or fast) this process loaded.
 
-Everything here acts on the whole process, not on one model; ``backend.LlamaBackend`` and the MTP
-drafter call ``_init_backend`` before their first llama.cpp call.
+Everything here acts on the whole process, not on one model; ``backend.LlamaModel`` and the MTP
+drafter call ``init_backend`` before their first llama.cpp call.
 """
 from __future__ import annotations
 
@@ -14,17 +14,17 @@ _BACKEND_LOCK = threading.Lock()
 _BACKEND_READY = False
 
 
-def _llama():  # imported lazily so that importing the engine package never needs llama_cpp
+def load_llama_cpp():  # imported lazily so that importing the engine package never needs llama_cpp
     import llama_cpp  # noqa: WPS433
 
     return llama_cpp
 
 
-def _init_backend() -> None:
+def init_backend() -> None:
     global _BACKEND_READY
     with _BACKEND_LOCK:
         if not _BACKEND_READY:
-            llama_cpp = _llama()
+            llama_cpp = load_llama_cpp()
             llama_cpp.llama_backend_init()
             if not os.environ.get("GEMMA_SPEC_LLAMA_LOG"):
                 # llama.cpp logs every load at INFO on stderr; keep errors only.
@@ -62,15 +62,15 @@ def batch_invariant_build() -> bool:
     the default of scripts/setup.sh). With it (``fast``) multi-row products sum in another order
     (up to ~0.02 of a logit, measured on F16): speculative output then equals plain output except
     at near-ties, which is not a promise."""
-    _init_backend()
-    return b"LLAMAFILE = 1" not in _llama().llama_print_system_info()
+    init_backend()
+    return b"LLAMAFILE = 1" not in load_llama_cpp().llama_print_system_info()
 
 
 def exact_output_expected(ftype: int) -> bool:
     """Whether output of a model with llama.cpp file type ``ftype`` is promised bit-identical
     whatever the batch shapes and rollbacks: under the exact build (every batch size gives the same
     F16/F32 logits), or with unquantized weights (prompt reuse is promised bit-identical there)."""
-    llama_cpp = _llama()
+    llama_cpp = load_llama_cpp()
     unquantized = ftype in (llama_cpp.LLAMA_FTYPE_ALL_F32, llama_cpp.LLAMA_FTYPE_MOSTLY_F16,
                             llama_cpp.LLAMA_FTYPE_MOSTLY_BF16)
     return unquantized or batch_invariant_build()
@@ -108,3 +108,15 @@ def _install_quiet_logger(llama_cpp) -> None:
 
     _LOG_CALLBACK = _quiet
     llama_cpp.llama_log_set(_quiet, ctypes.c_void_p(0))
+
+
+def import_llama_cpp_first() -> bool:
+    """Import llama_cpp now, before rclpy, numpy or yaml: the reverse order segfaulted a CUDA build
+    (on the bench's GPU machine; see docs/benchmarks.md). Call it at the top of a process's main
+    module, before those imports. False if llama_cpp is not installed: the node reports that at
+    configure, with the reason, and the bench's action runner does not need it."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True

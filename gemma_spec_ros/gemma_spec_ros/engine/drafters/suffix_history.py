@@ -25,9 +25,9 @@ import zlib
 from array import array
 from typing import List, Optional, Sequence
 
-from .learned_cache import (MAX_TAG_BYTES, CorruptLearnedCacheError, ForeignFileError,
-                            VocabularyMismatchError)
-from .ngram_cache import PathLike, read_cache_file, write_atomically
+from .learned_cache import MAX_TAG_BYTES, CorruptLearnedCacheError, ForeignFileError, VocabularyMismatchError
+from ..files import PathLike, write_atomically
+from .ngram_cache import read_cache_file
 
 MAGIC = b"\x89GSSUFX\n"  # high bit + name + newline: not text, not an n-gram cache
 FORMAT_VERSION = 1

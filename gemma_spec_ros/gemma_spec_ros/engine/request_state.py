@@ -1,9 +1,9 @@
 """One request's state between target passes, and how a pass's tokens become a Step.
 
-The engine owns the models and the loop (engine.py); a :class:`Run` owns what belongs to one
-request: its sampler and seed stream, the tokens decoded and emitted so far, the text assembled
+The engine owns the models and the loop (engine.py); a :class:`RequestState` owns what belongs to
+one request: its sampler and seed stream, the tokens decoded and emitted so far, the text assembled
 from them, its stats, and the rule that ends it (max_tokens, end-of-generation, stop strings, the
-context, cancel, the time budget).
+context, cancel, the time budget). Every :class:`~.request.Step` a request yields is built here.
 """
 from __future__ import annotations
 
@@ -13,20 +13,31 @@ from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 
-from .grammar import Grammar
+from .config import SpecConfig
+from .detokenize import TextAssembler
+from .grammar.matcher import Grammar
+from .policy.hindsight import DraftHindsight
+from .request import GenerationRequest, Step
 from .sampling import Sampler
 from .stats import SpecStats
-from .text import TextAssembler
-from .types import GenerationRequest, Step
-from .uncut import UncutDrafts
 
 #: Step.detail when max_tokens ends a constrained request early.
 GRAMMAR_INCOMPLETE = ("max_tokens ran out before the grammar was complete: the text is not a whole "
                       "match of the grammar / json_schema (raise max_tokens)")
 
 
+@dataclass(frozen=True)
+class Ends:
+    """What a request's end depends on outside it, asked only when the earlier reasons to finish
+    did not hold: an end-of-generation token, a full context, a stop requested (cancel, close)."""
+
+    is_eog: Callable[[int], bool]
+    context_full: Callable[[], bool]
+    stop_requested: Callable[[], bool]
+
+
 @dataclass
-class Run:
+class RequestState:
     """One request's state between steps."""
 
     request: GenerationRequest
@@ -35,6 +46,8 @@ class Run:
     stats: SpecStats
     text: TextAssembler
     prompt: List[int]
+    ends: Ends
+    hindsight: DraftHindsight  # whole drafts before their cut (policy/hindsight.py)
     # spec.verification at the start, kept for the whole request (a change applies to the next one)
     verification: str
     use_rejection: bool  # rejection verification, and the request samples (greedy is exact)
@@ -43,29 +56,32 @@ class Run:
     pending: int = -1  # the last emitted token: sampled, not yet decoded by the target
     generated: List[int] = field(default_factory=list)  # tokens emitted so far
     started: float = field(default_factory=time.perf_counter)  # when generate() took the request
-    uncut: UncutDrafts = field(default_factory=UncutDrafts)  # whole drafts before their cut (uncut.py)
+    source: Optional[str] = None  # the drafter whose draft the last pass verified (None: none)
+
+    def mode(self, spec: SpecConfig) -> str:
+        """The mode of a step: the request's own, else the engine's at this step."""
+        return self.request.spec_mode or spec.mode
 
     def over_budget(self) -> bool:
         budget = self.request.time_budget
         return bool(budget) and time.perf_counter() - self.started >= budget
 
-    def mode_label(self, engine_mode: str, source: Optional[str] = None) -> str:
+    def mode_label(self, spec: SpecConfig, source: Optional[str] = None) -> str:
         """What stats and feedback call the mode of a step: ``auto:<drafter>`` under auto."""
-        mode = self.request.spec_mode or engine_mode
+        mode = self.mode(spec)
         return f"auto:{source or 'off'}" if mode == "auto" else mode
 
-    def emit(self, tokens: Sequence[int], mode_label: str, draft_max: int, *,
-             is_eog: Callable[[int], bool], context_full: Callable[[], bool],
-             stop_requested: Callable[[], bool], plain_token_time: float) -> Step:
-        """The Step of tokens a pass produced: cut at max_tokens and at end-of-generation, text cut
-        at stop strings, ``finish_reason`` set when the generation ends here. The callables are
-        asked only when the earlier reasons to finish did not hold."""
-        stats, max_tokens, generated = self.stats, self.request.max_tokens, self.generated
+    def emit(self, tokens: Sequence[int], spec: SpecConfig, source: Optional[str] = None) -> Step:
+        """The Step of tokens a pass produced (``source``: whose draft it verified): cut at
+        max_tokens and at end-of-generation, text cut at stop strings, ``finish_reason`` set when
+        the generation ends here."""
+        self.source = source
+        max_tokens, generated, ends = self.request.max_tokens, self.generated, self.ends
         room = max_tokens - len(generated)
         emitted: List[int] = []
         eos_hit = False
         for token in tokens[:max(0, room)]:
-            if is_eog(token):
+            if ends.is_eog(token):
                 eos_hit = True
                 break
             emitted.append(token)
@@ -74,20 +90,25 @@ class Run:
         finish = None
         if self.text.stopped or eos_hit:
             finish = "stop"
-        elif len(generated) >= max_tokens or context_full():
+        elif len(generated) >= max_tokens or ends.context_full():
             finish = "length"
-        elif stop_requested():
+        elif ends.stop_requested():
             finish = "cancelled"
         elif self.over_budget():
             finish = "timeout"
-        detail = ""
+        return self.step(spec, finish, emitted, new_text)
+
+    def step(self, spec: SpecConfig, finish: Optional[str] = None, emitted: Sequence[int] = (),
+             new_text: str = "") -> Step:
+        """The Step of these emitted tokens and their text (none: a request stopped between two
+        passes); on the last one (``finish`` set) the text held back for a stop string is let out."""
+        stats, label, detail = self.stats, self.mode_label(spec, self.source), ""
         if finish is not None:
             new_text += self.text.flush()
             if finish == "length" and self.grammar is not None and not self.grammar.complete():
                 detail = GRAMMAR_INCOMPLETE
-        stats.num_generated_tokens = len(generated)
-        stats.spec_mode, stats.draft_max, stats.verification = mode_label, draft_max, self.verification
-        stats.plain_token_time = plain_token_time
+        stats.num_generated_tokens = len(self.generated)
+        stats.spec_mode, stats.draft_max, stats.verification = label, spec.draft_max, self.verification
         if self.grammar is not None:
             stats.num_grammar_masks, stats.grammar_time = self.grammar.masks, self.grammar.seconds
-        return Step(tuple(emitted), new_text, stats.snapshot(), mode_label, draft_max, finish, detail)
+        return Step(tuple(emitted), new_text, stats.snapshot(), label, spec.draft_max, finish, detail)

@@ -1,28 +1,21 @@
-"""Which drafter drafts a step: the table of the drafters each mode may use, the order a step tries
-them in, and the draft one verify pass checks (under a grammar: the text it forces first, then a
-drafter's continuation, cut before the first token the grammar refuses)."""
+"""Which drafter drafts a step: the order a step tries the drafters of its mode in (modes.py), and
+the draft one verify pass checks (under a grammar: the text it forces first, then a drafter's
+continuation, cut before the first token the grammar refuses)."""
 from __future__ import annotations
 
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
-from .grammar import Grammar
-from .policy import PLAIN_STEP, CostModel, Decision, DraftLengthPolicy
+from .grammar.matcher import Grammar
+from .policy.length import PLAIN_STEP, Decision, DraftLengthPolicy
+from .policy.costs import CostModel
 from .stats import SpecStats
-from .types import EMPTY_DRAFT, Draft, Drafter, SpecConfig
-
-#: The drafters (by ``Drafter.name``) each mode may use, in the order a step tries them: the first
-#: non-empty draft is verified. ``auto`` reorders them at every step (see :func:`drafting_order`).
-DRAFTERS_BY_MODE: Dict[str, Tuple[str, ...]] = {
-    "off": (),
-    "draft": ("draft",),
-    "lookup": ("lookup",),
-    "draft+lookup": ("lookup", "draft"),
-    "auto": ("lookup", "draft", "mtp"),
-    "mtp": ("mtp",),  # Gemma 4's assistant (engine/mtp.py); "draft" is a standalone model
-}
+from .drafters.base import EMPTY_DRAFT, Draft, Drafter
+from .config import SpecConfig
+from .modes import MODES
+from .policy.hindsight import DraftHindsight
 
 
 #: Draft.source of a draft the grammar forced whole (no drafter continued it)
@@ -45,20 +38,52 @@ class Drafting:
     policy: DraftLengthPolicy
 
 
+@dataclass(frozen=True)
+class DraftRequest:
+    """What one step asks of its drafters."""
+
+    mode: str  # the mode in effect at this step (the request's, or the engine's)
+    spec: SpecConfig  # the speculation settings in effect at this step
+    context: Sequence[int]  # what the target has decoded + the pending token
+    k_cap: int  # the most drafted tokens this step (K, less what the request or context has left)
+    #: the most tokens a grammar may force this step (they may exceed ``k_cap``: they cost no drafting)
+    forced_cap: int = 0
+    grammar: Optional[Grammar] = None  # the request's constraint, in the state the context reached
+    stats: Optional[SpecStats] = None  # the request's stats (grammar cuts are counted there)
+    #: where the request's whole drafts go before their cut (adaptive or ``auto``, no grammar):
+    #: a drafter that cuts its drafts then proposes ``k_cap`` tokens and its policy cuts them
+    hindsight: Optional[DraftHindsight] = None
+    n_emitted: int = 0  # tokens the request has emitted: where a whole draft's guesses start
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """The draft a step verifies, with its policy's decision, and how many of its first tokens the
+    grammar forced (0 without a grammar)."""
+
+    draft: Draft
+    decision: Decision
+    n_forced: int = 0
+
+
+NO_PROPOSAL = Proposal(EMPTY_DRAFT, PLAIN_STEP)
+
+
 def drafting_order(mode: str, drafters: Dict[str, Drafting], k_cap: int,
                    adaptive: bool, cut: bool = False) -> Iterator[Tuple[Drafting, Decision]]:
     """The drafters one step tries, in order, each with its policy's decision (draft length > 0).
 
-    ``draft+lookup`` (and the one-drafter modes) is a fixed chain in table order that honours
-    ``adaptive`` (``spec.adaptive``); a policy is asked only when its drafter's turn comes.
-    ``auto`` is always adaptive: it asks every policy first and tries the best predicted speedup
+    A mode's chain (modes.py) is tried in table order and honours ``adaptive``
+    (``spec.adaptive``); a policy is asked only when its drafter's turn comes. A ``ranked`` mode
+    (``auto``) is always adaptive: it asks every policy first and tries the best predicted speedup
     first (not measured yet counts as best; ties keep table order), or drafts nothing.
 
     ``cut`` (no grammar): an adaptive drafter that cuts its own drafts is always tried, with the
     whole ``k_cap``; its policy cuts the draft afterwards (:func:`propose`).
     """
-    chain = [drafters[name] for name in DRAFTERS_BY_MODE[mode] if name in drafters]
-    if mode != "auto":
+    row = MODES[mode]
+    chain = [drafters[name] for name in row.chain if name in drafters]
+    if not row.ranked:
         for drafting in chain:
             decision = _decide(drafting, k_cap, adaptive, cut)
             if decision.draft_len > 0:
@@ -85,32 +110,29 @@ def _rank(speedup: float) -> float:
     return math.inf if math.isnan(speedup) else speedup
 
 
-def propose(drafters: Dict[str, Drafting], costs: CostModel, mode: str, spec: SpecConfig,
-            context: List[int], k_cap: int, grammar: Optional[Grammar] = None,
-            stats: Optional[SpecStats] = None, forced_cap: int = 0, cut: bool = False,
-            on_uncut: Optional[Callable[[Draft], None]] = None) -> Tuple[Draft, Decision, int]:
-    """The first non-empty draft in this step's drafting order, with its policy's decision, and
-    how many of its first tokens the grammar forced (0 without a grammar).
+def propose(drafters: Dict[str, Drafting], costs: CostModel, ask: DraftRequest) -> Proposal:
+    """The first non-empty draft in this step's drafting order (:class:`Proposal`).
 
-    ``cut`` (adaptive or ``auto``; ignored under a grammar): a drafter that cuts its drafts proposes
-    ``k_cap`` tokens; ``on_uncut`` gets the whole draft (checked later against the emitted tokens:
-    it teaches the policy's evidence model), and the policy's :meth:`~DraftLengthPolicy.cut` decides
-    how much of it this step verifies (none: the next drafter's turn).
+    With ``ask.hindsight`` (adaptive or ``auto``; not under a grammar): a drafter that cuts its
+    drafts proposes ``k_cap`` tokens; the hindsight gets the whole draft (checked later against the
+    emitted tokens: it teaches the policy's evidence model), and the policy's
+    :meth:`~.policy.length.DraftLengthPolicy.cut` decides how much of it this step verifies (none:
+    the next drafter's turn).
 
     Under a grammar (any mode but ``off``), the text it forces from here (keys, punctuation,
     the rest of an enum literal) comes first, drafted without a model, up to ``forced_cap`` tokens
     (which may exceed K: such tokens cost no drafting and are nearly always accepted); a drafter
     continues from there within K, and its draft is cut before the first token the grammar refuses
     (that token could never be accepted, and would cost a verify row)."""
-    if k_cap <= 0:
-        return EMPTY_DRAFT, PLAIN_STEP, 0
+    if ask.k_cap <= 0:
+        return NO_PROPOSAL
+    grammar = ask.grammar
     forced: List[int] = []
-    if grammar is not None and mode != "off":
-        forced = grammar.forced_tokens(max(k_cap, forced_cap))
+    if grammar is not None and ask.mode != "off":
+        forced = grammar.forced_tokens(max(ask.k_cap, ask.forced_cap))
         grammar.advance(forced)  # the drafter's continuation is checked from after them
     try:
-        draft, decision = _drafted(drafters, costs, mode, spec, context + forced if forced else context,
-                                   k_cap - len(forced), k_cap, grammar, stats, cut, on_uncut)
+        draft, decision = _drafted(drafters, costs, ask, list(ask.context) + forced, ask.k_cap - len(forced))
     finally:
         if grammar is not None:
             grammar.rollback(len(forced))  # verification walks the draft from the state it started at
@@ -118,28 +140,27 @@ def propose(drafters: Dict[str, Drafting], costs: CostModel, mode: str, spec: Sp
         if forced:
             probs = None if draft.probs is None else (None,) * len(forced) + draft.probs
             draft = Draft(tuple(forced) + draft.tokens, probs, draft.source)
-        return draft, decision, len(forced)
+        return Proposal(draft, decision, len(forced))
     if forced:
-        return Draft(tuple(forced), None, GRAMMAR_SOURCE), PLAIN_STEP, len(forced)
-    return EMPTY_DRAFT, PLAIN_STEP, 0
+        return Proposal(Draft(tuple(forced), None, GRAMMAR_SOURCE), PLAIN_STEP, len(forced))
+    return NO_PROPOSAL
 
 
-def _drafted(drafters: Dict[str, Drafting], costs: CostModel, mode: str, spec: SpecConfig,
-             context: List[int], room: int, k_cap: int, grammar: Optional[Grammar],
-             stats: Optional[SpecStats], cut: bool,
-             on_uncut: Optional[Callable[[Draft], None]]) -> Tuple[Draft, Decision]:
+def _drafted(drafters: Dict[str, Drafting], costs: CostModel, ask: DraftRequest,
+             context: List[int], room: int) -> Tuple[Draft, Decision]:
     """The first non-empty drafter draft of this step (at most ``room`` tokens after ``context``),
-    cut before the first token ``grammar`` refuses in its present state; ``EMPTY_DRAFT`` if none."""
-    cut = cut and grammar is None
-    for drafting, decision in drafting_order(mode, drafters, k_cap, spec.adaptive, cut):
+    cut before the first token the grammar refuses in its present state; ``EMPTY_DRAFT`` if none."""
+    spec, grammar = ask.spec, ask.grammar
+    hindsight = ask.hindsight if grammar is None else None
+    cut = hindsight is not None
+    for drafting, decision in drafting_order(ask.mode, drafters, ask.k_cap, spec.adaptive, cut):
         if room <= 0:
             break
         started = time.perf_counter()
-        cutting = _cutting(drafting, spec.adaptive or mode == "auto", cut)
+        cutting = _cutting(drafting, spec.adaptive or MODES[ask.mode].ranked, cut)
         draft = drafting.drafter.propose(context, min(decision.draft_len, room), spec)
         if cutting and draft.evidence is not None:
-            if on_uncut is not None:
-                on_uncut(draft)
+            hindsight.add(draft, ask.n_emitted)
             costs.observe_draft_time(draft.source, len(draft), time.perf_counter() - started)
             decision = drafting.policy.cut(draft.evidence)
             draft = _cut(draft, decision.draft_len)
@@ -148,8 +169,8 @@ def _drafted(drafters: Dict[str, Drafting], costs: CostModel, mode: str, spec: S
             continue
         if draft.tokens and grammar is not None:
             keep = grammar.allowed_prefix(draft.tokens)
-            if stats is not None:
-                stats.num_grammar_cut_tokens += len(draft) - keep
+            if ask.stats is not None:
+                ask.stats.num_grammar_cut_tokens += len(draft) - keep
             draft = _cut(draft, keep)
         if draft.tokens:
             costs.observe_draft_time(draft.source, len(draft), time.perf_counter() - started)

@@ -18,9 +18,9 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import learned_cache
-from .llama_process import _init_backend, _llama, exact_output_expected
-from .types import KVCacheError, ModelConfig, ModelLoadError
+from .process import init_backend, load_llama_cpp, exact_output_expected
+from ..errors import KVCacheError, ModelLoadError
+from ..config import ModelConfig
 from .vocab import VocabIdentity, token_texts_digest
 
 _BUILTIN_TEMPLATES = {"gemma": b"gemma"}  # model family (architecture less its version) -> llama.cpp name
@@ -34,11 +34,11 @@ _MESSAGE_SLOTS = ("\ue000system\ue001", "\ue000user\ue001")
 
 class WindowLostError(KVCacheError):
     """A rollback went back past what a window-sized sliding cache still holds; the cache was
-    cleared (see LlamaBackend)."""
+    cleared (see LlamaModel)."""
 
 
 class DecodeInterrupted(Exception):
-    """``LlamaBackend.decode`` stopped between two chunks because its ``stop`` callback said so."""
+    """``LlamaModel.decode`` stopped between two chunks because its ``stop`` callback said so."""
 
 
 class BufferViews:
@@ -68,7 +68,7 @@ class BufferViews:
         return view
 
 
-class LlamaBackend:
+class LlamaModel:
     """A loaded GGUF model with one context and one sequence.
 
     ``n_past`` is the number of positions in the KV cache; ``kv_tokens`` the tokens they hold.
@@ -96,14 +96,14 @@ class LlamaBackend:
 
     #: Called after each decoded chunk with (position of its first token, its rows asked for
     #: logits, whether it is the decode's last chunk), before the next chunk overwrites llama.cpp's
-    #: outputs: an MTP drafter keeps the target's hidden rows there (engine/mtp.py). None = nothing
+    #: outputs: an MTP drafter keeps the target's hidden rows there (engine/drafters/mtp.py). None = nothing
     #: to do, as for the other drafters.
     after_chunk: Optional[Callable[[int, List[int], bool], None]] = None
 
     def __init__(self, config: ModelConfig, *, max_batch_rows: int = 65,
                  full_swa_cache: Optional[bool] = True) -> None:
-        _init_backend()
-        llama_cpp = _llama()
+        init_backend()
+        llama_cpp = load_llama_cpp()
         self._llama_cpp = llama_cpp
         self.config = config
         self.path = config.resolved_path
@@ -231,9 +231,8 @@ class LlamaBackend:
         return self._vocab_identity
 
     def vocab_tag(self) -> str:
-        """The tag learned n-gram cache files of this vocabulary carry (learned_cache.vocab_tag)."""
-        identity = self.vocab_identity
-        return learned_cache.vocab_tag(identity.vocab_type, identity.n_vocab, identity.token_texts_digest)
+        """The tag learned cache files of this vocabulary carry (:attr:`.vocab.VocabIdentity.tag`)."""
+        return self.vocab_identity.tag
 
     def chat_prompt(self, prompt: str, system_prompt: str = "") -> str:
         """``prompt`` wrapped in the model's own chat template (GGUF ``tokenizer.chat_template``)."""
@@ -498,11 +497,11 @@ class LlamaBackend:
     @property
     def handles_vocab(self) -> object:
         """The llama_vocab pointer, for code that calls llama.cpp on this vocabulary itself (a
-        grammar: engine/grammar.py)."""
+        grammar: engine/grammar/matcher.py)."""
         return self._vocab
 
     @property
     def handles(self) -> Tuple[object, object]:
         """(llama_model, llama_context) pointers, for code that calls llama.cpp on this model itself
-        (an MTP assistant's context is created over the target's: engine/mtp.py)."""
+        (an MTP assistant's context is created over the target's: engine/drafters/mtp.py)."""
         return self._model, self._ctx

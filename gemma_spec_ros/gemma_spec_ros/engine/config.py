@@ -1,0 +1,151 @@
+"""The engine's configuration: frozen dataclasses validated in ``__post_init__``.
+
+Every check raises ``ValueError`` with a message a user can act on. Nothing here imports
+llama_cpp, so the node can validate input without a model.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+from .modes import check_mode_name, needs_draft_slot
+
+
+#: Verification rules. ``exact``: accept while the target's own sample equals the draft (lossless
+#: for any drafter). ``rejection``: Leviathan/Chen min(1, p/q) with residual resampling.
+VERIFICATIONS: Tuple[str, ...] = ("exact", "rejection")
+
+
+def expand_path(path: str) -> str:
+    """``~`` and ``$VARS`` expanded; empty stays empty."""
+    return os.path.expandvars(os.path.expanduser(path)) if path else ""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One GGUF model as llama.cpp loads it."""
+
+    path: str  # GGUF file; '~' and $VARS are expanded
+    n_gpu_layers: int = 0  # layers offloaded to the GPU; -1 = all
+    n_ctx: int = 2048  # context length in tokens (prompt + generation)
+    n_batch: int = 512  # largest batch llama_decode gets (prompt chunks)
+    n_threads: int = 0  # CPU threads; 0 = all cores
+    flash_attn: bool = False  # flash attention: faster, but not batch-invariant (no bit-exact parity)
+    seed: int = 0  # context seed (our sampling is seeded per request; kept for llama.cpp)
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ValueError("model path is empty: pass the path of a .gguf file")
+        if self.n_ctx < 16:
+            raise ValueError(f"n_ctx={self.n_ctx}: must be >= 16 tokens")
+        if self.n_batch < 1:
+            raise ValueError(f"n_batch={self.n_batch}: must be >= 1")
+        if self.n_gpu_layers < -1:
+            raise ValueError(f"n_gpu_layers={self.n_gpu_layers}: use -1 for all layers, or >= 0")
+        if self.n_threads < 0:
+            raise ValueError(f"n_threads={self.n_threads}: use 0 for all cores, or >= 1")
+
+    @property
+    def resolved_path(self) -> str:
+        return expand_path(self.path)
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """How speculation runs. ``mode`` and ``draft_max`` may change while the engine runs."""
+
+    mode: str = "lookup"  # a row of the mode table (modes.py)
+    draft_max: int = 8  # K: the most tokens drafted per step (the policy may use fewer)
+    draft_min: int = 0  # n_min: a model draft shorter than this is dropped (0/1 = keep any)
+    p_min: float = 0.75  # model drafting stops when the draft's top probability falls below this
+    adaptive: bool = True  # adapt K to measured acceptance and cost (False: always draft_max)
+    verification: str = "exact"  # one of VERIFICATIONS
+
+    def __post_init__(self) -> None:
+        check_mode_name(self.mode)
+        if not 1 <= self.draft_max <= 64:
+            raise ValueError(f"draft_max={self.draft_max}: must be in [1, 64]")
+        if not 0 <= self.draft_min <= self.draft_max:
+            raise ValueError(f"draft_min={self.draft_min}: must be in [0, draft_max={self.draft_max}]")
+        if not (0.0 <= self.p_min <= 1.0):
+            raise ValueError(f"p_min={self.p_min}: must be in [0, 1]")
+        if self.verification not in VERIFICATIONS:
+            raise ValueError(
+                f"verification {self.verification!r}: expected one of {', '.join(VERIFICATIONS)}")
+
+
+@dataclass(frozen=True)
+class LookupConfig:
+    """The n-gram lookahead caches (llama.cpp's lookup decoding)."""
+
+    static_path: str = ""  # static cache built by gemma-spec-lookup-create / llama-lookup-create
+    dynamic_path: str = ""  # dynamic cache: loaded if present, saved on close; '' = in memory only
+    #: if set, ``dynamic_path`` must lie inside this folder (after resolving links): the learned
+    #: cache is the one file the engine writes, so a path set by a peer cannot create files elsewhere
+    cache_dir: str = ""
+    ngram_min: int = 1  # shortest context n-gram tried
+    ngram_max: int = 4  # longest context n-gram tried (llama.cpp's cache format allows <= 4)
+    #: the dynamic cache keeps at most this many n-grams (~0.4 KB each in memory): past it, the
+    #: n-grams seen least often (the oldest among equals) are evicted, down to 90 % of it
+    dynamic_max_ngrams: int = 100_000
+    #: seconds between atomic saves of the dynamic cache while serving; 0 = only on close
+    save_period: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.dynamic_max_ngrams < 1:
+            raise ValueError(f"dynamic_max_ngrams={self.dynamic_max_ngrams}: must be >= 1")
+        if not math.isfinite(self.save_period) or self.save_period < 0:
+            raise ValueError(f"save_period={self.save_period}: must be >= 0 seconds (0 = on close)")
+        if not 1 <= self.ngram_min <= self.ngram_max <= 4:
+            raise ValueError(
+                f"lookup n-gram sizes {self.ngram_min}..{self.ngram_max}: need 1 <= min <= max <= 4")
+        if self.cache_dir and self.dynamic_path:
+            folder = os.path.realpath(expand_path(self.cache_dir))
+            target = os.path.realpath(expand_path(self.dynamic_path))
+            if os.path.commonpath([folder, target]) != folder:
+                raise ValueError(
+                    f"lookup.dynamic_path {self.dynamic_path!r} is outside lookup.cache_dir "
+                    f"{self.cache_dir!r}: the learned cache is the one file the node writes and it "
+                    "stays in that folder (lookup.cache_dir is set at launch only)")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything needed to build an :class:`~gemma_spec_ros.engine.engine.Engine`."""
+
+    target: ModelConfig
+    draft: Optional[ModelConfig] = None
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    lookup: LookupConfig = field(default_factory=LookupConfig)
+
+    def __post_init__(self) -> None:
+        needed = needs_draft_slot(self.spec.mode)
+        if needed and self.draft is None:
+            raise ValueError(f"spec mode {self.spec.mode!r} needs {needed}: set draft.model_path")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampler. ``temperature == 0`` is greedy (top-k/top-p are then irrelevant)."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = no limit
+    top_p: float = 1.0  # in (0, 1]
+    min_p: float = 0.0  # in [0, 1): drop tokens below min_p * p(top token)
+    seed: int = -1  # -1 = fresh entropy
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature}: must be finite and >= 0")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k}: must be >= 0 (0 = no limit)")
+        if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
+        if not math.isfinite(self.min_p) or not 0.0 <= self.min_p < 1.0:
+            raise ValueError(f"min_p={self.min_p}: must be in [0, 1)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,89 @@
+"""What every drafter is: the protocol the engine calls, and the draft it returns."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Hashable, List, Optional, Protocol, Sequence, Tuple
+
+from ..config import SamplingParams, SpecConfig
+
+
+if TYPE_CHECKING:  # numpy in annotations only: configs validate without it
+    import numpy as np
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Tokens a drafter proposes to follow the context. ``()`` = nothing to propose.
+
+    ``probs[i]`` is the draft distribution q over the vocabulary at position i (model drafts, used by
+    ``rejection`` verification); None for n-gram drafts, which are deterministic.
+
+    ``evidence[i]``: what token i rests on, a hashable class (n-gram lookup: which cache, how long
+    the n-gram, whether its continuation was unanimous); None from drafters that do not say. The
+    policy learns acceptance per class and cuts each draft where its expected gain peaks
+    (:meth:`~gemma_spec_ros.engine.policy.length.DraftLengthPolicy.cut`).
+    """
+
+    tokens: Tuple[int, ...] = ()
+    probs: Optional[Tuple["object", ...]] = None  # tuple of numpy float arrays, one per token
+    source: str = ""  # the drafter that produced it (its ``name``): "draft" | "lookup"
+    evidence: Optional[Tuple[Hashable, ...]] = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+EMPTY_DRAFT = Draft()
+
+
+class Drafter(Protocol):
+    """What every drafter implements; the engine calls nothing else.
+
+    Per request: ``begin`` once, then per step ``before_target_pass`` and ``propose``, ``end`` once.
+    Per engine: ``warm_up`` (calibration), ``take_fault`` (after each request) and ``close``. A
+    drafter keeps no acceptance counters: the engine's SpecStats and its per-drafter draft-length
+    policy do.
+    """
+
+    name: str  # the name the mode table's chains use (modes.py) and Draft.source
+    warnings: List[str]  # what loading recovered from (e.g. a corrupt cache moved aside), for the owner
+    cheap_to_probe: bool  # a probe costs ~nothing (n-gram lookup); a model first catches up on the context
+    #: its drafts run no model and carry ``Draft.evidence`` (n-gram lookup): with ``spec.adaptive``
+    #: it proposes K tokens at every step and its policy cuts each draft (policy.py); the whole
+    #: drafts are checked against the emitted tokens (engine/policy/hindsight.py)
+    cuts_drafts: bool
+
+    def begin(self, prompt_tokens: Sequence[int], sampling: Optional[SamplingParams] = None,
+              rng: Optional["np.random.Generator"] = None) -> None:
+        """A new request starts with these prompt tokens (per-request state resets here).
+
+        ``sampling`` and ``rng`` are given when the request verifies by rejection sampling: a drafter
+        that can, then samples its drafts from that sampler and returns their distributions
+        (``Draft.probs``); without them it drafts deterministically (greedy, or by n-gram counts).
+        """
+
+    def propose(self, context: Sequence[int], max_tokens: int, spec: SpecConfig = SpecConfig()) -> Draft:
+        """Up to ``max_tokens`` tokens to follow ``context`` (prompt + all accepted tokens), under the
+        limits of ``spec`` (``p_min``, ``draft_min``) in effect at this step."""
+
+    def before_target_pass(self, drafting: bool) -> None:
+        """The target decodes next (the prompt, or a verify pass); ``drafting``: this drafter is in
+        the chain of the step's mode, so it may draft after this pass. A drafter that reads rows
+        the target exports (MTP's hidden rows) turns that export on only then: the other modes
+        pay nothing for it."""
+
+    def end(self, tokens: Sequence[int]) -> None:
+        """The request finished with these tokens (prompt + generated); learn from them."""
+
+    def take_fault(self) -> Optional[str]:
+        """A problem outside any request since the last call (a periodic save failed), reported
+        once; never raised into a request."""
+
+    def warm_up(self, filler: Sequence[int], max_rows: int, passes: int) -> None:
+        """Run the passes drafting uses, untimed, so that measured draft costs are steady-state ones."""
+
+    def model_info(self) -> Optional[dict]:
+        """The model this drafter runs (path, size, ...), None if it runs none."""
+
+    def close(self) -> None:
+        """Free resources and persist what should survive (dynamic caches)."""

@@ -1,0 +1,78 @@
+"""The speculative modes: which drafters each mode may use, in which order, and what it needs loaded.
+
+This is the one table of modes: the engine (which drafters a step tries, whether a mode can run),
+the configs and requests (which names are modes), the node's parameters and the bench all read it.
+Adding a mode is one row here and, for a new kind of drafter, one file in :mod:`.drafters`.
+
+>>> MODES["draft+lookup"].chain
+('lookup', 'draft')
+>>> mode_problem("draft", loaded=["lookup"])
+"spec mode 'draft' needs a draft model, and none is loaded (draft.model_path)"
+>>> mode_problem("lookup", loaded=["lookup"])
+''
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Collection, Dict, Optional, Tuple
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One speculative mode."""
+
+    name: str
+    #: the drafters (by ``Drafter.name``) a step tries, in this order: the first non-empty draft
+    #: is verified; a drafter that is not loaded is passed over
+    chain: Tuple[str, ...]
+    #: the chain is reordered at every step by each policy's predicted speedup, and the policies
+    #: decide whatever ``spec.adaptive`` says (:func:`~.propose.drafting_order`)
+    ranked: bool = False
+    #: the drafter that must be loaded for the mode to run ('' = none); it runs the model named by
+    #: ``draft.model_path``
+    needs: str = ""
+
+
+#: What each drafter that runs the model of ``draft.model_path`` is, in a user's words.
+DRAFT_SLOT = {
+    "draft": "a draft model",
+    "mtp": "a Gemma 4 assistant (a gemma4-assistant GGUF)",
+}
+
+MODES: Dict[str, Mode] = {mode.name: mode for mode in (
+    Mode("off", ()),
+    Mode("draft", ("draft",), needs="draft"),  # a standalone model of the target's vocabulary
+    Mode("lookup", ("lookup",)),  # n-gram lookup: the request, the learned cache, a static cache
+    Mode("draft+lookup", ("lookup", "draft"), needs="draft"),
+    Mode("auto", ("lookup", "draft", "mtp"), ranked=True),  # the policy picks, speculation off too
+    Mode("mtp", ("mtp",), needs="mtp"),  # Gemma 4's assistant (drafters/mtp.py)
+)}
+#: The names of the modes, in table order.
+SPEC_MODES: Tuple[str, ...] = tuple(MODES)
+
+
+def check_mode_name(mode: str) -> None:
+    """ValueError unless ``mode`` is a row of the table."""
+    if mode not in MODES:
+        raise ValueError(f"spec mode {mode!r}: expected one of {', '.join(MODES)}")
+
+
+def needs_draft_slot(mode: str) -> str:
+    """What ``mode`` needs in ``draft.model_path`` ('' = nothing), before any model is loaded."""
+    return DRAFT_SLOT.get(MODES[mode].needs, "")
+
+
+def mode_problem(mode: str, loaded: Collection[str]) -> str:
+    """Why ``mode`` cannot run with these drafters (by name) loaded; '' if it can."""
+    row: Optional[Mode] = MODES.get(mode)
+    if row is None:
+        return f"spec mode {mode!r}: expected one of {', '.join(MODES)}"
+    if not row.needs or row.needs in loaded:
+        return ""
+    held = next((name for name in loaded if name in DRAFT_SLOT and name != row.needs), "")
+    if held:
+        users = [m.name for m in MODES.values() if m.needs == held]
+        return (f"spec mode {mode!r} needs {DRAFT_SLOT[row.needs]}; draft.model_path names "
+                f"{DRAFT_SLOT[held]}, which drafts in spec mode {' / '.join(map(repr, users))} "
+                "(or 'auto')")
+    return f"spec mode {mode!r} needs {DRAFT_SLOT[row.needs]}, and none is loaded (draft.model_path)"

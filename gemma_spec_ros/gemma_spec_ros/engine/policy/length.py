@@ -1,0 +1,149 @@
+"""Adaptive draft length from measured acceptance and a measured cost model.
+
+Speculation pays only when the tokens a verify pass emits outweigh what it costs. With
+
+- ``a_i``: probability that draft position i is accepted given positions 0..i-1 were (measured per
+  drafter, decayed so the estimate follows the text),
+- ``E(k) = 1 + sum_{j<k} prod_{i<=j} a_i``: expected tokens emitted by a pass over a k-token draft,
+- ``V(n)``: measured seconds of one target pass over n rows (``V(1)`` is plain decoding),
+- ``D(k)``: measured seconds to draft k tokens,
+
+the predicted speedup of drafting k tokens over plain decoding is
+
+    S(k) = E(k) * V(1) / (D(k) + V(k + 1))
+
+and the policy drafts ``k* = argmax_k S(k)`` for k in 1..K, or nothing when ``S(k*) < 1``.
+
+Worked example (2-core CPU, Gemma 3 270M): V(1) = 26 ms, V(4) = 40 ms, n-gram drafting ~0.1 ms.
+With a_i = (0.8, 0.7, 0.6): E(3) = 1 + 0.8 + 0.56 + 0.336 = 2.70, so S(3) = 2.70 * 26 / 40.1 = 1.75.
+With a_i = (0.3, 0.2, 0.2): E(3) = 1.37 and S(3) = 0.89, but E(1) = 1.3 and V(2) = 31 ms give
+S(1) = 1.09: draft one token. Below a_0 ~ 0.2 no k pays and the policy turns speculation off,
+probing again after a growing number of plain steps (hysteresis: off below ``1 - margin``,
+on again only above ``1 + margin``).
+
+This is the break-even condition tau > 1 + K*c of speculative decoding with c = draft cost / target cost,
+generalised to a verify cost that grows with the batch (it does on a CPU; on a GPU V(k+1) ~ V(1)).
+
+**Cutting each draft.** A drafter whose drafts are free and say what each token rests on
+(``Draft.evidence``: n-gram lookup) is not given a length in advance. It drafts up to a longer cap
+and :meth:`DraftLengthPolicy.cut` chooses the k of *this* draft: the same S(k), with ``a_i`` the
+measured acceptance of token i's evidence class at its position (:class:`EvidenceAcceptance`), so a
+draft of unanimous 4-gram matches of the request is verified whole and one of weak matches is cut
+short or not verified at all. Every such draft, verified or not, is settled against the tokens the
+request then emits (engine/policy/hindsight.py) and teaches its classes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+from .acceptance import AcceptanceModel, EvidenceAcceptance
+from .costs import CostModel
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What one drafter may do at the next step."""
+
+    draft_len: int  # 0 = plain step
+    predicted_speedup: float  # of the chosen length (1.0 for a plain step)
+
+
+#: A plain step: no draft, plain decoding's speed.
+PLAIN_STEP = Decision(0, 1.0)
+
+
+class DraftLengthPolicy:
+    """Chooses how many tokens one drafter may propose at the next step.
+
+    ``adaptive=False`` always drafts ``draft_max`` (still measured, for the stats).
+
+    While off it probes: after ``probe_min`` plain steps it asks for one draft, and the interval
+    doubles (up to ``probe_max``) only when a probe was actually verified and did not turn it back
+    on. A probe the drafter could not fill (no n-gram match) stays pending. With
+    ``probe_new_requests`` (cheap probes: n-gram lookup), ``new_request()`` probes again at once: a new
+    prompt is new text, the last one's bad luck says little about it. A draft model's probe is not
+    cheap: after plain steps it must first catch up on every token it has not seen (at a new request,
+    the whole prompt), so its interval keeps growing across requests.
+    """
+
+    def __init__(self, source: str, costs: CostModel, *, margin: float = 0.03,
+                 probe_min: int = 8, probe_max: int = 128, probe_new_requests: bool = True) -> None:
+        self.source = source
+        self.probe_new_requests = probe_new_requests
+        self.costs = costs
+        self.acceptance = AcceptanceModel()
+        self.evidence = EvidenceAcceptance()
+        self.margin = margin
+        self.probe_min, self.probe_max = probe_min, probe_max
+        self.enabled = True
+        self._probe_interval = probe_min
+        self._steps_off = 0
+
+    def predicted_speedup(self, k: int) -> float:
+        """S(k) of the module docstring; NaN when costs are not measured yet."""
+        return self._speedup(k, self.acceptance.expected_tokens(k))
+
+    def _speedup(self, k: int, expected_tokens: float) -> float:
+        plain = self.costs.verify_cost(1)
+        verify = self.costs.verify_cost(k + 1)
+        if plain is None or verify is None:
+            return math.nan
+        return expected_tokens * plain / (self.costs.draft_cost(self.source, k) + verify)
+
+    def best(self, draft_max: int) -> Decision:
+        best_k, best_s = 0, 1.0
+        expected = self.acceptance.expected_tokens_upto(draft_max)
+        for k in range(1, draft_max + 1):
+            s = self._speedup(k, expected[k])
+            if math.isnan(s):  # nothing measured yet: trust the drafter, draft the most
+                return Decision(draft_max, math.nan)
+            if s > best_s or best_k == 0:
+                best_k, best_s = k, s
+        return Decision(best_k, best_s)
+
+    def cut(self, evidence: Sequence[Hashable]) -> Decision:
+        """The length to verify of a draft whose tokens rest on ``evidence`` (module docstring):
+        argmax S(k) over its prefixes, or 0 when none is predicted faster than plain decoding.
+        Costs not measured yet: the whole draft."""
+        expected = self.evidence.expected_tokens_upto(evidence)
+        best_k, best_s = 0, 1.0
+        for k in range(1, len(evidence) + 1):
+            s = self._speedup(k, expected[k])
+            if math.isnan(s):
+                return Decision(len(evidence), math.nan)
+            if s > best_s:
+                best_k, best_s = k, s
+        return Decision(best_k, best_s)
+
+    def decide(self, draft_max: int, adaptive: bool) -> Decision:
+        if not adaptive:
+            return Decision(draft_max, self.predicted_speedup(draft_max))
+        choice = self.best(draft_max)
+        speedup = choice.predicted_speedup
+        if self.enabled:
+            if not math.isnan(speedup) and speedup < 1.0 - self.margin:
+                self.enabled = False
+                self._steps_off = 0
+        elif math.isnan(speedup) or speedup > 1.0 + self.margin:
+            self.enabled = True
+            self._probe_interval = self.probe_min
+        if self.enabled:
+            return choice
+        self._steps_off += 1
+        if self._steps_off >= self._probe_interval:  # look again: the text may have changed
+            return Decision(max(1, choice.draft_len), speedup)
+        return PLAIN_STEP
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        self.acceptance.observe(num_drafted, num_accepted)
+        if not self.enabled and self._steps_off >= self._probe_interval:  # a probe was verified
+            self._steps_off = 0
+            self._probe_interval = min(self.probe_max, self._probe_interval * 2)
+
+    def new_request(self) -> None:
+        """A new prompt starts: if off, probe at its first draftable step, then every probe_min."""
+        if not self.enabled and self.probe_new_requests:
+            self._probe_interval = self.probe_min
+            self._steps_off = self._probe_interval

@@ -1,0 +1,88 @@
+"""One generation as the engine sees it: the request, its counted prompt, the steps it yields."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+from .config import SamplingParams
+from .modes import check_mode_name
+from .stats import SpecStats
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation. ``spec_mode`` None means the engine's current mode."""
+
+    prompt: str
+    max_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    system_prompt: str = ""
+    use_chat_template: bool = False
+    stop: Tuple[str, ...] = ()
+    spec_mode: Optional[str] = None
+    #: seconds from the start of generate() after which the request ends with finish_reason
+    #: ``timeout`` and its text so far (checked at step boundaries); 0 = no limit
+    time_budget: float = 0.0
+    #: keep the KV cache of the previous request's common prefix and evaluate only the rest
+    #: (bit-identical with F16/F32 weights; quantized weights may differ after a near-tie, since
+    #: the batch shapes change); False = evaluate the whole prompt from an empty cache
+    reuse_prompt: bool = True
+    #: constrained output (engine/grammar/matcher.py, llguidance): a GBNF grammar (llama.cpp's format, rule
+    #: ``root``), or a JSON Schema (text); at most one of the two
+    grammar: str = ""
+    json_schema: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.prompt:
+            raise ValueError("prompt is empty")
+        if self.grammar and self.json_schema:
+            raise ValueError("grammar and json_schema are both set: give at most one of the two")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens}: must be >= 1")
+        if not math.isfinite(self.time_budget) or self.time_budget < 0:
+            raise ValueError(f"time_budget={self.time_budget}: must be finite and >= 0 (0 = none)")
+        if self.spec_mode is not None:
+            check_mode_name(self.spec_mode)
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def plain_prompt(self) -> str:
+        """The text of a request without the chat template: the system prompt, a blank line, the
+        prompt (the local engine tokenizes it; a remote server gets it as its raw prompt).
+
+        >>> GenerationRequest("Hi", system_prompt="Be brief.").plain_prompt
+        'Be brief.\\n\\nHi'
+        """
+        if self.system_prompt:
+            return self.system_prompt + "\n\n" + self.prompt
+        return self.prompt
+
+
+@dataclass(frozen=True)
+class CountedPrompt:
+    """A request's prompt as one engine counted it (``count_prompt``).
+
+    ``tokens`` are the token ids from an engine that tokenizes here (None from one that sends text,
+    whose ``n_tokens`` may be an estimate). Handed back to that engine's ``generate`` after its
+    ``check_request`` passed, they spare tokenizing and checking the request a second time.
+    """
+
+    n_tokens: int
+    tokens: Optional[Tuple[int, ...]] = None
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one engine step produced. The last step of a generation has ``finish_reason`` set."""
+
+    tokens: Tuple[int, ...]  # tokens emitted at this step (may be empty, e.g. held by a stop string)
+    text: str  # new text since the previous step: whole UTF-8 characters, stop strings excluded
+    stats: SpecStats  # the request's stats so far (a snapshot; safe to keep)
+    spec_mode: str  # mode in effect at this step ("auto:lookup" style when auto chose)
+    draft_max: int  # K in effect at this step
+    finish_reason: Optional[str] = None  # stop | length | timeout | cancelled on the last step
+    #: on the last step, what the finish reason alone does not say (e.g. max_tokens ran out before
+    #: the request's grammar was complete: the text is not a whole match); else ''
+    detail: str = ""
