@@ -13,6 +13,7 @@ costs bounded work.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -182,3 +183,28 @@ def test_a_goals_constraint_is_compiled_once(engine: Engine) -> None:
     for _ in range(2):
         assert collect(engine, request).text in (" yes", " no", " maybe")
     assert grammar_module._compiled.cache_info().misses == misses + 1
+
+
+def test_compiling_constraints_leaves_the_process_stderr_alone(capfd: pytest.CaptureFixture) -> None:
+    """Compiling once pointed file descriptor 2 at a temporary file while llama.cpp parsed: what any
+    other thread wrote meanwhile was lost, and a refusal's reason could quote it. While 40 bad
+    grammars are refused, another thread's 200 writes to fd 2 all arrive, and no reason quotes them."""
+    stop = threading.Event()
+
+    def write() -> None:
+        for i in range(200):
+            os.write(2, f"other-thread-{i}\n".encode())
+            time.sleep(0.0005)
+        stop.set()
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    reasons = []
+    while not stop.is_set() or len(reasons) < 40:
+        with pytest.raises(ValueError) as refused:
+            compiled_constraint(f"root ::= undefined{len(reasons)}", "")
+        reasons.append(str(refused.value))
+    writer.join()
+    err = capfd.readouterr().err
+    assert all(f"other-thread-{i}\n" in err for i in range(200))
+    assert not [reason for reason in reasons if "other-thread" in reason]

@@ -55,3 +55,35 @@ def test_a_default_constraint_that_compiles_constrains_goals_that_set_none(clien
         assert own.text == " maybe", own
     finally:
         assert all(r.successful for r in client.set_parameters(generation__grammar=""))
+
+
+def rss_bytes() -> int:
+    """This process's resident set (the node runs in it)."""
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+
+@pytest.mark.timeout(300)
+def test_a_default_schema_of_a_huge_length_is_set_without_unbounded_work(client: GenerateClient) -> None:
+    """A 41-byte schema set as the default (``minLength`` 5e7): the converter of llama.cpp's
+    grammar engine wrote ~15 bytes per unit of it in the parameter callback (0.7 GiB here). Now
+    the set is answered, the process grows by less than 300 MiB, and a goal is served under it."""
+    before = rss_bytes()
+    [result] = client.set_parameters(generation__json_schema='{"type":"string","minLength":50000000}')
+    try:
+        assert result.successful, result.reason
+        assert rss_bytes() - before < 300 << 20
+        done = answer(client)
+        assert done.finish_reason == "length" and done.text.startswith('"'), done
+    finally:
+        assert all(r.successful for r in client.set_parameters(generation__json_schema=""))
+
+
+@pytest.mark.timeout(300)
+def test_a_grammar_limit_past_the_engine_s_bound_is_refused(client: GenerateClient) -> None:
+    """``limits.max_grammar_bytes`` stops at the engine's 64 KiB: a grammar of 1 MiB once compiled
+    for minutes in the goal callback."""
+    [result] = client.set_parameters(limits__max_grammar_bytes=1 << 20)
+    assert not result.successful
+    assert client.get_parameters(["limits.max_grammar_bytes"])["limits.max_grammar_bytes"] <= 1 << 16
