@@ -11,6 +11,7 @@ from gemma_spec_ros.engine.llama.model import LlamaModel
 from gemma_spec_ros.engine.drafters.draft_model import DraftModelDrafter
 from gemma_spec_ros.engine.sampling import make_rng
 from gemma_spec_ros.engine.config import ModelConfig, SamplingParams, SpecConfig
+from support.maths import softmax
 from support.tiny_gguf import EOS_ID, logits_of, tokenize, write_tiny_pair
 
 K = 6
@@ -45,11 +46,6 @@ def greedy(drafter):
     drafter.begin([1])
     yield
     drafter.begin([1])
-
-
-def softmax(row):
-    e = np.exp(row - row.max())
-    return e / e.sum()
 
 
 def greedy_path(draft_path, context, n):

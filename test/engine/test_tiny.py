@@ -12,6 +12,7 @@ from gemma_spec_ros.engine.engine import Engine
 from gemma_spec_ros.engine.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
 from gemma_spec_ros.engine.request import GenerationRequest
 from support.engine import collect
+from support.maths import softmax
 from support.stats import chi_square_p_value
 from support.tiny_gguf import EOS_ID, write_tiny_pair
 
@@ -29,11 +30,6 @@ def make_engine(tiny_pair, **spec):
     return Engine(EngineConfig(target=ModelConfig(str(target), n_ctx=256, n_threads=1),
                                draft=ModelConfig(str(draft), n_ctx=256, n_threads=1),
                                spec=SpecConfig(**spec)))
-
-
-def softmax(row):
-    e = np.exp(row - row.max())
-    return e / e.sum()
 
 
 def exact_marginals(engine, prompt_tokens):

@@ -7,14 +7,9 @@ import llama_cpp
 import numpy as np
 import pytest
 
+from support.maths import softmax
 from support.tiny_gguf import (BOS_ID, EOS_ID, logits_of, tiny_vocab, tokenize, write_tiny_gguf,
-                       write_tiny_pair)
-
-
-
-def softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))
-    return shifted / shifted.sum(axis=-1, keepdims=True)
+                               write_tiny_pair)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
