@@ -21,6 +21,7 @@ from gemma_spec_ros.engine.drafters.lookup import LookupDrafter
 from gemma_spec_ros.engine.drafters.ngram_cache import NgramCache
 from gemma_spec_ros.engine.config import EngineConfig, LookupConfig, ModelConfig
 from gemma_spec_ros.engine.request import GenerationRequest
+from support.engine import build_engine
 from support.tiny_gguf import write_tiny_gguf
 
 KEY = b"ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOqsecretsecretsecret robot@arm\n"
@@ -33,8 +34,7 @@ def snapshot(folder: Path) -> dict:
 
 
 def tiny_engine(model: Path, **lookup: object) -> Engine:
-    return Engine(EngineConfig(ModelConfig(str(model), n_ctx=256, n_threads=1),
-                               lookup=LookupConfig(**lookup)), calibrate=False)
+    return build_engine(model, n_threads=1, lookup=LookupConfig(**lookup))
 
 
 @pytest.fixture(scope="module")

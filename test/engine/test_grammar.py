@@ -17,11 +17,10 @@ import jsonschema
 import pytest
 import yaml
 
-from gemma_spec_ros.engine.engine import Engine
 from gemma_spec_ros.engine.grammar.matcher import GrammarError, GrammarVocab, compiled_constraint
-from gemma_spec_ros.engine.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
+from gemma_spec_ros.engine.config import SamplingParams, SpecConfig
 from gemma_spec_ros.engine.request import GenerationRequest
-from support.engine import collect
+from support.engine import build_engine, collect
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA_TEXT = (REPO / "gemma_spec_ros" / "config" / "schemas" / "robot_plan.schema.json").read_text()
@@ -39,10 +38,10 @@ def run(engine, mode, max_tokens=MAX_TOKENS, prompt=PLANNER_PROMPT, **kw):
 
 
 def engine_for(target, draft):
-    return Engine(EngineConfig(
-        target=ModelConfig(str(target), n_ctx=2048), draft=ModelConfig(str(draft), n_ctx=2048),
+    return build_engine(
+        target, draft, n_ctx=2048, calibrate=True,
         # fixed K, so that every speculative mode drafts and cuts (the policy could stop drafting)
-        spec=SpecConfig(mode="off", draft_max=4, adaptive=False)))
+        spec=SpecConfig(mode="off", draft_max=4, adaptive=False))
 
 
 @pytest.fixture(scope="module")

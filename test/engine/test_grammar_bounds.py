@@ -26,9 +26,9 @@ import pytest
 from gemma_spec_ros.engine.grammar import matcher as grammar_module
 from gemma_spec_ros.engine.engine import Engine
 from gemma_spec_ros.engine.grammar.matcher import compiled_constraint
-from gemma_spec_ros.engine.config import EngineConfig, ModelConfig, SpecConfig
+from gemma_spec_ros.engine.config import SpecConfig
 from gemma_spec_ros.engine.request import GenerationRequest
-from support.engine import collect
+from support.engine import build_engine, collect
 
 #: 39 bytes: every character so far may be matched by any number of pending "1"/"2" closers.
 AMBIGUOUS_GRAMMAR = 'root ::= x\nx ::= . x "1" | . x "2" | ""'
@@ -43,8 +43,7 @@ K64 = 1 << 16
 
 @pytest.fixture(scope="module")
 def engine(embedded_model_path: Path) -> Iterator[Engine]:
-    with Engine(EngineConfig(ModelConfig(str(embedded_model_path), n_ctx=1024),
-                             spec=SpecConfig(mode="off")), calibrate=False) as engine:
+    with build_engine(embedded_model_path, n_ctx=1024, spec=SpecConfig(mode="off")) as engine:
         yield engine
 
 

@@ -16,7 +16,7 @@ from gemma_spec_ros.engine.engine import Engine, TextAssembler
 from gemma_spec_ros.engine.config import EngineConfig, LookupConfig, ModelConfig, SamplingParams, SpecConfig
 from gemma_spec_ros.engine.request import GenerationRequest
 from gemma_spec_ros.engine.errors import KVCacheError, ModelLoadError, PromptTooLongError, VocabMismatchError
-from support.engine import collect
+from support.engine import build_engine, collect
 
 PROMPTS = {
     "code": "def moving_average(values, window):\n    \"\"\"Return the moving average of values.\"\"\"\n",
@@ -46,11 +46,10 @@ def run(engine, prompt, mode, **kw):
 
 @pytest.fixture(scope="module")
 def f16_engine(f16_model_path, embedded_model_path):
-    engine = Engine(EngineConfig(
-        target=ModelConfig(str(f16_model_path), n_ctx=1024),
-        draft=ModelConfig(str(embedded_model_path), n_ctx=1024),
+    engine = build_engine(
+        f16_model_path, embedded_model_path, n_ctx=1024, calibrate=True,
         # fixed K so every mode really drafts and rolls back (the policy could switch draft off)
-        spec=SpecConfig(mode="off", draft_max=4, adaptive=False)))
+        spec=SpecConfig(mode="off", draft_max=4, adaptive=False))
     yield engine
     engine.close()
 
@@ -361,8 +360,8 @@ def test_quantized_target_emits_only_its_own_choices(embedded_model_path):
     """Q4_K_M: logits of a verify batch differ slightly from one-token decodes (docs/design.md), so
     parity with `off` is not exact. What must hold: each emitted token is the target's argmax at its
     position, up to near-ties (where those small batch effects can flip the order)."""
-    engine = Engine(EngineConfig(target=ModelConfig(str(embedded_model_path), n_ctx=512),
-                                 spec=SpecConfig(mode="lookup", draft_max=4, adaptive=False)))
+    engine = build_engine(embedded_model_path, n_ctx=512, calibrate=True,
+                          spec=SpecConfig(mode="lookup", draft_max=4, adaptive=False))
     try:
         prompt = PROMPTS["json"]
         tokens, _, steps = run(engine, prompt, "lookup", max_tokens=96)
@@ -398,9 +397,7 @@ def test_missing_and_corrupt_files_fail_with_reasons(tmp_path, embedded_model_pa
 def test_draft_with_another_vocabulary_is_refused(embedded_model_path, other_vocab_model_path):
     smol = other_vocab_model_path
     with pytest.raises(VocabMismatchError, match="cannot draft for target"):
-        Engine(EngineConfig(target=ModelConfig(str(embedded_model_path), n_ctx=256),
-                            draft=ModelConfig(str(smol), n_ctx=256),
-                            spec=SpecConfig(mode="draft")), calibrate=False)
+        build_engine(embedded_model_path, smol, spec=SpecConfig(mode="draft"))
 
 
 def test_corrupt_lookup_cache_is_refused(tmp_path, embedded_model_path):
@@ -409,14 +406,12 @@ def test_corrupt_lookup_cache_is_refused(tmp_path, embedded_model_path):
     bad = tmp_path / "static.bin"
     bad.write_bytes(b"\x01\x02\x03")
     with pytest.raises(CacheFormatError):
-        Engine(EngineConfig(target=ModelConfig(str(embedded_model_path), n_ctx=256),
-                            lookup=LookupConfig(static_path=str(bad))), calibrate=False)
+        build_engine(embedded_model_path, lookup=LookupConfig(static_path=str(bad)))
 
 
 def test_calibration_warms_up_and_leaves_both_caches_empty(embedded_model_path):
-    engine = Engine(EngineConfig(target=ModelConfig(str(embedded_model_path), n_ctx=256),
-                                 draft=ModelConfig(str(embedded_model_path), n_ctx=256),
-                                 spec=SpecConfig(mode="draft", draft_max=3, adaptive=False)))
+    engine = build_engine(embedded_model_path, embedded_model_path, calibrate=True,
+                          spec=SpecConfig(mode="draft", draft_max=3, adaptive=False))
     try:
         assert engine.target.n_past == 0 and engine.draft.backend.n_past == 0
         # at load, every pass size up to K + 1 was measured (costs are not linear in the rows)
@@ -431,7 +426,7 @@ def test_calibration_warms_up_and_leaves_both_caches_empty(embedded_model_path):
 
 
 def test_context_overflow_is_loud(embedded_model_path):
-    engine = Engine(EngineConfig(target=ModelConfig(str(embedded_model_path), n_ctx=64)), calibrate=False)
+    engine = build_engine(embedded_model_path, n_ctx=64)
     try:
         with pytest.raises(KVCacheError, match="context full"):
             engine.target.decode(list(range(100, 110 + engine.n_ctx)), [0])  # n_ctx is padded up

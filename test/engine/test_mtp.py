@@ -25,6 +25,7 @@ from gemma_spec_ros.engine.llama.gguf import architecture
 from gemma_spec_ros.engine.drafters.mtp import AssistantMismatchError, TargetHiddenRows, is_assistant
 from gemma_spec_ros.engine.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
 from gemma_spec_ros.engine.request import GenerationRequest, Step
+from support.engine import build_engine
 from support.tiny_gemma4 import write_gemma4_assistant, write_gemma4_pair
 from support.tiny_gguf import write_tiny_gguf
 
@@ -51,9 +52,8 @@ def make_engine(pair: Tuple[Path, Path], n_batch: int = 512, **spec: object) -> 
     target, assistant = pair
     settings = dict(mode="mtp", draft_max=3, p_min=0.0, adaptive=False)
     settings.update(spec)
-    return Engine(EngineConfig(target=ModelConfig(str(target), n_ctx=N_CTX, n_batch=n_batch, n_threads=1),
-                               draft=ModelConfig(str(assistant), n_ctx=N_CTX, n_threads=1),
-                               spec=SpecConfig(**settings)))
+    return build_engine(target, assistant, n_ctx=N_CTX, n_threads=1, n_batch=n_batch, calibrate=True,
+                        spec=SpecConfig(**settings))
 
 
 @pytest.fixture
@@ -258,8 +258,7 @@ def test_hidden_rows_are_exported_only_while_mtp_may_draft(agreeing_engine, rand
         run(agreeing_engine, mode, max_tokens=8)
         assert drafter.hidden.enabled is exported, mode
         assert (target.after_chunk is not None) is exported, mode
-    plain = Engine(EngineConfig(target=ModelConfig(str(random_pair[0]), n_ctx=N_CTX, n_threads=1),
-                                spec=SpecConfig(mode="lookup")))
+    plain = build_engine(random_pair[0], n_ctx=N_CTX, n_threads=1, calibrate=True, spec=SpecConfig(mode="lookup"))
     try:
         run(plain, "lookup", max_tokens=8)
         assert plain.target.after_chunk is None and "mtp" not in plain.drafters
@@ -316,7 +315,7 @@ def test_modes_that_need_another_drafter_are_refused(random_pair, random_engine)
     """mtp without an assistant (config, runtime switch, goal) and draft with one."""
     with pytest.raises(ValueError, match="needs a Gemma 4 assistant"):
         EngineConfig(target=ModelConfig(str(random_pair[0])), spec=SpecConfig(mode="mtp"))
-    plain = Engine(EngineConfig(target=ModelConfig(str(random_pair[0]), n_ctx=N_CTX, n_threads=1)))
+    plain = build_engine(random_pair[0], n_ctx=N_CTX, n_threads=1, calibrate=True)
     try:
         assert "needs a Gemma 4 assistant" in plain.check_spec(SpecConfig(mode="mtp"))
         with pytest.raises(ValueError, match="needs a Gemma 4 assistant"):
@@ -333,9 +332,7 @@ def test_modes_that_need_another_drafter_are_refused(random_pair, random_engine)
 def test_a_gemma4_target_is_no_assistant(random_pair) -> None:
     """A Gemma 4 model named as the draft is a standalone draft model (the target itself here)."""
     target, _ = random_pair
-    engine = Engine(EngineConfig(target=ModelConfig(str(target), n_ctx=N_CTX, n_threads=1),
-                                 draft=ModelConfig(str(target), n_ctx=N_CTX, n_threads=1),
-                                 spec=SpecConfig(mode="draft")))
+    engine = build_engine(target, target, n_ctx=N_CTX, n_threads=1, calibrate=True, spec=SpecConfig(mode="draft"))
     try:
         assert "draft" in engine.drafters and "mtp" not in engine.drafters
     finally:

@@ -12,10 +12,10 @@ import pytest
 
 from gemma_spec_ros.engine.llama.model import LlamaModel
 from gemma_spec_ros.engine.engine import Engine
-from gemma_spec_ros.engine.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
+from gemma_spec_ros.engine.config import ModelConfig, SamplingParams, SpecConfig
 from gemma_spec_ros.engine.request import GenerationRequest
 from gemma_spec_ros.engine.errors import KVCacheError
-from support.engine import collect
+from support.engine import build_engine, collect
 
 SYSTEM = ("You control a mobile manipulator in a kitchen. Skills: move_to(place), pick(object), "
           "place(object, place), open(door), close(door), say(text). Rules: never move while "
@@ -38,8 +38,8 @@ def generate(engine: Engine, prompt: str, sampling: SamplingParams, reuse: bool,
 
 @pytest.fixture(scope="module")
 def f16_engine(f16_model_path: Path) -> Iterator[Engine]:
-    engine = Engine(EngineConfig(target=ModelConfig(str(f16_model_path), n_ctx=1024),
-                                 spec=SpecConfig(mode="off", draft_max=3, adaptive=False)))
+    engine = build_engine(f16_model_path, n_ctx=1024, calibrate=True,
+                          spec=SpecConfig(mode="off", draft_max=3, adaptive=False))
     yield engine
     engine.close()
 
@@ -140,8 +140,7 @@ def test_the_engine_uses_the_window_sized_cache_only_when_a_verify_pass_is_one_b
     """A verify pass split in several llama.cpp batches could roll back past what one batch may
     overwrite: with n_batch below the largest verify pass (65 rows) the target keeps every position."""
     for n_batch, windowed in ((512, True), (32, False)):
-        engine = Engine(EngineConfig(ModelConfig(str(embedded_model_path), n_ctx=2048, n_batch=n_batch,
-                                                 n_threads=2)), calibrate=False)
+        engine = build_engine(embedded_model_path, n_ctx=2048, n_batch=n_batch, n_threads=2)
         try:
             assert (engine.target.n_swa == 512) is windowed
         finally:

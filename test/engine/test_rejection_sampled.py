@@ -13,19 +13,18 @@ import numpy as np
 import pytest
 
 from gemma_spec_ros.engine.engine import Engine, draft_stream
-from gemma_spec_ros.engine.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
+from gemma_spec_ros.engine.config import SamplingParams, SpecConfig
 from gemma_spec_ros.engine.request import GenerationRequest
-from support.engine import collect
+from support.engine import build_engine, collect
 from support.tiny_gguf import write_tiny_pair
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     target, draft = write_tiny_pair(tmp_path_factory.mktemp("tiny"))
-    engine = Engine(EngineConfig(
-        target=ModelConfig(str(target), n_ctx=256, n_threads=1),
-        draft=ModelConfig(str(draft), n_ctx=256, n_threads=1),
-        spec=SpecConfig(mode="draft", draft_max=3, adaptive=False, p_min=0.0, verification="rejection")))
+    engine = build_engine(
+        target, draft, n_threads=1, calibrate=True,
+        spec=SpecConfig(mode="draft", draft_max=3, adaptive=False, p_min=0.0, verification="rejection"))
     yield engine
     engine.close()
 

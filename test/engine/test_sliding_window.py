@@ -23,9 +23,9 @@ import pytest
 from gemma_spec_ros.engine.llama.process import batch_invariant_build
 from gemma_spec_ros.engine.engine import Engine
 from gemma_spec_ros.engine.sampling import Sampler
-from gemma_spec_ros.engine.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
+from gemma_spec_ros.engine.config import SamplingParams, SpecConfig
 from gemma_spec_ros.engine.request import GenerationRequest
-from support.engine import collect
+from support.engine import build_engine, collect
 from support.tiny_gguf import write_tiny_gguf
 
 WINDOW = 16
@@ -44,9 +44,8 @@ def tiny_swa_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def tiny_engine(path: Path, flash_attn: bool = False) -> Engine:
-    target = ModelConfig(str(path), n_ctx=1024, n_batch=N_BATCH, flash_attn=flash_attn)
-    return Engine(EngineConfig(target=target, spec=SpecConfig(mode="off", draft_max=4, adaptive=False)),
-                  calibrate=False)
+    return build_engine(path, n_ctx=1024, n_batch=N_BATCH, flash_attn=flash_attn,
+                        spec=SpecConfig(mode="off", draft_max=4, adaptive=False))
 
 
 @pytest.fixture
@@ -80,8 +79,7 @@ def test_the_full_cache_is_kept_wherever_output_must_be_bit_identical(tiny_swa_m
                                                                        embedded_model_path: Path) -> None:
     with tiny_engine(tiny_swa_model) as engine:  # F32 weights: bit-identical reuse is promised
         assert engine.model_info()["target"]["sliding_window_cache"] == "full"
-    target = ModelConfig(str(embedded_model_path), n_ctx=1024, n_batch=512)
-    with Engine(EngineConfig(target=target), calibrate=False) as engine:  # Q4_K_M
+    with build_engine(embedded_model_path, n_ctx=1024, n_batch=512) as engine:  # Q4_K_M
         expected = "full" if batch_invariant_build() else "window"  # the fast build keeps the speed
         assert engine.model_info()["target"]["sliding_window_cache"] == expected
 

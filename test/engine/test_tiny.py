@@ -8,10 +8,9 @@ import pytest
 
 from dataclasses import replace
 
-from gemma_spec_ros.engine.engine import Engine
-from gemma_spec_ros.engine.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
+from gemma_spec_ros.engine.config import SamplingParams, SpecConfig
 from gemma_spec_ros.engine.request import GenerationRequest
-from support.engine import collect
+from support.engine import build_engine, collect
 from support.maths import softmax
 from support.stats import chi_square_p_value
 from support.tiny_gguf import EOS_ID, write_tiny_pair
@@ -27,9 +26,7 @@ def tiny_pair(tmp_path_factory):
 
 def make_engine(tiny_pair, **spec):
     target, draft = tiny_pair
-    return Engine(EngineConfig(target=ModelConfig(str(target), n_ctx=256, n_threads=1),
-                               draft=ModelConfig(str(draft), n_ctx=256, n_threads=1),
-                               spec=SpecConfig(**spec)))
+    return build_engine(target, draft, n_threads=1, calibrate=True, spec=SpecConfig(**spec))
 
 
 def exact_marginals(engine, prompt_tokens):

@@ -1,11 +1,15 @@
-"""One request run to its end on any engine (local, remote, fallback), for the engine-level tests."""
+"""The engine-level tests' engine: one builder for a local Engine on a GGUF file (and its draft), and
+one request run to its end on any engine (local, remote, fallback)."""
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import List, Optional
+from pathlib import Path
+from typing import Any, List, Optional, Union
 
 from gemma_spec_ros.engine.api import GenerationEngine
+from gemma_spec_ros.engine.config import EngineConfig, LookupConfig, ModelConfig, SpecConfig
+from gemma_spec_ros.engine.engine import Engine
 from gemma_spec_ros.engine.stats import SpecStats
 from gemma_spec_ros.engine.request import GenerationRequest, Step
 
@@ -35,3 +39,22 @@ def collect(engine: GenerationEngine, request: GenerationRequest,
             cancel: Optional[threading.Event] = None) -> Generated:
     """Run ``request`` on ``engine`` to its end (an EngineError propagates)."""
     return Generated(list(engine.generate(request, cancel)))
+
+
+def build_engine(target: Union[str, Path], draft: Union[str, Path, None] = None, *, n_ctx: int = 256,
+                 n_threads: int = 0, spec: Optional[SpecConfig] = None, lookup: Optional[LookupConfig] = None,
+                 calibrate: bool = False, **target_options: Any) -> Engine:
+    """A local Engine on the GGUF file ``target`` (and ``draft``, with the same ``n_ctx`` and
+    ``n_threads``, as the engine requires of an assistant).
+
+    ``target_options`` are the target's other ModelConfig fields (``n_batch``, ``flash_attn``...).
+    Unlike the engine's own default, it skips the startup calibration unless ``calibrate=True``: most
+    tests fix the draft length, and the warm-up passes only cost time; a test of what the policy
+    learns from the measured costs asks for it.
+    """
+    config = EngineConfig(
+        target=ModelConfig(str(target), n_ctx=n_ctx, n_threads=n_threads, **target_options),
+        draft=None if draft is None else ModelConfig(str(draft), n_ctx=n_ctx, n_threads=n_threads),
+        spec=SpecConfig() if spec is None else spec,
+        lookup=LookupConfig() if lookup is None else lookup)
+    return Engine(config, calibrate=calibrate)
