@@ -27,7 +27,7 @@ from gemma_spec_ros.engine.config import SamplingParams
 from gemma_spec_ros.node import spec_status_name
 from gemma_spec_ros.node.parameters import defaults, engine_config_from
 from support.engine import collect
-from support.node import ServedNode
+from support.node import ServedNode, greedy_goal
 from support.tiny_gguf import tokenize, write_tiny_pair
 
 NODE = "gemma_spec_goal_fields"
@@ -81,7 +81,7 @@ def parameters(client: GenerateClient, base: Dict[str, Any], **changed: Any) -> 
 
 
 def goal(**fields: Any) -> Dict[str, Any]:
-    return {"prompt": PROMPT, "max_tokens": 24, "temperature": 0.0, "seed": 1, **fields}
+    return {**greedy_goal(PROMPT, 24, seed=1), **fields}
 
 
 def test_chat_template_on_a_model_without_one_is_rejected_and_the_node_keeps_serving(

@@ -12,6 +12,7 @@ import pytest
 
 from gemma_spec_ros.client import GenerateClient
 from gemma_spec_ros.node.parameters import defaults
+from support.node import greedy_answer
 
 NODE = "gemma_spec_grammar_parameters"
 
@@ -24,9 +25,7 @@ def client(node_client: Callable[..., Any], embedded_model_path: Path) -> Genera
 
 
 def answer(client: GenerateClient, **fields: Any) -> Any:
-    run = client.send(prompt="Is the cup red? Answer:", max_tokens=6, temperature=0.0, **fields)
-    assert run.accepted
-    return run.wait_result()
+    return greedy_answer(client, "Is the cup red? Answer:", 6, **fields)
 
 
 @pytest.mark.timeout(300)

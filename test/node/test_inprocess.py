@@ -21,7 +21,7 @@ from gemma_spec_ros.engine.drafters import learned_cache
 from gemma_spec_ros.engine.errors import KVCacheError
 from gemma_spec_ros.node import spec_status_name
 from gemma_spec_ros.node.node import GemmaSpecNode
-from support.node import ServedNode, node_factory
+from support.node import ServedNode, greedy_goal, node_factory
 from support.tiny_gguf import tokenize
 
 NODE = "gemma_spec_inprocess"
@@ -72,7 +72,7 @@ def active(request: pytest.FixtureRequest) -> None:
 
 
 def long_goal(max_tokens: int = LONG) -> dict:
-    return dict(prompt=PROMPT, max_tokens=max_tokens, temperature=0.0, seed=1)
+    return greedy_goal(PROMPT, max_tokens, seed=1)
 
 
 @pytest.mark.timeout(300)

@@ -14,7 +14,7 @@ import pytest
 from action_msgs.msg import GoalStatus
 
 from gemma_spec_ros.client import GoalRun, key_values, wait_until
-from support.node import ServedNode, node_factory
+from support.node import ServedNode, greedy_answer, node_factory
 from support.tiny_gguf import write_tiny_gguf
 
 _names = itertools.count()
@@ -92,8 +92,7 @@ def test_a_goal_the_model_cannot_template_is_rejected_and_the_node_keeps_serving
     status = client.wait_status(served.status_name,
                                 lambda s: "chat template" in key_values(s)["last rejection"])
     assert key_values(status)["requests rejected"] == "1"
-    good = client.send(prompt="ab ab", max_tokens=4, temperature=0.0)
-    assert good.accepted and good.wait_result().finish_reason in ("stop", "length")
+    assert greedy_answer(client, "ab ab", 4).finish_reason in ("stop", "length")
     assert client.set_parameters(spec__mode="off")[0].successful
     assert client.state() == "active"
 
@@ -121,8 +120,7 @@ def test_an_exception_in_a_callback_is_logged_and_shown(serve: Any) -> None:
                                 lambda s: key_values(s)["internal errors"] == "1")
     assert "injected fault" in key_values(status)["last internal error"]
     client.wait_log("injected fault in push")
-    again = client.send(prompt="ab ab", max_tokens=4, temperature=0.0)
-    assert again.accepted and again.wait_result().finish_reason in ("stop", "length")
+    assert greedy_answer(client, "ab ab", 4).finish_reason in ("stop", "length")
 
 
 SERVE_WITH_A_FAILING_CALLBACK = """
@@ -191,8 +189,7 @@ def test_goal_inputs_are_bounded_and_echoes_truncated(serve: Any) -> None:
     assert client.set_parameters(diagnostics__hardware_id="h" * 10_000)[0].successful
     status = client.wait_status(served.status_name, lambda s: s.hardware_id.startswith("hhh"))
     assert len(status.hardware_id) < 100
-    ok = client.send(prompt="ab ab", stop=["b a"], max_tokens=4, temperature=0.0)
-    assert ok.accepted and ok.wait_result().finish_reason in ("stop", "length")
+    assert greedy_answer(client, "ab ab", 4, stop=["b a"]).finish_reason in ("stop", "length")
 
 
 def test_finished_goals_are_not_retained_for_15_minutes(serve: Any) -> None:

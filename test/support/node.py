@@ -22,6 +22,19 @@ from gemma_spec_ros.node.parameters import defaults
 READY = "ready: send goals"
 
 
+def greedy_goal(prompt: str, max_tokens: int, **fields: Any) -> Dict[str, Any]:
+    """The fields of a goal at temperature 0 (for ``GenerateClient.send``): its answer depends on the
+    prompt and the model only, so a test can compare it across runs; ``fields`` add or override."""
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, **fields}
+
+
+def greedy_answer(client: GenerateClient, prompt: str, max_tokens: int, **fields: Any) -> Any:
+    """The result of the greedy goal ``prompt`` sent through ``client``, which must accept it."""
+    run = client.send(**greedy_goal(prompt, max_tokens, **fields))
+    assert run.accepted, f"the goal {prompt!r} was rejected"
+    return run.wait_result()
+
+
 class ServedNode:
     """A GemmaSpecNode with parameter overrides, spun by a multi-threaded executor on a thread of
     its own, plus a client of it (named ``<name>_client``); rclpy must be initialised.
