@@ -129,21 +129,25 @@ def load_static(path: PathLike, tag: str, max_ngrams: Optional[int] = None) -> N
     return NgramCache.from_bytes(data, source=os.fspath(path), max_ngrams=max_ngrams)
 
 
-def _owned(path: PathLike) -> Optional[bool]:
-    """None if ``path`` does not exist, else whether it is a regular file with the header.
-
-    Opened without blocking and checked on the descriptor (a FIFO cannot hang the caller)."""
+def owned_file(path: PathLike, magic: bytes, what: str) -> Optional[bool]:
+    """None if ``path`` does not exist, else whether it is a regular file starting with ``magic``
+    (``what`` names the file in the error). Opened without blocking and checked on the descriptor
+    (a FIFO cannot hang the caller)."""
     try:
         fd = os.open(os.fspath(path), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         return None
     except OSError as error:
-        raise ForeignFileError(f"cannot check {os.fspath(path)} (the learned n-gram cache): "
+        raise ForeignFileError(f"cannot check {os.fspath(path)} ({what}): "
                                f"{error.strerror or error}") from None
     try:
-        return stat.S_ISREG(os.fstat(fd).st_mode) and os.read(fd, len(MAGIC)) == MAGIC
+        return stat.S_ISREG(os.fstat(fd).st_mode) and os.read(fd, len(magic)) == magic
     finally:
         os.close(fd)
+
+
+def _owned(path: PathLike) -> Optional[bool]:
+    return owned_file(path, MAGIC, "the learned n-gram cache")
 
 
 def check_owned(path: PathLike) -> None:

@@ -18,14 +18,14 @@ File layout (little-endian)::
 from __future__ import annotations
 
 import os
-import stat
 import struct
 import sys
 import zlib
 from array import array
 from typing import List, Optional, Sequence
 
-from .learned_cache import MAX_TAG_BYTES, CorruptLearnedCacheError, ForeignFileError, VocabularyMismatchError
+from .learned_cache import (MAX_TAG_BYTES, CorruptLearnedCacheError, ForeignFileError, VocabularyMismatchError,
+                            owned_file)
 from ..files import PathLike, write_atomically
 from .ngram_cache import read_cache_file
 
@@ -150,19 +150,7 @@ def load(path: PathLike, tag: str, max_tokens: Optional[int] = None) -> List[Lis
 
 
 def _owned(path: PathLike) -> Optional[bool]:
-    """None if ``path`` does not exist, else whether it is a regular file with the header (opened
-    without blocking, checked on the descriptor: a FIFO cannot hang the caller)."""
-    try:
-        fd = os.open(os.fspath(path), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        return None
-    except OSError as error:
-        raise ForeignFileError(f"cannot check {os.fspath(path)} (the suffix history): "
-                               f"{error.strerror or error}") from None
-    try:
-        return stat.S_ISREG(os.fstat(fd).st_mode) and os.read(fd, len(MAGIC)) == MAGIC
-    finally:
-        os.close(fd)
+    return owned_file(path, MAGIC, "the suffix history")
 
 
 def check_loadable(path: PathLike) -> None:
