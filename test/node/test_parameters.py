@@ -37,6 +37,7 @@ generation.top_k generation.seed generation.time_budget generation.prompt_cache 
 limits.max_tokens queue.max_depth
 limits.max_prompt_bytes limits.max_stop_strings limits.max_stop_length limits.max_grammar_bytes generation.grammar generation.json_schema queue.result_timeout lookup.dynamic_max_ngrams lookup.save_period
 feedback.min_period diagnostics.period diagnostics.hardware_id
+suffix.history_path suffix.history_max_tokens suffix.save_period
 backend remote.url remote.model remote.api_key_env remote.connect_timeout remote.read_timeout
 remote.probe_period remote.n_ctx remote.fallback
 """.split()
@@ -67,6 +68,9 @@ def test_shipped_configs_give_valid_engine_configs(repo_root: Path) -> None:
     assert embedded.spec.mode == "lookup" and embedded.spec.draft_max == 12 and embedded.spec.adaptive
     assert embedded.target.resolved_path.endswith("gemma-3-270m-q4_k_m.gguf")
     assert "~" not in embedded.target.resolved_path
+    # the suffix history lies in the folder the node owns, beside the learned n-gram cache
+    assert embedded.suffix.history_path == "~/.cache/gemma_spec_ros/suffix-history.bin"
+    assert embedded.suffix.cache_dir == embedded.lookup.cache_dir
 
     orin = engine_config_from(config_values(repo_root, "orin.yaml"))
     assert orin.target.path == "/opt/models/gemma-3-4b-it-q4_0.gguf"
@@ -84,6 +88,11 @@ def test_shipped_configs_give_valid_engine_configs(repo_root: Path) -> None:
     ({"generation.top_p": 0.0}, "top_p=0.0"),
     ({"generation.max_tokens": 2048}, "exceeds limits.max_tokens"),
     ({"target.model_path": ""}, "model path is empty"),
+    ({"suffix.history_path": "../elsewhere.bin"}, "outside the cache folder"),
+    ({"suffix.history_path": "/tmp/history.bin"}, "outside the cache folder"),
+    ({"suffix.history_path": "h.bin", "lookup.cache_dir": ""}, "relative to lookup.cache_dir"),
+    ({"suffix.history_path": "learned.bin", "lookup.dynamic_path": "~/.cache/gemma_spec_ros/learned.bin"},
+     "are the same file"),
 ])
 def test_inconsistent_values_are_refused_with_a_reason(changes: Dict[str, Any], reason: str) -> None:
     assert reason in check_values({**defaults(), **changes}, configured=False)

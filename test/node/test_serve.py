@@ -56,7 +56,7 @@ def server(repo_root: Path, venv_python: Path, overrides: Dict[str, Any],
 
 @dataclass
 class Reference:
-    """The engine with the server's parameters, its dynamic n-gram cache in memory only."""
+    """The engine with the server's parameters, its dynamic n-gram cache and suffix history in memory only."""
 
     engine: Engine
     values: Dict[str, Any]
@@ -70,7 +70,7 @@ class Reference:
 @pytest.fixture(scope="module")
 def reference(repo_root: Path, overrides: Dict[str, Any]) -> Iterator[Reference]:
     values = {**defaults(), **yaml_parameters(repo_root / "gemma_spec_ros" / "config" / "embedded.yaml"), **overrides,
-              "lookup.dynamic_path": ""}
+              "lookup.dynamic_path": "", "suffix.history_path": ""}
     engine = Engine(engine_config_from(values), calibrate=False)  # fixed K: costs are not used
     yield Reference(engine, values)
     engine.close()

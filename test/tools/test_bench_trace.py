@@ -13,7 +13,7 @@ import pytest
 
 from gemma_spec_dev.bench import trace, trace_prompts, trace_replay
 from gemma_spec_dev.bench.trace_requests import trace_requests
-from gemma_spec_ros.engine.drafters.suffix import SuffixConfig
+from gemma_spec_ros.engine.config import SuffixConfig
 
 from support.servers import LLAMA_SERVER
 
@@ -76,8 +76,10 @@ def test_strategies_and_variants_parse() -> None:
     assert name == "f2" and variant == SuffixConfig(match_factor=2.0, keep_prompts=True, max_occurrences=8)
     strategy = trace_replay.parse_strategies("suffix[f2]+lookup/K16", {"f2": variant}, 12)[0]
     assert strategy.chain == ("suffix", "lookup") and strategy.draft_max == 16 and strategy.suffix == variant
-    with pytest.raises(ValueError, match="unknown drafter"):
+    with pytest.raises(ValueError, match="not a mode of the table"):
         trace_replay.parse_strategies("suffix+draft", {}, 12)
+    with pytest.raises(ValueError, match="not a mode of the table"):
+        trace_replay.parse_strategies("draft+lookup", {}, 12)
     with pytest.raises(ValueError, match="no suffix variant"):
         trace_replay.parse_strategies("suffix[x]", {}, 12)
 

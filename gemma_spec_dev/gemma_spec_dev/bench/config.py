@@ -165,10 +165,10 @@ def base_config(params: Mapping[str, object]) -> EngineConfig:
     unknown = sorted(set(params) - set(node_parameters.PARAMETERS_BY_NAME))
     if unknown:
         raise ValueError(f"unknown parameters {', '.join(unknown)} (see docs/parameters.md)")
-    # the learned cache stays in memory: a benchmark never writes the node's cache file, and a
-    # fresh worker per repeat starts from the same state
+    # the learned cache and the suffix history stay in memory: a benchmark never writes the node's
+    # files, and a fresh worker per repeat starts from the same state
     config = node_parameters.engine_config_from(
-        {**node_parameters.defaults(), **params, "lookup.dynamic_path": ""})
+        {**node_parameters.defaults(), **params, "lookup.dynamic_path": "", "suffix.history_path": ""})
     return dataclasses.replace(config, spec=dataclasses.replace(config.spec, mode="off"))
 
 

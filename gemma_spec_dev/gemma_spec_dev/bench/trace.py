@@ -11,9 +11,9 @@ them one after the other, so whatever a runner learns from a request may serve t
 Runners, interleaved request by request (each request: every runner once, the order rotating):
 
 - our engine, one instance per runner for the whole trace (the node's defaults of the params file:
-  adaptive K, prompt reuse), with the drafters of each mode: ``off``, ``lookup`` (the n-gram caches,
-  the learned one in memory), ``suffix`` (the suffix drafter, its history in memory), and chains
-  such as ``suffix+lookup`` (tried in that order);
+  adaptive K, prompt reuse), in a mode of its table: ``off``, ``lookup`` (the n-gram caches, the
+  learned one in memory), ``suffix`` (the suffix drafter, its history in memory), ``suffix+lookup``
+  (suffix first, then lookup);
 - ``llama-lookup/K<k>``: llama.cpp's lookup tool, started for each request, its dynamic n-gram cache
   (``-lcd``) one file for the whole trace, read and written by every request in order;
 - ``llama-server/<setting>``: one llama-server per n-gram setting of llama.cpp (``--spec-type`` and
@@ -29,6 +29,7 @@ over the requests after the first five (the traces' acceptance figures). Writes 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -41,7 +42,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from gemma_spec_ros.engine import modes
 from gemma_spec_ros.engine.engine import Engine
 from gemma_spec_ros.engine.remote import RemoteConfig, RemoteEngine
-from gemma_spec_ros.engine.drafters.suffix import SuffixConfig, SuffixDrafter
+from gemma_spec_ros.engine.config import SuffixConfig
 from gemma_spec_ros.engine.request import GenerationRequest
 from gemma_spec_ros.engine.config import SamplingParams, SpecConfig, expand_path
 from .constrained import LlamaServer
@@ -53,9 +54,8 @@ from .runner import RunResult, Timeline, stats_dict
 from .trace_replay import WARM_REQUESTS
 from .trace_requests import TRACES, TraceRequest, trace_requests
 
-#: Engine runners by default: name -> the drafters its mode tries, in order.
-ENGINE_CHAINS: Dict[str, Tuple[str, ...]] = {"off": (), "lookup": ("lookup",), "suffix": ("suffix",),
-                                             "suffix+lookup": ("suffix", "lookup")}
+#: Engine runners by default: modes of the engine's table (modes.py).
+ENGINE_MODES: Tuple[str, ...] = ("off", "lookup", "suffix", "suffix+lookup")
 #: llama-lookup's draft lengths by default (its best n-gram setting on the single-prompt suites).
 LOOKUP_TOOL_KS: Tuple[int, ...] = (3, 8)
 #: llama-server settings by default: plain decoding and each n-gram method (NATIVE_NGRAM_SETTINGS).
@@ -64,25 +64,14 @@ SERVER_SETTINGS: Tuple[str, ...] = ("none", "ngram-cache", "ngram-simple/n3m8", 
 SEED = 1234
 
 
-def register_chains(chains: Mapping[str, Tuple[str, ...]]) -> None:
-    """Make each chain a spec mode of this process (the engine's mode table names the drafters
-    each mode tries): the trace's chains of the suffix drafter run through the engine's own loop."""
-    for mode, chain in chains.items():
-        modes.MODES.setdefault(mode, modes.Mode(mode, chain))
-
-
 class EngineTraceRunner:
-    """Our engine in one mode for the whole trace."""
+    """Our engine in one mode of its table for the whole trace (its suffix history in memory)."""
 
-    def __init__(self, name: str, chain: Tuple[str, ...], params: Mapping[str, Any],
-                 suffix: SuffixConfig) -> None:
+    def __init__(self, name: str, params: Mapping[str, Any], suffix: SuffixConfig) -> None:
         self.name, self._mode = name, name
-        config = engine_config(params, "lookup" if "lookup" in chain else "off", None)
-        self._engine = Engine(config, calibrate=False)
-        if "suffix" in chain:
-            self._engine._add_drafter(SuffixDrafter(suffix, request_room=self._engine.n_ctx))
-        self._engine.calibrate()
-        self.info = {"spec": repr(self._engine.spec), "chain": list(chain)}
+        config = dataclasses.replace(engine_config(params, name, None), suffix=suffix)
+        self._engine = Engine(config)
+        self.info = {"spec": repr(self._engine.spec), "chain": list(modes.MODES[name].chain)}
 
     def run(self, request: TraceRequest, max_tokens: int) -> RunResult:
         generation = GenerationRequest(prompt=request.prompt, max_tokens=max_tokens, spec_mode=self._mode,
@@ -181,12 +170,10 @@ def make_runners(names: Sequence[str], params: Mapping[str, Any], bin_dir: Optio
                 args += ["-lcd", str(cache)]
             runners.append(LlamaServerRunner(name, args, _need(bin_dir), params, workdir))
         else:
-            chain = tuple(name.split("+")) if name != "off" else ()
-            unknown = [d for d in chain if d not in ("lookup", "suffix")]
-            if unknown:
-                raise ValueError(f"runner {name}: unknown drafter(s) {', '.join(unknown)}")
-            register_chains({name: chain})
-            runners.append(EngineTraceRunner(name, chain, params, suffix))
+            modes.check_mode_name(name)
+            if modes.mode_problem(name, ("lookup", "suffix")):
+                raise ValueError(f"runner {name}: a mode of a draft model, not a trace runner")
+            runners.append(EngineTraceRunner(name, params, suffix))
     return runners
 
 
@@ -197,7 +184,7 @@ def _need(bin_dir: Optional[Path]) -> Path:
 
 
 def default_runners(bin_dir: Optional[Path]) -> List[str]:
-    names = list(ENGINE_CHAINS)
+    names = list(ENGINE_MODES)
     if bin_dir is not None and (bin_dir / "llama-lookup").is_file():
         names += [f"llama-lookup/K{k}" for k in LOOKUP_TOOL_KS]
     if bin_dir is not None and (bin_dir / "llama-server").is_file():

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from gemma_spec_ros.engine.modes import MODES, Mode
+from gemma_spec_ros.engine.modes import MODES
 from gemma_spec_ros.engine.propose import GRAMMAR_DRAFT_MAX, GRAMMAR_K, Drafting, DraftRequest, propose
 from gemma_spec_ros.engine.engine import Engine
 from gemma_spec_ros.engine.grammar.matcher import Grammar, GrammarVocab, compiled_constraint
@@ -38,10 +38,10 @@ from gemma_spec_ros.engine.drafters.lookup import LookupDrafter
 from gemma_spec_ros.engine.policy.costs import CostModel
 from gemma_spec_ros.engine.policy.length import DraftLengthPolicy
 from gemma_spec_ros.engine.stats import SpecStats
-from gemma_spec_ros.engine.drafters.suffix import SuffixConfig, SuffixDrafter
+from gemma_spec_ros.engine.drafters.suffix import SuffixDrafter
 from gemma_spec_ros.engine.drafters.base import Drafter
 from gemma_spec_ros.engine.request import GenerationRequest
-from gemma_spec_ros.engine.config import LookupConfig, SpecConfig
+from gemma_spec_ros.engine.config import LookupConfig, SpecConfig, SuffixConfig
 from gemma_spec_ros.engine.policy.hindsight import DraftHindsight
 from .config import default_params, engine_config, load_params
 from .trace_requests import TRACES, TraceRequest, trace_requests
@@ -73,19 +73,27 @@ def pass_costs(text: str, max_rows: int = CALIBRATED_ROWS) -> Dict[int, float]:
     return costs
 
 
+#: The drafters a replay has: no model.
+REPLAYED_DRAFTERS = ("lookup", "suffix")
+
+
 @dataclass(frozen=True)
 class Strategy:
-    """A chain of drafters (tried in order, as a mode of the engine's table) and their settings."""
+    """A mode of the engine's table (its chain of drafters, tried in order) and their settings."""
 
     name: str
-    chain: Tuple[str, ...]  # drafter names: "lookup", "suffix"
+    mode: str  # a row of modes.MODES whose drafters are all REPLAYED_DRAFTERS
     suffix: SuffixConfig = SuffixConfig()
     draft_max: int = 12  # K (spec.draft_max)
 
+    @property
+    def chain(self) -> Tuple[str, ...]:
+        return MODES[self.mode].chain
+
 
 def parse_strategies(text: str, suffix_variants: Mapping[str, SuffixConfig], draft_max: int) -> List[Strategy]:
-    """``lookup,suffix,suffix+lookup,suffix[f2]/K16`` -> strategies: ``+`` chains drafters in
-    order, ``[name]`` picks a suffix variant (``--suffix-variant``), ``/K<n>`` sets K."""
+    """``lookup,suffix,suffix+lookup,suffix[f2]/K16`` -> strategies: a mode of the table,
+    ``[name]`` picks a suffix variant (``--suffix-variant``), ``/K<n>`` sets K."""
     out = []
     for item in (t.strip() for t in text.split(",")):
         if not item:
@@ -99,11 +107,13 @@ def parse_strategies(text: str, suffix_variants: Mapping[str, SuffixConfig], dra
             if name not in suffix_variants:
                 raise ValueError(f"strategy {item}: no suffix variant {name!r} (--suffix-variant)")
             variant = suffix_variants[name]
-        chain = tuple(body.split("+"))
-        unknown = [d for d in chain if d not in ("lookup", "suffix")]
-        if unknown:
-            raise ValueError(f"strategy {item}: unknown drafter(s) {', '.join(unknown)}")
-        out.append(Strategy(item, chain, variant, int(k) if k else draft_max))
+        row = MODES.get(body)
+        if row is None or not row.chain or any(d not in REPLAYED_DRAFTERS for d in row.chain):
+            replayable = [m.name for m in MODES.values()
+                          if m.chain and all(d in REPLAYED_DRAFTERS for d in m.chain)]
+            raise ValueError(f"strategy {item}: {body!r} is not a mode of the table with only "
+                             f"{' and '.join(REPLAYED_DRAFTERS)} (one of {', '.join(replayable)})")
+        out.append(Strategy(item, body, variant, int(k) if k else draft_max))
     return out
 
 
@@ -143,9 +153,8 @@ class Replayer:
             drafter: Drafter = (LookupDrafter(LookupConfig()) if name == "lookup"
                                 else SuffixDrafter(strategy.suffix))
             self.drafters[name] = Drafting(drafter, DraftLengthPolicy(name, self.costs))
-        self.mode = f"replay:{strategy.name}"
-        MODES.setdefault(self.mode, Mode(self.mode, strategy.chain))  # a chain the table has no row for
-        self.spec = SpecConfig(mode="lookup", draft_max=strategy.draft_max)
+        self.mode = strategy.mode
+        self.spec = SpecConfig(mode=strategy.mode, draft_max=strategy.draft_max)
 
     def replay(self, prompt: Sequence[int], out: Sequence[int],
                grammar: Optional[Grammar]) -> Dict[str, float]:
@@ -274,7 +283,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "else generated and written")
     parser.add_argument("--reference-mode", default="lookup",
                         help="mode that generates the reference outputs (greedy)")
-    parser.add_argument("--strategies", default="lookup,suffix,suffix+lookup,lookup+suffix")
+    parser.add_argument("--strategies", default="lookup,suffix,suffix+lookup")
     parser.add_argument("--suffix-variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
                         help="a named SuffixConfig for strategies such as suffix[NAME]")
     parser.add_argument("--draft-max", type=int, default=0, help="K (default: the config's)")

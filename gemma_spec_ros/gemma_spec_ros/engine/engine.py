@@ -27,7 +27,8 @@ Public API (the node and the bench use only this):
                                              # path, size_bytes, n_params, description,
                                              # n_gpu_layers, n_ctx, n_vocab, vocab_type
     engine.status()                          # /diagnostics key-values (backend, learned n-grams)
-    engine.close(timeout=None)               # frees models, saves the dynamic n-gram cache; idempotent;
+    engine.close(timeout=None)               # frees models, saves the dynamic n-gram cache and the
+                                             # suffix history; idempotent;
                                              # never under a running step (see close())
 """
 from __future__ import annotations
@@ -43,6 +44,7 @@ from .config import EngineConfig, SpecConfig
 from .detokenize import TextAssembler
 from .drafters.base import Drafter
 from .drafters.lookup import LookupDrafter
+from .drafters.suffix import SuffixDrafter
 from .drafters.mtp import model_drafter
 from .errors import EngineError, PromptTooLongError
 from .grammar.matcher import Grammar, GrammarVocab, compiled_constraint
@@ -115,6 +117,9 @@ class Engine:
             lookup = config.lookup
             tag = self.target.vocab_tag() if lookup.dynamic_path or lookup.static_path else ""
             self._add_drafter(LookupDrafter(lookup, vocab_tag=tag))
+            suffix = config.suffix  # its history learns in every mode; it drafts in its modes' steps
+            tag = self.target.vocab_tag() if suffix.history_path else ""
+            self._add_drafter(SuffixDrafter(suffix, vocab_tag=tag, request_room=config.target.n_ctx))
         except BaseException:
             self.close()
             raise

@@ -46,6 +46,8 @@ MODES: Dict[str, Mode] = {mode.name: mode for mode in (
     Mode("draft+lookup", ("lookup", "draft"), needs="draft"),
     Mode("auto", ("lookup", "draft", "mtp"), ranked=True),  # the policy picks, speculation off too
     Mode("mtp", ("mtp",), needs="mtp"),  # Gemma 4's assistant (drafters/mtp.py)
+    Mode("suffix", ("suffix",)),  # the longest earlier occurrence: the request, earlier outputs (drafters/suffix.py)
+    Mode("suffix+lookup", ("suffix", "lookup")),  # suffix first; where it has no match, n-gram lookup
 )}
 #: The names of the modes, in table order.
 SPEC_MODES: Tuple[str, ...] = tuple(MODES)

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, List, Mapping, Optional
 
-from ..engine.drafters import learned_cache
+from ..engine.drafters import learned_cache, suffix_history
 from ..engine.api import GenerationEngine
 from ..engine.engine import Engine
 from ..engine.fallback import FallbackEngine
@@ -70,14 +70,15 @@ def check_model_file(path: str) -> None:
 
 def check_files(plan: EnginePlan) -> List[str]:
     """Check every local file the plan reads or writes before any model loads; the folders created
-    for the learned n-gram cache (see :func:`~gemma_spec_ros.engine.drafters.learned_cache.prepare_folder`).
+    for the learned n-gram cache and the suffix history
+    (see :func:`~gemma_spec_ros.engine.drafters.learned_cache.prepare_folder`).
 
     Loading a 4 GB target takes tens of seconds on an Orin: a missing draft file, static cache or
     cache folder must fail configure at once, not after that load. Raises an EngineError naming the
     file: a model that is not a readable GGUF, a static cache that does not exist, a learned-cache
-    folder that cannot be made, or a file at ``lookup.dynamic_path`` this node did not write (it is
-    never overwritten). What needs the loaded target (the learned cache's vocabulary, a corrupt
-    record) is checked when it loads.
+    folder that cannot be made, or a file at ``lookup.dynamic_path`` or ``suffix.history_path``
+    this node did not write (it is never overwritten). What needs the loaded target (the files'
+    vocabulary, a corrupt record) is checked when it loads.
     """
     if not plan.loads_models:
         return []
@@ -90,11 +91,15 @@ def check_files(plan: EnginePlan) -> List[str]:
     if static and not os.path.isfile(static):
         raise CacheFileNotFoundError(f"n-gram cache file {static} (lookup.static_path) does not exist "
                                      "(build a static cache with gemma-spec-lookup-create)")
+    created: List[str] = []
     dynamic = expand_path(lookup.dynamic_path)
-    if not dynamic:
-        return []
-    created = learned_cache.prepare_folder(dynamic, expand_path(lookup.cache_dir))
-    learned_cache.check_loadable(dynamic)
+    if dynamic:
+        created += learned_cache.prepare_folder(dynamic, expand_path(lookup.cache_dir))
+        learned_cache.check_loadable(dynamic)
+    history = expand_path(config.suffix.history_path)
+    if history:
+        created += learned_cache.prepare_folder(history, expand_path(config.suffix.cache_dir))
+        suffix_history.check_loadable(history)
     return created
 
 

@@ -217,7 +217,7 @@ class GemmaSpecNode(LifecycleNodeMixin, Node):
         remote, files = plan.remote is not None, plan.describe()
         try:  # before any model loads: a 4 GB target must not load for a missing draft or folder
             for folder in check_files(plan):
-                self.get_logger().info(f"created {folder} (mode 0700) for the learned n-gram cache")
+                self.get_logger().info(f"created {folder} (mode 0700) for the learned caches")
         except Exception as exc:  # noqa: BLE001
             return self._configure_failed(f"cannot {'use' if remote else 'load'} {files}: {exc}")
         self.get_logger().info(f"configuring: {'loading' if plan.loads_models else 'using'} {files}")
@@ -308,11 +308,12 @@ class GemmaSpecNode(LifecycleNodeMixin, Node):
         self._stats_pub = self._rolling_pub = None
         self._model_info = {}
         if engine is not None:
-            cache = self._value("lookup.dynamic_path")
+            cache, history = self._value("lookup.dynamic_path"), self._value("suffix.history_path")
             try:
                 freed = engine.close(timeout=close_timeout)
             except Exception as exc:  # noqa: BLE001  the models are freed; the save failed
-                self._report_fault(f"dynamic n-gram cache not saved to {cache}: {exc!r}")
+                also = f" (or the suffix history to {history})" if history else ""
+                self._report_fault(f"dynamic n-gram cache not saved to {cache}{also}: {exc!r}")
                 return
             if not freed:  # never free under a running llama_decode: the step frees it when done
                 self.get_logger().warning(
@@ -320,7 +321,8 @@ class GemmaSpecNode(LifecycleNodeMixin, Node):
                     "engine frees the models (and saves the dynamic n-gram cache) when that step ends")
                 return
             self.get_logger().info("engine closed: models freed"
-                                   + (f", dynamic n-gram cache saved to {cache}" if cache else ""))
+                                   + (f", dynamic n-gram cache saved to {cache}" if cache else "")
+                                   + (f", suffix history saved to {history}" if history else ""))
 
     def _report_fault(self, text: str) -> None:
         """An internal error: logged as ERROR and shown on /diagnostics ("last internal error")."""

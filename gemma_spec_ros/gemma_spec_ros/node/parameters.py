@@ -7,7 +7,7 @@ checks it is in sync).
 
 Two kinds of parameter:
 
-- **configure-time** (``backend``, ``remote.*``, ``target.*``, ``draft.*``, ``lookup.*``): read
+- **configure-time** (``backend``, ``remote.*``, ``target.*``, ``draft.*``, ``lookup.*``, ``suffix.*``): read
   by the configure transition to load the models (or reach the inference server). They are *not*
   ``read_only``: an operator fixing a wrong model path expects
   ``ros2 param set`` to work while the node is unconfigured. The node's set-parameters callback
@@ -24,13 +24,15 @@ EngineConfig also serve tools that run where ROS is not installed (the bench on 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from ..engine.grammar.matcher import MAX_GRAMMAR_BYTES, compiled_constraint
 from ..engine.modes import SPEC_MODES
-from ..engine.config import VERIFICATIONS, EngineConfig, LookupConfig, ModelConfig, SamplingParams, SpecConfig
+from ..engine.config import (VERIFICATIONS, EngineConfig, LookupConfig, ModelConfig, SamplingParams, SpecConfig,
+                             SuffixConfig, expand_path)
 from ..engine.remote.config import RemoteConfig
 
 ParamValue = Union[str, int, float, bool]
@@ -40,7 +42,7 @@ EMBEDDED_MODEL_PATH = "~/.cache/gemma_spec_ros/models/gemma-3-270m-q4_k_m.gguf"
 #: The folder the node's learned n-gram cache must lie in, by default (``lookup.cache_dir``).
 CACHE_DIR = "~/.cache/gemma_spec_ros"
 #: Prefixes of the parameters that only change while the node is unconfigured.
-CONFIGURE_TIME_PREFIXES: Tuple[str, ...] = ("target.", "draft.", "lookup.", "backend", "remote.")
+CONFIGURE_TIME_PREFIXES: Tuple[str, ...] = ("target.", "draft.", "lookup.", "suffix.", "backend", "remote.")
 #: Where generation runs: this process (llama.cpp in-process) or an OpenAI-compatible server.
 BACKENDS: Tuple[str, ...] = ("local", "remote")
 #: What serves when the remote server is unreachable.
@@ -51,6 +53,7 @@ _INT64_MAX = 2**63 - 1
 _MODEL = ModelConfig(path=EMBEDDED_MODEL_PATH)
 _SPEC = SpecConfig()
 _LOOKUP = LookupConfig()
+_SUFFIX = SuffixConfig()
 _SAMPLING = SamplingParams()
 _REMOTE = RemoteConfig(url="http://127.0.0.1:8080")
 
@@ -206,6 +209,17 @@ PARAMETERS: Tuple[ParamSpec, ...] = (
     ParamSpec("lookup.ngram_min", _LOOKUP.ngram_min, "shortest context n-gram tried", (1, 4)),
     ParamSpec("lookup.ngram_max", _LOOKUP.ngram_max,
               "longest context n-gram tried; >= lookup.ngram_min", (1, 4)),
+    ParamSpec("suffix.history_path", _SUFFIX.history_path,
+              "the suffix drafter's history of earlier outputs (spec.mode suffix, suffix+lookup): loaded "
+              "if present, saved at cleanup/shutdown; only a file this node wrote for this vocabulary is "
+              "read or replaced; a file name lies in lookup.cache_dir, an absolute path must too; not "
+              "lookup.dynamic_path; '' = memory only"),
+    ParamSpec("suffix.history_max_tokens", _SUFFIX.history_max_tokens,
+              "tokens of earlier outputs the suffix history keeps (~0.35 KB each in memory); the "
+              "oldest are evicted first; 0 = none (the request's own tokens only)", (0, 1 << 24)),
+    ParamSpec("suffix.save_period", _SUFFIX.save_period,
+              "seconds between atomic saves of the suffix history while serving; 0 = only at "
+              "cleanup/shutdown", (0.0, 86_400.0)),
     ParamSpec("generation.max_tokens", 128,
               "tokens generated when a goal's max_tokens is 0; <= limits.max_tokens", (1, 1 << 20)),
     ParamSpec("generation.temperature", _SAMPLING.temperature,
@@ -334,7 +348,28 @@ def engine_config_from(values: Mapping[str, Any]) -> EngineConfig:
                           ngram_min=values["lookup.ngram_min"], ngram_max=values["lookup.ngram_max"],
                           dynamic_max_ngrams=values["lookup.dynamic_max_ngrams"],
                           save_period=values["lookup.save_period"])
-    return EngineConfig(target=target, draft=draft, spec=spec_config_from(values), lookup=lookup)
+    suffix = SuffixConfig(history_path=history_path(values["suffix.history_path"], values["lookup.cache_dir"]),
+                          cache_dir=values["lookup.cache_dir"],
+                          history_max_tokens=values["suffix.history_max_tokens"],
+                          save_period=values["suffix.save_period"])
+    return EngineConfig(target=target, draft=draft, spec=spec_config_from(values), lookup=lookup,
+                        suffix=suffix)
+
+
+def history_path(path: str, cache_dir: str) -> str:
+    """``suffix.history_path`` as a path: a relative one (a file name, as the shipped profiles give)
+    lies in ``lookup.cache_dir``, so the history follows the folder the node owns; ValueError if
+    there is no such folder to put it in.
+
+    >>> history_path("suffix-history.bin", "~/.cache/gemma_spec_ros"), history_path("", "/c")
+    ('~/.cache/gemma_spec_ros/suffix-history.bin', '')
+    """
+    if not path or os.path.isabs(expand_path(path)):
+        return path
+    if not cache_dir:
+        raise ValueError(f"suffix.history_path {path!r} is relative to lookup.cache_dir, which is '': "
+                         "give an absolute path")
+    return os.path.join(cache_dir, path)
 
 
 def remote_config_from(values: Mapping[str, Any]) -> RemoteConfig:
@@ -384,7 +419,7 @@ def render_markdown() -> str:
         "Generated from `gemma_spec_ros/node/parameters.py` by",
         "`python -m gemma_spec_ros.node.parameters --write docs/parameters.md`; do not edit by hand.",
         "",
-        "Configure-time parameters (`backend`, `remote.*`, `target.*`, `draft.*`, `lookup.*`) are read",
+        "Configure-time parameters (`backend`, `remote.*`, `target.*`, `draft.*`, `lookup.*`, `suffix.*`) are read",
         "by the configure transition. They can be set (`ros2 param set`) only while the node is",
         "unconfigured: in any other state the node refuses the change with a reason, since the loaded",
         "models would no longer match.",

@@ -29,10 +29,7 @@ the learned cache's folder with its file-safety rules (:mod:`.suffix_history`).
 """
 from __future__ import annotations
 
-import math
-import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
@@ -40,67 +37,19 @@ from . import learned_cache, suffix_history
 from .suffix_index import DEFAULT_LEVELS, Match, SuffixIndex
 from .base import EMPTY_DRAFT, Draft
 from ..errors import CacheFormatError
-from ..config import SamplingParams, SpecConfig, expand_path
+from ..config import SamplingParams, SpecConfig, SuffixConfig, expand_path
 
 if TYPE_CHECKING:
     import numpy as np
 
 
-@dataclass(frozen=True)
-class SuffixConfig:
-    """The suffix drafter's history and drafting rules.
+def index_levels(config: SuffixConfig) -> Tuple[int, ...]:
+    """The index's match lengths for ``config.max_match``.
 
-    ``min_token_probability`` 0.3 and ``match_factor`` 3 (vLLM's defaults are 0.1 and 1): replayed
-    over the traces (bench.trace_replay: planner, planner with its schema, agent loop), 2.89x /
-    2.91x / 3.84x plain against 2.81x / 2.86x / 3.82x with vLLM's; drafts past the first few tokens
-    are cut by the policy anyway, so the drafter's own bounds matter less here than in vLLM.
+    >>> index_levels(SuffixConfig(max_match=5)), index_levels(SuffixConfig())[-1]
+    ((1, 2, 3, 4), 32)
     """
-
-    #: the history file: loaded if present, saved periodically and on close; '' = in memory only
-    history_path: str = ""
-    #: if set, ``history_path`` must lie inside this folder (the learned cache's, lookup.cache_dir)
-    cache_dir: str = ""
-    #: tokens of earlier outputs kept, the oldest evicted first (at 65,536: 22 MiB, a propose
-    #: ~0.1 ms, loading the file 0.7 s; bench.suffix_cost)
-    history_max_tokens: int = 65_536
-    #: longest match looked for, in tokens (the index keeps a table per level up to it)
-    max_match: int = DEFAULT_LEVELS[-1]
-    #: the newest occurrences of a match whose continuations are counted
-    max_occurrences: int = 32
-    #: a draft stops where the product of its tokens' estimated probabilities falls below this
-    min_token_probability: float = 0.3
-    #: a draft is at most this many times as long as the match it starts from (0 = no such bound)
-    match_factor: float = 3.0
-    #: the prompts join the history too, not only the outputs
-    keep_prompts: bool = False
-    #: seconds between atomic saves of the history while serving; 0 = only on close
-    save_period: float = 300.0
-
-    def __post_init__(self) -> None:
-        if self.history_max_tokens < 0:
-            raise ValueError(f"history_max_tokens={self.history_max_tokens}: must be >= 0")
-        if self.max_match < 1:
-            raise ValueError(f"max_match={self.max_match}: must be >= 1 token")
-        if self.max_occurrences < 1:
-            raise ValueError(f"max_occurrences={self.max_occurrences}: must be >= 1")
-        if not 0.0 <= self.min_token_probability <= 1.0:
-            raise ValueError(f"min_token_probability={self.min_token_probability}: must be in [0, 1]")
-        if not math.isfinite(self.match_factor) or self.match_factor < 0:
-            raise ValueError(f"match_factor={self.match_factor}: must be >= 0 (0 = no bound)")
-        if not math.isfinite(self.save_period) or self.save_period < 0:
-            raise ValueError(f"save_period={self.save_period}: must be >= 0 seconds (0 = on close)")
-        if self.cache_dir and self.history_path:
-            folder = os.path.realpath(expand_path(self.cache_dir))
-            target = os.path.realpath(expand_path(self.history_path))
-            if os.path.commonpath([folder, target]) != folder:
-                raise ValueError(
-                    f"suffix.history_path {self.history_path!r} is outside the cache folder "
-                    f"{self.cache_dir!r}: the node writes only there")
-
-    @property
-    def levels(self) -> Tuple[int, ...]:
-        """The index's match lengths."""
-        return tuple(n for n in DEFAULT_LEVELS if n <= self.max_match) or (self.max_match,)
+    return tuple(n for n in DEFAULT_LEVELS if n <= config.max_match) or (config.max_match,)
 
 
 #: Evidence of a drafted token (``Draft.evidence``): (where its occurrences were: "request" if the
@@ -204,7 +153,7 @@ class SuffixDrafter:
         self.save_error: Optional[str] = None
         if self._path:
             learned_cache.prepare_folder(self._path, expand_path(config.cache_dir))
-        self._index = SuffixIndex(config.history_max_tokens + max(1, request_room), config.levels)
+        self._index = SuffixIndex(config.history_max_tokens + max(1, request_room), index_levels(config))
         for sequence in self._load(self._path):
             self._index.new_sequence()
             self._index.extend(sequence)
@@ -238,14 +187,15 @@ class SuffixDrafter:
     # --------------------------------------------------------------------------- Drafter protocol
     def begin(self, prompt_tokens: Sequence[int], sampling: Optional[SamplingParams] = None,
               rng: Optional["np.random.Generator"] = None) -> None:
-        """Start a request: its prompt becomes the index's newest sequence. Drafts are deterministic
-        whatever the sampling: ``sampling`` and ``rng`` are not used."""
+        """Start a request: its prompt becomes the index's newest sequence, indexed at the first
+        :meth:`propose` (a request whose mode never asks this drafter costs it only its output's
+        indexing, at :meth:`end`). Drafts are deterministic whatever the sampling: ``sampling`` and
+        ``rng`` are not used."""
         self._drop_request()
         self._index.new_sequence()
         self._request_start = self._index.end
         self._prompt_length = len(prompt_tokens)
         self._request = []
-        self._sync(prompt_tokens)
 
     def _drop_request(self) -> None:
         """Take the current request out of the index (back to the history's end)."""
