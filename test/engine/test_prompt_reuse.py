@@ -55,7 +55,7 @@ def sequence() -> List[Tuple[str, SamplingParams]]:
 
 @pytest.mark.exact
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("mode", ["lookup"])  # drafts, verify batches and rollbacks on top of reuse
+@pytest.mark.parametrize("mode", ["lookup", "suffix"])  # drafts, verify batches and rollbacks on top of reuse
 def test_reuse_on_and_off_give_identical_tokens_with_f16(exact_build: None, f16_engine: Engine, mode: str) -> None:
     without = [generate(f16_engine, prompt, sampling, False, mode) for prompt, sampling in sequence()]
     assert all(reused == 0 for _, _, reused in without)
