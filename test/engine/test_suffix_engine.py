@@ -146,8 +146,8 @@ def history_engine(model: Path, folder: Path) -> Engine:
 
 
 @pytest.mark.timeout(300)
-def test_the_history_is_saved_at_close_and_drafts_in_the_next_engine(embedded_model_path: Path,
-                                                                      tmp_path: Path) -> None:
+def test_the_history_is_saved_at_close_and_drafts_in_the_next_engine(
+        embedded_model_path: Path, tmp_path: Path) -> None:
     with history_engine(embedded_model_path, tmp_path) as first:
         answer: List[int] = run(first, PROMPTS[0], "off", 32).tokens
     path = tmp_path / "suffix-history.bin"

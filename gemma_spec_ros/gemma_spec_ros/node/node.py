@@ -57,7 +57,8 @@ from .engine_factory import build_engine, check_files, plan_engine
 from .goal_server import SHUTDOWN_STOP_TIMEOUT, STOP_TIMEOUT, GoalServer
 from .goals import LogBudget
 from .messages import MAX_ECHO, clip, spec_stats_msg
-from .parameters import PARAMETERS, PARAMETERS_BY_NAME, as_declared, check_values, spec_config_from
+from .parameters import (PARAMETERS, PARAMETERS_BY_NAME, as_declared, check_values, history_path,
+                         spec_config_from)
 
 #: Executor threads the node needs: a transition or parameter call, the running goal's execute
 #: callback, goal/cancel requests and the diagnostics timer must be able to run at once.
@@ -308,7 +309,7 @@ class GemmaSpecNode(LifecycleNodeMixin, Node):
         self._stats_pub = self._rolling_pub = None
         self._model_info = {}
         if engine is not None:
-            cache, history = self._value("lookup.dynamic_path"), self._value("suffix.history_path")
+            cache, history = self._value("lookup.dynamic_path"), self._history_path()
             try:
                 freed = engine.close(timeout=close_timeout)
             except Exception as exc:  # noqa: BLE001  the models are freed; the save failed
@@ -323,6 +324,13 @@ class GemmaSpecNode(LifecycleNodeMixin, Node):
             self.get_logger().info("engine closed: models freed"
                                    + (f", dynamic n-gram cache saved to {cache}" if cache else "")
                                    + (f", suffix history saved to {history}" if history else ""))
+
+    def _history_path(self) -> str:
+        """The suffix history's file as the engine names it ('' = none)."""
+        try:
+            return history_path(self._value("suffix.history_path"), self._value("lookup.cache_dir"))
+        except ValueError:  # no engine was built from it
+            return ""
 
     def _report_fault(self, text: str) -> None:
         """An internal error: logged as ERROR and shown on /diagnostics ("last internal error")."""
