@@ -104,6 +104,15 @@ def test_only_outputs_join_the_history_unless_prompts_are_kept() -> None:
     assert outputs_only.history_tokens == 2
 
 
+def test_a_request_that_ended_before_its_prompt_pass_teaches_nothing() -> None:
+    """The engine ends every drafter's request, also one stopped before the prompt pass began them
+    (cancelled between two prompt chunks): no part of that prompt joins the history."""
+    drafter = SuffixDrafter(SuffixConfig())
+    run_request(drafter, [1, 2, 3], [4, 5])
+    drafter.end([7, 8, 9, 10, 11])  # no begin()
+    assert drafter.index.sequences() == [[4, 5]]
+
+
 def test_the_history_cap_evicts_the_oldest_outputs_first() -> None:
     drafter = SuffixDrafter(SuffixConfig(history_max_tokens=25, match_factor=0))
     for first in range(10, 60, 10):  # five answers of 5 tokens: 5 x 5 + 4 separators > 25

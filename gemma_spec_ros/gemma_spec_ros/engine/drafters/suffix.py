@@ -159,7 +159,7 @@ class SuffixDrafter:
             self._index.extend(sequence)
         self._history_end = self._index.end
         self._request_start = self._history_end
-        self._prompt_length = 0
+        self._prompt_length = -1  # the current request's prompt tokens; -1 between requests
         self._request: List[int] = []  # the current request's tokens in the index
         self._changed = False
         self._last_save = time.monotonic()
@@ -238,7 +238,10 @@ class SuffixDrafter:
         ``keep_prompts`` all of it) joins the history, the oldest history is evicted past the cap,
         and a periodic save may run (its failure is kept in ``save_error``, never raised)."""
         self._drop_request()
-        kept = list(tokens) if self.config.keep_prompts else list(tokens[self._prompt_length:])
+        started, self._prompt_length = self._prompt_length, -1
+        if started < 0:  # no begin(): the request ended before its prompt pass did (nothing to learn)
+            return
+        kept = list(tokens) if self.config.keep_prompts else list(tokens[started:])
         if kept and self.config.history_max_tokens > 0:
             self._index.new_sequence()
             self._index.extend(kept)
