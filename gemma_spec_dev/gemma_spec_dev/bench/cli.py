@@ -42,6 +42,7 @@ from typing import Any, Dict, IO, List, Mapping, Optional, Sequence, Tuple
 
 from gemma_spec_ros.engine.drafters.mtp import is_assistant
 from gemma_spec_ros.engine.config import expand_path
+from gemma_spec_ros.engine.modes import SPEC_MODES
 from .config import (Prompt, RunnerSpec, Suite, apply_overrides,
                      default_params, find_data_dir, load_params, load_suites, model_config, parse_baselines, parse_ks,
                      PROMPT_REUSE_CHOICES, parse_modes, parse_native_sweep, plan_runners, select_suites, thread_count)
@@ -79,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder of text files for --random-prompts (repeatable; default: this "
                         "interpreter's standard library and installed packages)")
     p.add_argument("--prompts-dir", default="", help="folder of suite files (default: the package's prompts/)")
-    p.add_argument("--modes", default="all", help="comma-separated of off,draft,lookup,draft+lookup,auto,mtp, "
+    p.add_argument("--modes", default="all", help=f"comma-separated of {','.join(SPEC_MODES)}, "
                    "or all (off always runs: it is the reference)")
     p.add_argument("--prompt-reuse", choices=PROMPT_REUSE_CHOICES, default="on",
                    help="engine runners reuse the previous request's prompt prefix (on, the node's "
