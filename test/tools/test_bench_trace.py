@@ -45,6 +45,16 @@ def test_every_agent_turn_shows_the_file_as_the_turns_before_left_it() -> None:
         trace_requests("agent", constrained=True)
 
 
+def test_the_suites_trace_is_every_single_prompt_suite_prompt_once_in_the_benchs_order(repo_root: Path) -> None:
+    from gemma_spec_dev.bench.config import load_suites
+    suites = load_suites(repo_root / "gemma_spec_ros" / "prompts")
+    requests = trace_requests("suites")
+    assert [r.id for r in requests] == [f"{s.name}/{p.id}" for s in suites for p in s.prompts]
+    assert all(not r.json_schema for r in requests) and len({r.id for r in requests}) == len(requests)
+    with pytest.raises(ValueError, match="no schema"):
+        trace_requests("suites", constrained=True)
+
+
 def scripted_trace(requests: int = 12) -> Dict[str, Any]:
     """Outputs of a planner that repeats the pattern of its earlier answers with a new object each
     time (token ids only: no model)."""
