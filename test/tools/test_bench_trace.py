@@ -14,6 +14,7 @@ import pytest
 from gemma_spec_dev.bench import trace, trace_prompts, trace_replay
 from gemma_spec_dev.bench.trace_requests import trace_requests
 from gemma_spec_ros.engine.config import SuffixConfig
+from gemma_spec_ros.engine.modes import MODES
 
 from support.servers import LLAMA_SERVER
 
@@ -89,7 +90,8 @@ def test_strategies_and_variants_parse() -> None:
     with pytest.raises(ValueError, match="not a mode of the table"):
         trace_replay.parse_strategies("suffix+draft", {}, 12)
     with pytest.raises(ValueError, match="not a mode of the table"):
-        trace_replay.parse_strategies("draft+lookup", {}, 12)
+        trace_replay.parse_strategies("draft+lookup", {}, 12)  # it needs a draft model
+    assert trace_replay.parse_strategies("auto", {}, 12)[0].chain == MODES["auto"].chain  # with what it has
     with pytest.raises(ValueError, match="no suffix variant"):
         trace_replay.parse_strategies("suffix[x]", {}, 12)
 

@@ -91,6 +91,12 @@ class Strategy:
         return MODES[self.mode].chain
 
 
+def replayable_modes() -> List[str]:
+    """The table's modes a replay runs: no model needed, and a drafter of :data:`REPLAYED_DRAFTERS`
+    in the chain (the others are passed over, as in an engine without them loaded: ``auto``)."""
+    return [m.name for m in MODES.values() if not m.needs and any(d in REPLAYED_DRAFTERS for d in m.chain)]
+
+
 def parse_strategies(text: str, suffix_variants: Mapping[str, SuffixConfig], draft_max: int) -> List[Strategy]:
     """``lookup,suffix,suffix+lookup,suffix[f2]/K16`` -> strategies: a mode of the table,
     ``[name]`` picks a suffix variant (``--suffix-variant``), ``/K<n>`` sets K."""
@@ -107,12 +113,9 @@ def parse_strategies(text: str, suffix_variants: Mapping[str, SuffixConfig], dra
             if name not in suffix_variants:
                 raise ValueError(f"strategy {item}: no suffix variant {name!r} (--suffix-variant)")
             variant = suffix_variants[name]
-        row = MODES.get(body)
-        if row is None or not row.chain or any(d not in REPLAYED_DRAFTERS for d in row.chain):
-            replayable = [m.name for m in MODES.values()
-                          if m.chain and all(d in REPLAYED_DRAFTERS for d in m.chain)]
-            raise ValueError(f"strategy {item}: {body!r} is not a mode of the table with only "
-                             f"{' and '.join(REPLAYED_DRAFTERS)} (one of {', '.join(replayable)})")
+        if body not in replayable_modes():
+            raise ValueError(f"strategy {item}: {body!r} is not a mode of the table that runs with only "
+                             f"{' and '.join(REPLAYED_DRAFTERS)} (one of {', '.join(replayable_modes())})")
         out.append(Strategy(item, body, variant, int(k) if k else draft_max))
     return out
 
@@ -149,7 +152,7 @@ class Replayer:
         for rows, ms in sorted(pass_ms.items()):
             self.costs.observe_verify(rows, ms / 1e3)
         self.drafters: Dict[str, Drafting] = {}
-        for name in strategy.chain:
+        for name in [d for d in strategy.chain if d in REPLAYED_DRAFTERS]:
             drafter: Drafter = (LookupDrafter(LookupConfig()) if name == "lookup"
                                 else SuffixDrafter(strategy.suffix))
             self.drafters[name] = Drafting(drafter, DraftLengthPolicy(name, self.costs))
