@@ -40,6 +40,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Dict, IO, List, Mapping, Optional, Sequence, Tuple
 
+from gemma_spec_ros.engine.drafters.eagle3 import is_eagle3_head
 from gemma_spec_ros.engine.drafters.mtp import is_assistant
 from gemma_spec_ros.engine.config import expand_path
 from .config import (Prompt, RunnerSpec, Suite, apply_overrides,
@@ -79,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder of text files for --random-prompts (repeatable; default: this "
                         "interpreter's standard library and installed packages)")
     p.add_argument("--prompts-dir", default="", help="folder of suite files (default: the package's prompts/)")
-    p.add_argument("--modes", default="all", help="comma-separated of off,draft,lookup,draft+lookup,auto,mtp, "
+    p.add_argument("--modes", default="all", help="comma-separated of off,draft,lookup,draft+lookup,auto,mtp,eagle3, "
                    "or all (off always runs: it is the reference)")
     p.add_argument("--prompt-reuse", choices=PROMPT_REUSE_CHOICES, default="on",
                    help="engine runners reuse the previous request's prompt prefix (on, the node's "
@@ -165,6 +166,7 @@ class Bench:
                                               parse_baselines(args.baselines), args.native_bin, native_ks,
                                               args.via_action, args.prompt_reuse,
                                               assistant=has_draft and is_assistant(draft.resolved_path),
+                                              head=has_draft and is_eagle3_head(draft.resolved_path),
                                               native_sweep=parse_native_sweep(args.native_sweep),
                                               adaptive_ks=[k for k in parse_ks(args.adaptive_k or "adaptive")
                                                            if k is not None])

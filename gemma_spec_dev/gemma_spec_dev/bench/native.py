@@ -114,9 +114,10 @@ class NativeRunner:
             if draft is None:
                 raise ValueError("llama-speculative-simple needs a draft model")
             self._base += ["-md", draft.resolved_path]
-            if spec.mode == "speculative-mtp":  # the Gemma 4 assistant, at our engine's p_min
+            spec_type = {"speculative-mtp": "draft-mtp", "speculative-eagle3": "draft-eagle3"}.get(spec.mode)
+            if spec_type:  # the Gemma 4 assistant or the EAGLE-3 head, at our engine's p_min
                 p_min = base_config(params).spec.p_min
-                self._base += ["--spec-type", "draft-mtp", "--spec-draft-p-min", str(p_min)]
+                self._base += ["--spec-type", spec_type, "--spec-draft-p-min", str(p_min)]
         self.peak_rss_mb = 0.0
         self.base_rss_mb: Optional[float] = None  # the tool is the whole process: no base to tell apart
         self.info: Dict[str, Any] = {"command": self._base}

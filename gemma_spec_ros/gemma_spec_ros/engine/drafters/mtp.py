@@ -31,6 +31,7 @@ import numpy as np
 from ..llama.model import BufferViews, LlamaModel
 from ..llama.process import init_backend, load_llama_cpp
 from .draft_model import DraftModelDrafter, next_draft_token
+from .eagle3 import Eagle3Drafter, is_eagle3_head
 from ..llama.gguf import GGUFHeaderError, architecture
 from ..sampling import Sampler
 from .base import Draft, Drafter
@@ -69,10 +70,15 @@ def is_assistant(path: str) -> bool:
 
 
 def model_drafter(config: ModelConfig, target: LlamaModel) -> Drafter:
-    """The drafter ``draft.model_path`` names: an :class:`MtpDrafter` for a Gemma 4 assistant, else a
-    standalone draft model (:class:`~gemma_spec_ros.engine.drafters.draft_model.DraftModelDrafter`)."""
-    if is_assistant(config.resolved_path):
+    """The drafter ``draft.model_path`` names, by the GGUF's architecture: an :class:`MtpDrafter`
+    for a Gemma 4 assistant, an :class:`~gemma_spec_ros.engine.drafters.eagle3.Eagle3Drafter` for
+    an EAGLE-3 head, else a standalone draft model
+    (:class:`~gemma_spec_ros.engine.drafters.draft_model.DraftModelDrafter`)."""
+    path = config.resolved_path
+    if is_assistant(path):
         return MtpDrafter(config, target)
+    if is_eagle3_head(path):
+        return Eagle3Drafter(config, target)
     return DraftModelDrafter(config, target)
 
 
