@@ -147,11 +147,14 @@ class NativeRunner:
         # "encoded ... in" line). The prompt's pass gives the first token, each later pass its
         # accepted tokens + 1: passes = tokens - 1 - accepted.
         accepted_tokens = accepted if self._drafts and not math.isnan(accepted) else 0.0
-        stats: Dict[str, Any] = {
-            "num_steps": max(1.0, n_tokens - 1 - accepted_tokens),
-            "verify_ms": parsed["eval_ms"] + (parsed["prompt_eval_ms"] - parsed["prompt_s"] * 1e3
-                                              if not math.isnan(parsed["prompt_eval_ms"]) else 0.0),
-            "decode_ms": parsed["decode_s"] * 1e3}
+        verify_ms = parsed["eval_ms"] + (parsed["prompt_eval_ms"] - parsed["prompt_s"] * 1e3
+                                         if not math.isnan(parsed["prompt_eval_ms"]) else 0.0)
+        stats: Dict[str, Any] = {"num_steps": max(1.0, n_tokens - 1 - accepted_tokens),
+                                 "decode_ms": parsed["decode_s"] * 1e3}
+        # draft-eagle3's "encoded" time also covers the head's pass over the prompt, so the prompt's
+        # share cannot be told apart: the verify time is then unknown (the step profile shows "-")
+        if verify_ms >= 0:
+            stats["verify_ms"] = verify_ms
         if self._drafts:
             stats.update({"num_draft_tokens": drafted, "num_accepted_tokens": accepted,
                           "acceptance_rate": accepted / drafted if drafted else math.nan,
