@@ -1,10 +1,12 @@
-"""Our MTP step against llama.cpp's, interleaved in one loop: the engine in this process (no bench
-worker), then ``llama-speculative-simple --spec-type draft-mtp`` on the same pair, prompt and K,
-ROUNDS times; medians of milliseconds per target pass after the first token (docs/benchmarks.md).
+"""Our MTP (or EAGLE-3) step against llama.cpp's, interleaved in one loop: the engine in this process
+(no bench worker), then ``llama-speculative-simple --spec-type draft-mtp`` (``draft-eagle3`` when
+the draft file is an EAGLE-3 head) on the same pair, prompt and K, ROUNDS times; medians of
+milliseconds per target pass after the first token (docs/benchmarks.md).
 
-    .venv/bin/python scripts/mtp_step_ab.py TARGET.gguf ASSISTANT.gguf [ROUNDS]
+    .venv/bin/python scripts/mtp_step_ab.py TARGET.gguf ASSISTANT_OR_HEAD.gguf [ROUNDS]
 
-The tiny pairs of the tests: ``write_gemma4_pair(dir, agreeing=...)`` in test/support/tiny_gemma4.py.
+The tiny pairs of the tests: ``write_gemma4_pair(dir, agreeing=...)`` in test/support/tiny_gemma4.py,
+``write_eagle3_pair(dir, agreeing=...)`` in test/support/tiny_eagle3.py.
 Each request generates MTP_AB_TOKENS tokens (default 1500; n_ctx is that + 64). Runs of 200 tokens
 last ~25 ms on the tiny pair, and this shared host's noise comes in bursts about that long: their
 medians scattered from 0.87x to 1.28x between calls, those of 1500-token runs from 0.92x to 1.09x.
@@ -19,6 +21,7 @@ import sys
 
 from gemma_spec_ros.engine.engine import Engine
 from gemma_spec_ros.engine.config import EngineConfig, ModelConfig, SpecConfig
+from gemma_spec_ros.engine.drafters.eagle3 import is_eagle3_head
 from gemma_spec_ros.engine.request import GenerationRequest
 
 TOOL = os.path.expanduser("~/.cache/gemma_spec_ros/native/bin/llama-speculative-simple")
@@ -27,10 +30,10 @@ MAX_TOKENS = int(os.environ.get("MTP_AB_TOKENS", "1500"))
 N_CTX = MAX_TOKENS + 64
 
 
-def native_step_ms(target: str, assistant: str) -> float:
+def native_step_ms(target: str, assistant: str, mode: str) -> float:
     """decode time / target passes of one run; the tool logs from a thread and can exit before
     its last lines are out: such a run is repeated."""
-    argv = [TOOL, "-m", target, "-md", assistant, "--spec-type", "draft-mtp", "--spec-draft-n-max", str(K),
+    argv = [TOOL, "-m", target, "-md", assistant, "--spec-type", f"draft-{mode}", "--spec-draft-n-max", str(K),
             "--spec-draft-p-min", str(P_MIN), "-c", str(N_CTX), "-t", "1", "-p", PROMPT,
             "-n", str(MAX_TOKENS - 1), "--temp", "0", "--no-escape"]
     for _ in range(5):
@@ -46,19 +49,20 @@ def native_step_ms(target: str, assistant: str) -> float:
 def main() -> None:
     target, assistant = sys.argv[1], sys.argv[2]
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 15
+    mode = "eagle3" if is_eagle3_head(assistant) else "mtp"
     engine = Engine(EngineConfig(
         target=ModelConfig(target, n_ctx=N_CTX, n_threads=1, flash_attn=True),  # llama.cpp: auto
-        draft=ModelConfig(assistant, n_ctx=N_CTX, n_threads=1),
-        spec=SpecConfig(mode="mtp", draft_max=K, p_min=P_MIN, adaptive=False)))
+        draft=ModelConfig(assistant, n_ctx=N_CTX, n_threads=1, flash_attn=True),  # as the node: the target's
+        spec=SpecConfig(mode=mode, draft_max=K, p_min=P_MIN, adaptive=False)))
     ours, native = [], []
     try:
         for _ in range(rounds):
             stats = list(engine.generate(GenerationRequest(PROMPT, max_tokens=MAX_TOKENS)))[-1].stats
             ours.append(stats.generation_time / stats.num_steps * 1e3)
-            native.append(native_step_ms(target, assistant))
+            native.append(native_step_ms(target, assistant, mode))
     finally:
         engine.close()
-    print(f"ours {statistics.median(ours):.3f} ms/step (min {min(ours):.3f}), llama.cpp "
+    print(f"{mode}: ours {statistics.median(ours):.3f} ms/step (min {min(ours):.3f}), llama.cpp "
           f"{statistics.median(native):.3f} (min {min(native):.3f}): ratio of medians "
           f"{statistics.median(ours) / statistics.median(native):.2f}, of minima {min(ours) / min(native):.2f}; "
           f"acceptance {stats.acceptance_rate:.2f}, {stats.num_steps} passes")

@@ -233,6 +233,40 @@ def test_the_running_goal_gets_its_result_at_shutdown(serve: Any, embedded_model
     assert served.node.lifecycle_state == "finalized"
 
 
+def test_the_result_reaches_its_client_when_the_executor_sends_it_late(serve: Any, embedded_model_path: Path) -> None:
+    """The fresh-robot rehearsal's Ctrl-C during a goal (seen once in CI, on a loaded host): the
+    client waited for ever, because the server was destroyed 0.25 s after the result was set, before
+    the executor's task had sent it. Fault injection: the executor's send task is made to start
+    0.8 s late (no real component delays one executor task on demand); the server now outlives the
+    send, since close() waits for the send itself."""
+    served, running = a_long_goal_running(serve, embedded_model_path)
+    server = served.node._goals._action_server
+    destroy = server.destroy
+    events = []
+
+    def late(send: Callable[[Any], None]) -> Callable[[Any], None]:
+        def run(future: Any) -> None:
+            time.sleep(0.8)
+            send(future)
+            events.append("result sent")
+        return run
+
+    def destroyed() -> None:
+        events.append("server destroyed")
+        destroy()
+
+    # the client's result request is a done callback of the goal's result future: its send task
+    for future in server._result_futures.values():
+        wait_until(lambda: future._callbacks, 10, "the client's result request")
+        future._callbacks = [late(callback) for callback in future._callbacks]
+    server.destroy = destroyed
+    assert served.client.transition("shutdown")
+    result = running.wait_result(timeout=30)
+    assert running.status == GoalStatus.STATUS_ABORTED and "shutting down" in result.error
+    # in a process that exits after its shutdown, a result sent after this point never arrives
+    assert events == ["result sent", "server destroyed"], events
+
+
 def test_cancels_at_random_points_each_goal_gets_one_result(serve: Any) -> None:
     """Defect 5: goals cancelled at random points (in the goal-response callback, at once, after a
     short delay) on the tiny model: every accepted goal gets its result, and a goal whose cancel

@@ -184,7 +184,10 @@ def test_a_fresh_robot_serves_every_mode_respawns_after_kill_9_and_stops_on_ctrl
         running.wait_for("Feedback:", timeout=120)
     finally:
         status = launch.interrupt(timeout=120)
-    running.proc.wait(60)
+    try:
+        running.proc.wait(60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the goal's client got no result within 60 s of the exit\n{running.output}\n{launch.output}")
     out = running.output
     running.close()
     assert status == 0, launch.output

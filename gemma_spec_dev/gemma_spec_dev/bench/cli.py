@@ -40,6 +40,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Dict, IO, List, Mapping, Optional, Sequence, Tuple
 
+from gemma_spec_ros.engine.drafters.eagle3 import is_eagle3_head
 from gemma_spec_ros.engine.drafters.mtp import is_assistant
 from gemma_spec_ros.engine.config import expand_path
 from gemma_spec_ros.engine.modes import SPEC_MODES
@@ -166,6 +167,7 @@ class Bench:
                                               parse_baselines(args.baselines), args.native_bin, native_ks,
                                               args.via_action, args.prompt_reuse,
                                               assistant=has_draft and is_assistant(draft.resolved_path),
+                                              head=has_draft and is_eagle3_head(draft.resolved_path),
                                               native_sweep=parse_native_sweep(args.native_sweep),
                                               adaptive_ks=[k for k in parse_ks(args.adaptive_k or "adaptive")
                                                            if k is not None])

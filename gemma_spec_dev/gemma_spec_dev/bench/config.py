@@ -16,7 +16,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
-from gemma_spec_ros.engine.modes import MODES, SPEC_MODES
+from gemma_spec_ros.engine.modes import DRAFT_SLOT, MODES, SPEC_MODES
 from gemma_spec_ros.engine.config import EngineConfig, ModelConfig, expand_path
 from gemma_spec_ros.node import parameters as node_parameters
 
@@ -289,6 +289,8 @@ def parse_baselines(text: str) -> List[str]:
 NATIVE_TOOLS: Dict[str, str] = {"lookup": "llama-lookup", "speculative": "llama-speculative-simple",
                                 # the same tool with --spec-type draft-mtp: a Gemma 4 assistant as -md
                                 "speculative-mtp": "llama-speculative-simple",
+                                # and with --spec-type draft-eagle3: an EAGLE-3 head as -md
+                                "speculative-eagle3": "llama-speculative-simple",
                                 # the same tool with an n-gram --spec-type: no draft model
                                 "speculative-ngram": "llama-speculative-simple"}
 
@@ -342,19 +344,21 @@ def plan_runners(modes: Sequence[str], ks: Sequence[Optional[int]], has_draft: b
                  baselines: Sequence[str], native_bin: str, native_ks: Sequence[int],
                  via_action: str, prompt_reuse: str = "on",
                  assistant: bool = False, native_sweep: Sequence[str] = (),
-                 adaptive_ks: Sequence[int] = ()) -> Tuple[List[RunnerSpec], List[str]]:
+                 adaptive_ks: Sequence[int] = (), head: bool = False) -> Tuple[List[RunnerSpec], List[str]]:
     """The runners of one bench invocation and notes on what was skipped and why.
 
     ``off`` is always run (every speedup is measured against it). Each other mode runs once per K.
     ``prompt_reuse`` ``off`` runs the engine runners without prompt reuse; ``both`` adds a
     ``<name>/no-reuse`` twin of each, whose own baseline is the runner with reuse. ``assistant``: the
     draft model is a Gemma 4 MTP assistant, which drafts in mode ``mtp`` (and for llama.cpp's
-    ``llama-speculative-simple --spec-type draft-mtp``), never in the draft-model modes.
+    ``llama-speculative-simple --spec-type draft-mtp``), never in the draft-model modes; ``head``:
+    it is an EAGLE-3 head, which drafts in mode ``eagle3`` (and ``--spec-type draft-eagle3``).
     ``native_sweep``: the n-gram settings of llama.cpp's tools to sweep, by name (see
     :func:`_native_runners`; empty: no sweep).
     ``adaptive_ks``: more adaptive runners per mode, each with that cap on K (``lookup/A8``).
     """
     notes: List[str] = []
+    kind = "mtp" if assistant else "eagle3" if head else "draft"  # the drafter draft.model_path loads
     specs: List[RunnerSpec] = [RunnerSpec(REFERENCE_RUNNER, "engine", "off", None, "")]
     for mode in modes:
         if mode == "off":
@@ -363,9 +367,10 @@ def plan_runners(modes: Sequence[str], ks: Sequence[Optional[int]], has_draft: b
         if needs == "draft" and not has_draft:
             notes.append(f"mode {mode} skipped: no draft model configured (draft.model_path or --draft)")
             continue
-        if (needs == "draft" and assistant) or (needs == "mtp" and not assistant):
-            notes.append(f"mode {mode} skipped: " + ("the draft model is a Gemma 4 assistant (mode mtp)"
-                                                     if assistant else "no Gemma 4 assistant configured"))
+        if needs and needs != kind:
+            held = f"the draft model is {DRAFT_SLOT[kind]} (mode {kind})" if has_draft and kind != "draft" \
+                else f"it needs {DRAFT_SLOT[needs]}, and none is configured"
+            notes.append(f"mode {mode} skipped: {held}")
             continue
         specs.extend(RunnerSpec(runner_name(mode, k), "engine", mode, k) for k in ks)
         specs.extend(RunnerSpec(f"{mode}/A{k}", "engine", mode, None, adaptive_max=k) for k in adaptive_ks)
@@ -382,7 +387,7 @@ def plan_runners(modes: Sequence[str], ks: Sequence[Optional[int]], has_draft: b
         specs.append(RunnerSpec("lcp-prompt-lookup", "llama-cpp", "prompt-lookup", PROMPT_LOOKUP_TOKENS,
                                 "lcp-plain" if "plain" in baselines else REFERENCE_RUNNER))
     if native_bin:
-        specs.extend(_native_runners(native_bin, native_ks, has_draft, notes, assistant, native_sweep))
+        specs.extend(_native_runners(native_bin, native_ks, has_draft, notes, assistant, native_sweep, head))
     elif native_sweep:
         notes.append("--native-sweep skipped: no --native-bin")
     if via_action:
@@ -393,9 +398,10 @@ def plan_runners(modes: Sequence[str], ks: Sequence[Optional[int]], has_draft: b
 
 def _native_runners(native_bin: str, native_ks: Sequence[int], has_draft: bool,
                     notes: List[str], assistant: bool = False,
-                    sweep: Sequence[str] = ()) -> List[RunnerSpec]:
+                    sweep: Sequence[str] = (), head: bool = False) -> List[RunnerSpec]:
     """llama-lookup with K=0 (its plain decoding) and each K; llama-speculative-simple with a draft
-    (``--spec-type draft-mtp`` when it is a Gemma 4 assistant: ``native-spec-mtp/K*``). ``sweep``
+    (``--spec-type draft-mtp`` when it is a Gemma 4 assistant: ``native-spec-mtp/K*``;
+    ``--spec-type draft-eagle3`` when it is an EAGLE-3 head: ``native-spec-eagle3/K*``). ``sweep``
     (names of :data:`NATIVE_NGRAM_SETTINGS`) adds llama-lookup at :data:`NATIVE_SWEEP_LOOKUP_KS` and
     llama-speculative-simple with those settings (``native-ngram-*``, no draft model): the settings the per-prompt
     native oracle picks from (report.summary.versus_native_oracle)."""
@@ -414,7 +420,8 @@ def _native_runners(native_bin: str, native_ks: Sequence[int], has_draft: bool,
         notes.append("native speculative skipped: no draft model configured")
     elif (bin_dir / NATIVE_TOOLS["speculative"]).is_file():
         reference = "native-plain" if specs else REFERENCE_RUNNER
-        tool, name = ("speculative-mtp", "native-spec-mtp") if assistant else ("speculative", "native-spec")
+        tool, name = (("speculative-mtp", "native-spec-mtp") if assistant else
+                      ("speculative-eagle3", "native-spec-eagle3") if head else ("speculative", "native-spec"))
         specs.extend(RunnerSpec(f"{name}/K{k}", "native", tool, k, reference) for k in native_ks)
     else:
         notes.append(f"native speculative skipped: {bin_dir / NATIVE_TOOLS['speculative']} not found")

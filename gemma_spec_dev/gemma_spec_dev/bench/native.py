@@ -114,9 +114,10 @@ class NativeRunner:
             if draft is None:
                 raise ValueError("llama-speculative-simple needs a draft model")
             self._base += ["-md", draft.resolved_path]
-            if spec.mode == "speculative-mtp":  # the Gemma 4 assistant, at our engine's p_min
+            spec_type = {"speculative-mtp": "draft-mtp", "speculative-eagle3": "draft-eagle3"}.get(spec.mode)
+            if spec_type:  # the Gemma 4 assistant or the EAGLE-3 head, at our engine's p_min
                 p_min = base_config(params).spec.p_min
-                self._base += ["--spec-type", "draft-mtp", "--spec-draft-p-min", str(p_min)]
+                self._base += ["--spec-type", spec_type, "--spec-draft-p-min", str(p_min)]
         self.peak_rss_mb = 0.0
         self.base_rss_mb: Optional[float] = None  # the tool is the whole process: no base to tell apart
         self.info: Dict[str, Any] = {"command": self._base}
@@ -146,11 +147,14 @@ class NativeRunner:
         # "encoded ... in" line). The prompt's pass gives the first token, each later pass its
         # accepted tokens + 1: passes = tokens - 1 - accepted.
         accepted_tokens = accepted if self._drafts and not math.isnan(accepted) else 0.0
-        stats: Dict[str, Any] = {
-            "num_steps": max(1.0, n_tokens - 1 - accepted_tokens),
-            "verify_ms": parsed["eval_ms"] + (parsed["prompt_eval_ms"] - parsed["prompt_s"] * 1e3
-                                              if not math.isnan(parsed["prompt_eval_ms"]) else 0.0),
-            "decode_ms": parsed["decode_s"] * 1e3}
+        verify_ms = parsed["eval_ms"] + (parsed["prompt_eval_ms"] - parsed["prompt_s"] * 1e3
+                                         if not math.isnan(parsed["prompt_eval_ms"]) else 0.0)
+        stats: Dict[str, Any] = {"num_steps": max(1.0, n_tokens - 1 - accepted_tokens),
+                                 "decode_ms": parsed["decode_s"] * 1e3}
+        # draft-eagle3's "encoded" time also covers the head's pass over the prompt, so the prompt's
+        # share cannot be told apart: the verify time is then unknown (the step profile shows "-")
+        if verify_ms >= 0:
+            stats["verify_ms"] = verify_ms
         if self._drafts:
             stats.update({"num_draft_tokens": drafted, "num_accepted_tokens": accepted,
                           "acceptance_rate": accepted / drafted if drafted else math.nan,

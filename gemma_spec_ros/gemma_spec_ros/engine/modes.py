@@ -37,6 +37,7 @@ class Mode:
 DRAFT_SLOT = {
     "draft": "a draft model",
     "mtp": "a Gemma 4 assistant (a gemma4-assistant GGUF)",
+    "eagle3": "an EAGLE-3 head (an eagle3 GGUF)",
 }
 
 MODES: Dict[str, Mode] = {mode.name: mode for mode in (
@@ -44,8 +45,9 @@ MODES: Dict[str, Mode] = {mode.name: mode for mode in (
     Mode("draft", ("draft",), needs="draft"),  # a standalone model of the target's vocabulary
     Mode("lookup", ("lookup",)),  # n-gram lookup: the request, the learned cache, a static cache
     Mode("draft+lookup", ("lookup", "draft"), needs="draft"),
-    Mode("auto", ("suffix", "lookup", "draft", "mtp"), ranked=True),  # the policy picks, speculation off too
+    Mode("auto", ("suffix", "lookup", "draft", "mtp", "eagle3"), ranked=True),  # the policy picks, or none
     Mode("mtp", ("mtp",), needs="mtp"),  # Gemma 4's assistant (drafters/mtp.py)
+    Mode("eagle3", ("eagle3",), needs="eagle3"),  # an EAGLE-3 head (drafters/eagle3.py)
     # suffix decoding (drafters/suffix.py): the longest earlier occurrence, in the request and the
     # history of earlier outputs. Replayed (bench.trace_replay, modelled speedup over plain, median
     # after the first five requests), planner / planner with its schema / agent loop / the

@@ -27,9 +27,12 @@ sees, and these are the waits and retries that make up for it (all of them live 
   :data:`CANCEL_POLL`).
 - A cancel accepted between rclpy's cancel check and its EXECUTE transition makes ``execute()``
   fail (CANCELING -> EXECUTING is invalid): it is tried again, and then ends the goal CANCELED.
-- rclpy sets a goal's result after the execute callback returned: before destroying the action
-  server, :meth:`GoalServer.close` waits for rclpy's result futures (a private attribute; a fixed
-  grace period where it is missing).
+- rclpy sets a goal's result after the execute callback returned, and sends it to a client that
+  asked for it from a task the executor runs later still: before destroying the action server,
+  :meth:`GoalServer.close` waits until the result of every goal that was still open when it began
+  has gone out (:class:`ResultDelivery`: rclpy's result futures and its send, private attributes; a
+  fixed grace period where they are missing), then lingers :data:`RESULT_LINGER` so that DDS
+  delivers it before the server's writer is gone.
 """
 from __future__ import annotations
 
@@ -60,9 +63,12 @@ STOP_TIMEOUT = 30.0
 #: The same wait at shutdown, which must end within SHUTDOWN_BOUND (node/__init__.py): a step or
 #: prompt chunk takes well under a second on an Orin; one that takes longer is left to the exit.
 SHUTDOWN_STOP_TIMEOUT = 6.0
-#: Seconds close() waits for rclpy to hand the last results to the action server before
-#: destroying it (the goals themselves have ended by then).
+#: Seconds close() waits for rclpy to send the last results before destroying the action server
+#: (the goals themselves have ended by then); RESULT_LINGER of it comes after the last send.
 RESULT_GRACE = 2.0
+#: Seconds the action server outlives its last result sent at close(): destroying it at once can
+#: drop a response DDS has not delivered yet (its writer goes with it).
+RESULT_LINGER = 0.5
 #: Seconds close() waits for the dispatcher thread to end after the queue is closed.
 DISPATCHER_JOIN = 1.0
 #: Feedback messages the action server keeps per writer (rclpy's default, 10, lets a burst of
@@ -125,6 +131,7 @@ class GoalServer:
             cancel_callback=self._on_cancel, callback_group=self._group,
             result_timeout=max(1, round(result_timeout)),
             feedback_pub_qos_profile=QoSProfile(depth=FEEDBACK_DEPTH))
+        self._delivery = ResultDelivery(self._action_server)
 
     def activate(self) -> None:
         """Accept goals from now on."""
@@ -147,13 +154,14 @@ class GoalServer:
     def close(self, reason: str, stop_timeout: float = STOP_TIMEOUT) -> None:
         """:meth:`stop`, then end the dispatcher and destroy the action server (cleanup).
         Waits at most ``stop_timeout`` + :data:`DISPATCHER_JOIN` + :data:`RESULT_GRACE` seconds."""
+        open_goals = self._delivery.watch() if self._action_server is not None else []
         self.stop(reason, stop_timeout)
         if self._jobs is not None:
             self._jobs.close()
         if self._dispatcher is not None:  # it ends once the queue is closed (it starts no goal)
             self._dispatcher.join(timeout=DISPATCHER_JOIN)
         if self._action_server is not None:
-            self._wait_results_sent(self._action_server, RESULT_GRACE)
+            self._delivery.wait_sent(open_goals, RESULT_GRACE)
             self._action_server.destroy()
         self._engine = self._jobs = self._dispatcher = self._action_server = None
 
@@ -393,17 +401,58 @@ class GoalServer:
         except Exception as exc:  # noqa: BLE001  the context is shutting down
             self._node.get_logger().warning(f"cannot set the goal's final state: {exc}")
 
-    @staticmethod
-    def _wait_results_sent(server: ActionServer, timeout: float) -> None:
-        """Wait until rclpy has handed every finished goal's result to the action server (see
-        rclpy timing): ``jobs.finished`` runs inside the execute callback, before rclpy sets the
-        goal's result, and destroying the server at once lost the running goal's result."""
-        futures = getattr(server, "_result_futures", None)
-        if futures is None:  # another rclpy: a fixed grace period instead
-            time.sleep(min(timeout, 0.5))
+
+class ResultDelivery:
+    """Which results of the action server's goals rclpy has sent, while it closes (see rclpy timing).
+
+    rclpy keeps one result future per goal (``_result_futures``); a client's result request adds a
+    done callback to it, which the executor runs as a task of its own after the future is set, and
+    that task sends the response (``_send_result_response``). The send is wrapped, so that the sends
+    made while the server closes are counted.
+    """
+
+    def __init__(self, server: ActionServer) -> None:
+        self._futures: Optional[Dict[bytes, Any]] = getattr(server, "_result_futures", None)
+        self._lock = threading.Lock()
+        self._closing = False
+        self._sent: List[Any] = []  # the futures whose result went out while closing
+        self._last_send = 0.0
+        send = getattr(server, "_send_result_response", None)
+        if self._futures is None or not callable(send):
+            self._futures = None
             return
+
+        def sent(request_header: Any, future: Any) -> None:
+            send(request_header, future)
+            with self._lock:
+                if self._closing:
+                    self._sent.append(future)
+                    self._last_send = time.monotonic()
+
+        server._send_result_response = sent  # looked up at each result request
+
+    def watch(self) -> List[Any]:
+        """From now on count the sends; the result futures of the goals still open."""
+        with self._lock:
+            self._closing = True
+        futures = self._futures
+        return [] if futures is None else [f for f in list(futures.values()) if not f.done()]
+
+    def wait_sent(self, open_goals: List[Any], timeout: float) -> None:
+        """Wait until the result of each of ``open_goals`` was sent (a goal whose client never asked
+        waits the whole time), then :data:`RESULT_LINGER`; at most ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not all(f.done() for f in list(futures.values())):
-            time.sleep(0.01)
-        if futures:  # a done future sends its result from a task the executor runs next
-            time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
+        if self._futures is None:  # another rclpy: a fixed grace period instead
+            time.sleep(min(timeout, RESULT_LINGER * 2))
+            return
+        pending = list(open_goals)
+        while pending and time.monotonic() < deadline - RESULT_LINGER:
+            with self._lock:
+                pending = [f for f in pending if not any(f is s for s in self._sent)]
+            if pending:
+                time.sleep(0.01)
+        with self._lock:
+            last = self._last_send
+        if self._futures:  # also a result set just before close() began: its send may be under way
+            end = min(deadline, max(last, time.monotonic()) + RESULT_LINGER)
+            time.sleep(max(0.0, end - time.monotonic()))

@@ -176,7 +176,8 @@ PARAMETERS: Tuple[ParamSpec, ...] = (
                  "target model .gguf ('~' and $VARS expanded)", with_batch=True),
     *_model_rows("draft", "draft", "",
                  "draft model .gguf with the target's vocabulary, or a Gemma 4 MTP assistant "
-                 "(a gemma4-assistant .gguf: spec.mode mtp); '' = no draft model",
+                 "(a gemma4-assistant .gguf: spec.mode mtp), or an EAGLE-3 head (an eagle3 .gguf: "
+                 "spec.mode eagle3); '' = no draft model",
                  with_batch=False),
     ParamSpec("spec.mode", _SPEC.mode, "speculative mode; applies from the next step, no reload",
               choices=SPEC_MODES, yaml_false="off"),

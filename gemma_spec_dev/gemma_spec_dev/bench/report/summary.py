@@ -192,14 +192,16 @@ STEP_FIELDS = ("steps", "step_ms", "draft_step_ms", "verify_step_ms", "sample_st
 def native_pairs(runners: Sequence[Mapping[str, Any]]) -> List[Tuple[str, str]]:
     """(our runner, llama.cpp's runner) pairs to compare in absolute tokens/s: every engine runner of
     a lookup mode against every ``native-lookup/K*``, every ``mtp`` runner against every
-    ``native-spec-mtp/K*``, and ``off`` against ``native-plain``."""
+    ``native-spec-mtp/K*`` (``eagle3`` against ``native-spec-eagle3/K*``), and ``off`` against
+    ``native-plain``."""
     names = {str(r["name"]): r for r in runners}
     native = [n for n, r in names.items() if r["kind"] == "native" and r["mode"] == "lookup" and r.get("draft_max")]
     pairs = [(n, m) for n, r in names.items() if r["kind"] == "engine" and r["mode"] in ("lookup", "auto")
              and not n.endswith(NO_REUSE_SUFFIX) for m in native]
-    mtp_native = [n for n, r in names.items() if r["kind"] == "native" and r["mode"] == "speculative-mtp"]
-    pairs += [(n, m) for n, r in names.items() if r["kind"] == "engine" and r["mode"] == "mtp"
-              and not n.endswith(NO_REUSE_SUFFIX) for m in mtp_native]  # MTP: same pair, same K
+    for mode in ("mtp", "eagle3"):  # a linked drafter and llama.cpp's draft-<mode>: same pair, same K
+        linked = [n for n, r in names.items() if r["kind"] == "native" and r["mode"] == f"speculative-{mode}"]
+        pairs += [(n, m) for n, r in names.items() if r["kind"] == "engine" and r["mode"] == mode
+                  and not n.endswith(NO_REUSE_SUFFIX) for m in linked]
     if REFERENCE_RUNNER in names and "native-plain" in names:
         pairs.append((REFERENCE_RUNNER, "native-plain"))
     return pairs

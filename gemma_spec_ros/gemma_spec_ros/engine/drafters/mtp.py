@@ -22,19 +22,19 @@ loaded and ignored), so the policy's measured draft cost includes it.
 """
 from __future__ import annotations
 
-import ctypes
-import os
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
 from ..llama.model import BufferViews, LlamaModel
-from ..llama.process import init_backend, load_llama_cpp
+from ..llama.process import load_llama_cpp
 from .draft_model import DraftModelDrafter, next_draft_token
+from .eagle3 import Eagle3Drafter, is_eagle3_head
+from .linked_head import LinkedHead, nextn_bindings
 from ..llama.gguf import GGUFHeaderError, architecture
 from ..sampling import Sampler
 from .base import Draft, Drafter
-from ..errors import EngineError, ModelLoadError
+from ..errors import EngineError
 from ..config import ModelConfig, SamplingParams, SpecConfig
 
 ASSISTANT_ARCHITECTURE = "gemma4-assistant"
@@ -44,18 +44,6 @@ TARGET_ARCHITECTURES = ("gemma4",)
 
 class AssistantMismatchError(EngineError):
     """The assistant cannot draft for this target (architecture, hidden size, vocabulary, n_ctx)."""
-
-
-def nextn_bindings():  # noqa: ANN201  the llama_cpp.llama_cpp_ext module
-    """llama-cpp-python's bindings of llama.cpp's staging API (``llama_set_embeddings_nextn``,
-    ``llama_get_embeddings_nextn_ith``, ``llama_get_ctx_other``). Upstream marks them experimental,
-    so they are imported only where MTP drafting needs them, with a reason when they are missing."""
-    try:
-        from llama_cpp import llama_cpp_ext  # noqa: WPS433
-    except ImportError as exc:
-        raise EngineError("this llama-cpp-python has no llama_cpp_ext module: MTP drafting needs "
-                          "llama-cpp-python 0.3.36 or later") from exc
-    return llama_cpp_ext
 
 
 def is_assistant(path: str) -> bool:
@@ -69,10 +57,15 @@ def is_assistant(path: str) -> bool:
 
 
 def model_drafter(config: ModelConfig, target: LlamaModel) -> Drafter:
-    """The drafter ``draft.model_path`` names: an :class:`MtpDrafter` for a Gemma 4 assistant, else a
-    standalone draft model (:class:`~gemma_spec_ros.engine.drafters.draft_model.DraftModelDrafter`)."""
-    if is_assistant(config.resolved_path):
+    """The drafter ``draft.model_path`` names, by the GGUF's architecture: an :class:`MtpDrafter`
+    for a Gemma 4 assistant, an :class:`~gemma_spec_ros.engine.drafters.eagle3.Eagle3Drafter` for
+    an EAGLE-3 head, else a standalone draft model
+    (:class:`~gemma_spec_ros.engine.drafters.draft_model.DraftModelDrafter`)."""
+    path = config.resolved_path
+    if is_assistant(path):
         return MtpDrafter(config, target)
+    if is_eagle3_head(path):
+        return Eagle3Drafter(config, target)
     return DraftModelDrafter(config, target)
 
 
@@ -146,35 +139,20 @@ class TargetHiddenRows:
             self._target.after_chunk = None
 
 
-class GemmaAssistant:
-    """The assistant model and its MTP context over the target's; one draft row per decode."""
+class GemmaAssistant(LinkedHead):
+    """The assistant model and its MTP context over the target's (:class:`~.linked_head.LinkedHead`:
+    the load, the linked context and the one-row step); one draft row per decode."""
+
+    mismatch = AssistantMismatchError
+    what = "the assistant"
+    shares_positions = "it attends to the target's KV cache"
 
     def __init__(self, config: ModelConfig, target: LlamaModel) -> None:
-        init_backend()
-        llama_cpp = self._llama_cpp = load_llama_cpp()
-        self.config, self.path = config, config.resolved_path
-        self._model = self._ctx = self._batch = None
-        target_model, target_ctx = target.handles
         if target.architecture not in TARGET_ARCHITECTURES:
             raise AssistantMismatchError(
-                f"{self.path} is a Gemma 4 assistant: it drafts only for a Gemma 4 target, and "
-                f"{target.path} is {target.architecture or 'of unknown architecture'}")
-        if config.n_ctx not in (target.config.n_ctx, target.n_ctx):
-            raise AssistantMismatchError(
-                f"the assistant attends to the target's KV cache: its n_ctx ({config.n_ctx}) must be "
-                f"the target's ({target.n_ctx}); set draft.n_ctx to 0 (= the target's)")
-        params = llama_cpp.llama_model_default_params()
-        params.n_gpu_layers = 999 if config.n_gpu_layers < 0 else config.n_gpu_layers
-        self._model = llama_cpp.llama_model_load_from_file(self.path.encode(), params)
-        if not self._model:
-            raise ModelLoadError(f"llama.cpp could not load the assistant {self.path} (corrupt file, "
-                                 f"or not enough memory for n_gpu_layers={config.n_gpu_layers})")
-        try:
-            self._check_pair(target, target_model)
-            self._create_context(target, target_ctx)
-        except BaseException:
-            self.close()
-            raise
+                f"{config.resolved_path} is a Gemma 4 assistant: it drafts only for a Gemma 4 target, "
+                f"and {target.path} is {target.architecture or 'of unknown architecture'}")
+        super().__init__(config, target, ctx_type=load_llama_cpp().LLAMA_CONTEXT_TYPE_MTP)
 
     def _check_pair(self, target: LlamaModel, target_model: object) -> None:
         """Refuse what llama.cpp would not check before it runs the graph (it would read the wrong
@@ -192,75 +170,17 @@ class GemmaAssistant:
                 f"the assistant {self.path} has a vocabulary of {self.n_vocab} tokens and the target "
                 f"{target.path} {target.n_vocab}: its drafts would be other tokens")
 
-    def _create_context(self, target: LlamaModel, target_ctx: object) -> None:
-        llama_cpp, config = self._llama_cpp, self.config
-        cparams = llama_cpp.llama_context_default_params()
-        cparams.n_ctx = target.n_ctx
-        cparams.n_batch = cparams.n_ubatch = 1  # one draft row per decode
-        cparams.n_seq_max = 1
-        threads = config.n_threads or (os.cpu_count() or 1)
-        cparams.n_threads = cparams.n_threads_batch = threads
-        cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if config.flash_attn
-                                   else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-        cparams.ctx_type = llama_cpp.LLAMA_CONTEXT_TYPE_MTP
-        cparams.ctx_other = target_ctx
-        cparams.n_rs_seq = 0
-        self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
-        if not self._ctx:
-            raise ModelLoadError(f"llama.cpp could not create the MTP context of {self.path} over "
-                                 f"the target's (n_ctx={target.n_ctx}; not enough memory?)")
+    def _after_context(self, target: LlamaModel, target_ctx: object) -> None:
         bindings = nextn_bindings()
         if bindings.llama_get_ctx_other(self._ctx) != target_ctx:
             raise AssistantMismatchError(f"llama.cpp did not link {self.path} to the target's context")
         bindings.llama_set_embeddings_nextn(self._ctx, True, True)  # its next hidden row
-        self._next_hidden = bindings.llama_get_embeddings_nextn_ith
-        self._views = BufferViews()
-        self._logits_shape, self._hidden_shape = (self.n_vocab,), (self.n_embd,)
-        # A one-row batch that carries a token and a hidden row. llama_batch_init with embd != 0
-        # would allocate no token array; this one has its token array and points embd at a
-        # buffer we own (reset before llama_batch_free, which would free it otherwise).
-        self._batch = llama_cpp.llama_batch_init(1, 0, 1)
-        self._hidden_in = np.zeros(self.n_embd, dtype=np.float32)
-        self._batch.embd = self._hidden_in.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-        self._batch.n_tokens = 1
-        self._batch.n_seq_id[0] = 1
-        self._batch.seq_id[0][0] = 0
-        self._batch.logits[0] = 1
-
-    def step(self, token: int, position: int, hidden: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-        """(logits, next hidden row) after feeding ``token`` at ``position`` with ``hidden``; both
-        are views that the next step overwrites."""
-        llama_cpp, batch = self._llama_cpp, self._batch
-        self._hidden_in[:] = hidden
-        batch.token[0] = token
-        batch.pos[0] = position
-        rc = llama_cpp.llama_decode(self._ctx, batch)
-        if rc != 0:
-            raise EngineError(f"the assistant's llama_decode failed with code {rc} at position {position}")
-        # views cached by address (BufferViews): np.ctypeslib.as_array costs ~5 us a call
-        logits = self._views.get(llama_cpp.llama_get_logits_ith(self._ctx, 0), self._logits_shape)
-        pointer = self._next_hidden(self._ctx, 0)
-        if not pointer:
-            raise EngineError(f"the assistant {self.path} exported no hidden row")
-        return logits, self._views.get(pointer, self._hidden_shape)
 
     def model_info(self) -> dict:
         """What the node's ``models`` status shows of the assistant (no n_ctx: it has no cache)."""
-        n_params = int(self._llama_cpp.llama_model_n_params(self._model))
-        return dict(path=self.path, size_bytes=os.path.getsize(self.path), n_params=n_params,
-                    architecture=ASSISTANT_ARCHITECTURE, n_gpu_layers=self.config.n_gpu_layers,
-                    n_vocab=self.n_vocab, n_embd_target=self.n_embd)
-
-    def close(self) -> None:
-        """Free the context (before the target's: it reads the target's cache), then the model."""
-        llama_cpp = self._llama_cpp
-        if self._batch is not None:
-            self._batch.embd = ctypes.POINTER(ctypes.c_float)()  # ours: llama_batch_free must skip it
-            llama_cpp.llama_batch_free(self._batch)
-        for handle, free in ((self._ctx, llama_cpp.llama_free), (self._model, llama_cpp.llama_model_free)):
-            if handle:
-                free(handle)
-        self._batch = self._ctx = self._model = None
+        info = self.base_info()
+        info.update(architecture=ASSISTANT_ARCHITECTURE, n_embd_target=self.n_embd)
+        return info
 
 
 class MtpDrafter:
