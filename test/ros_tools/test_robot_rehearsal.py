@@ -32,6 +32,7 @@ import pytest
 import yaml
 
 from gemma_spec_ros.engine.drafters import learned_cache
+from gemma_spec_ros.engine.modes import MODES as SPEC_MODES
 from support.ros2_cli import NODE, VENV, Background, ros2, send_goal, wait_state
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,8 +53,8 @@ REPLACED = {
 }
 #: orin.yaml's model file names (the launch file's models_dir joins them).
 MODEL_FILES = ("gemma-3-4b-it-q4_0.gguf", "gemma-3-1b-it-q4_0.gguf")
-#: Every spec mode orin.yaml's pair allows (a draft model, no MTP assistant).
-MODES = ("off", "draft", "lookup", "draft+lookup", "auto")
+#: Every spec mode orin.yaml's pair allows (a draft model; no MTP assistant, no EAGLE-3 head).
+MODES = tuple(name for name, mode in SPEC_MODES.items() if mode.needs in ("", "draft"))
 
 
 def robot_section() -> str:
