@@ -102,7 +102,7 @@ def draft_distributions(drafter: Eagle3Drafter, context: Sequence[int]) -> List[
 
 # -- the drafter's kind comes from the GGUF ----------------------------------------------------------
 def test_draft_model_path_naming_a_head_loads_the_eagle3_drafter(random_pair: Pair, random_engine: Engine) -> None:
-    assert set(random_engine.drafters) == {"eagle3", "lookup"}  # no standalone draft model, no MTP
+    assert set(random_engine.drafters) == {"eagle3", "lookup", "suffix"}  # no standalone draft model, no MTP
     assert random_engine.draft is eagle3_of(random_engine)
     info = random_engine.model_info()["draft"]
     assert info["drafter"] == "eagle3" and info["architecture"] == "eagle3"

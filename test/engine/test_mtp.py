@@ -82,7 +82,7 @@ def test_the_drafter_kind_comes_from_the_gguf_architecture(random_pair, random_e
     target, assistant = random_pair
     assert architecture(str(target)) == "gemma4" and architecture(str(assistant)) == "gemma4-assistant"
     assert is_assistant(str(assistant)) and not is_assistant(str(target))
-    assert set(random_engine.drafters) == {"mtp", "lookup"}  # no standalone draft model
+    assert set(random_engine.drafters) == {"mtp", "lookup", "suffix"}  # no standalone draft model
     info = random_engine.model_info()["draft"]
     assert info["architecture"] == "gemma4-assistant" and info["drafter"] == "mtp"
     assert info["path"] == str(assistant) and info["n_embd_target"] == 64
