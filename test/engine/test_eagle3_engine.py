@@ -28,7 +28,9 @@ from gemma_spec_ros.engine.engine import Engine
 from gemma_spec_ros.engine.errors import EngineError
 from gemma_spec_ros.engine.llama.model import LlamaModel
 from gemma_spec_ros.engine.request import GenerationRequest, Step
+from support import linked_head
 from support.engine import build_engine
+from support.linked_head import check_k_and_mode_switched_while_generating
 from support.tiny_eagle3 import write_eagle3_head, write_eagle3_pair
 from support.tiny_gemma4 import write_gemma4_pair
 from support.tiny_gguf import write_tiny_gguf
@@ -82,9 +84,7 @@ def agreeing_engine(agreeing_pair: Pair):
 
 def run(engine: Engine, mode: str, max_tokens: int = LONG, sampling: SamplingParams = SamplingParams(),
         cancel: threading.Event = None, prompt: str = PROMPT) -> Tuple[List[int], List[Step]]:
-    request = GenerationRequest(prompt, max_tokens=max_tokens, spec_mode=mode, sampling=sampling)
-    steps = list(engine.generate(request, cancel))
-    return [t for s in steps for t in s.tokens], steps
+    return linked_head.run(engine, mode, prompt, max_tokens, sampling, cancel)
 
 
 def eagle3_of(engine: Engine) -> Eagle3Drafter:
@@ -267,28 +267,8 @@ def test_cancel_while_the_head_drafts(agreeing_engine: Engine) -> None:
 
 
 def test_k_and_mode_switched_while_generating(agreeing_engine: Engine) -> None:
-    """K 3 -> 1, then mode eagle3 -> off -> eagle3, applied at step boundaries; no reload; same
-    text. Back in eagle3 the head starts over: the first pass exports the features, the next drafts."""
-    reference, _ = run(agreeing_engine, "off")
-    request = GenerationRequest(PROMPT, max_tokens=LONG)  # the engine's mode (eagle3)
-    spec = agreeing_engine.spec
-    steps: List[Step] = []
-    for step in agreeing_engine.generate(request):
-        steps.append(step)
-        if len(steps) == 10:
-            agreeing_engine.update_spec(replace(spec, draft_max=1))
-        elif len(steps) == 20:
-            agreeing_engine.update_spec(replace(spec, mode="off"))
-        elif len(steps) == 30:
-            agreeing_engine.update_spec(spec)
-    tokens = [t for s in steps for t in s.tokens]
-    assert tokens == reference
-    gains = [len(s.tokens) for s in steps]
-    assert max(gains[1:10]) == K + 1  # K accepted + the bonus token
-    assert max(gains[10:20]) == 2 and [s.draft_max for s in steps[10:20]] == [1] * 10
-    assert set(gains[20:30]) == {1} and {s.spec_mode for s in steps[20:30]} == {"off"}
-    assert gains[30] == 1 and max(gains[31:]) == K + 1  # no features yet at the first step back
-    assert steps[-1].stats.drafts_by_source == {"eagle3": steps[-1].stats.num_drafts}
+    """K 3 -> 1, then mode eagle3 -> off -> eagle3 at step boundaries (support/linked_head.py)."""
+    check_k_and_mode_switched_while_generating(agreeing_engine, PROMPT, LONG, K)
 
 
 def test_k_and_mode_switched_between_requests(agreeing_engine: Engine) -> None:

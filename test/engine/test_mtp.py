@@ -25,7 +25,9 @@ from gemma_spec_ros.engine.llama.gguf import architecture
 from gemma_spec_ros.engine.drafters.mtp import AssistantMismatchError, TargetHiddenRows, is_assistant
 from gemma_spec_ros.engine.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
 from gemma_spec_ros.engine.request import GenerationRequest, Step
+from support import linked_head
 from support.engine import build_engine
+from support.linked_head import check_k_and_mode_switched_while_generating
 from support.tiny_gemma4 import write_gemma4_assistant, write_gemma4_pair
 from support.tiny_gguf import write_tiny_gguf
 
@@ -72,9 +74,7 @@ def agreeing_engine(agreeing_pair: Tuple[Path, Path]):
 
 def run(engine: Engine, mode: str, max_tokens: int = LONG, sampling: SamplingParams = SamplingParams(),
         cancel: threading.Event = None) -> Tuple[List[int], List[Step]]:
-    request = GenerationRequest(PROMPT, max_tokens=max_tokens, spec_mode=mode, sampling=sampling)
-    steps = list(engine.generate(request, cancel))
-    return [t for s in steps for t in s.tokens], steps
+    return linked_head.run(engine, mode, PROMPT, max_tokens, sampling, cancel)
 
 
 # -- the pair and the drafter's kind -----------------------------------------------------------------
@@ -226,28 +226,8 @@ def test_cancel_while_the_assistant_drafts(agreeing_engine) -> None:
 
 
 def test_k_and_mode_switched_while_generating(agreeing_engine) -> None:
-    """K 3 -> 1, then mode mtp -> off -> mtp, applied at step boundaries; no reload; same text.
-    Switching back to mtp drafts from the second step on (the first pass exports the hidden row)."""
-    reference, _ = run(agreeing_engine, "off")
-    request = GenerationRequest(PROMPT, max_tokens=LONG)  # the engine's mode (mtp)
-    spec = agreeing_engine.spec
-    steps: List[Step] = []
-    for step in agreeing_engine.generate(request):
-        steps.append(step)
-        if len(steps) == 10:
-            agreeing_engine.update_spec(replace(spec, draft_max=1))
-        elif len(steps) == 20:
-            agreeing_engine.update_spec(replace(spec, mode="off"))
-        elif len(steps) == 30:
-            agreeing_engine.update_spec(spec)
-    tokens = [t for s in steps for t in s.tokens]
-    assert tokens == reference
-    gains = [len(s.tokens) for s in steps]
-    assert max(gains[1:10]) == 4  # K = 3: three accepted + the bonus token
-    assert max(gains[10:20]) == 2 and [s.draft_max for s in steps[10:20]] == [1] * 10
-    assert set(gains[20:30]) == {1} and {s.spec_mode for s in steps[20:30]} == {"off"}
-    assert gains[30] == 1 and max(gains[31:]) == 4  # no hidden row yet at the first step back
-    assert steps[-1].stats.drafts_by_source == {"mtp": steps[-1].stats.num_drafts}
+    """K 3 -> 1, then mode mtp -> off -> mtp at step boundaries (support/linked_head.py)."""
+    check_k_and_mode_switched_while_generating(agreeing_engine, PROMPT, LONG, 3)
 
 
 def test_hidden_rows_are_exported_only_while_mtp_may_draft(agreeing_engine, random_pair) -> None:

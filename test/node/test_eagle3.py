@@ -1,6 +1,6 @@
 """EAGLE-3 in the node: the Gemma 4 26B-A4B profile and the parameter checks (pure), a served node on
 the tiny agreeing gemma4 + eagle3 pair (real rclpy over loopback DDS, real llama.cpp), and the
-bench's plan and llama.cpp's own draft-eagle3 runner. test/ros_tools/test_eagle3_ros2_cli.py has the
+bench's plan and llama.cpp's own draft-eagle3 runner. test/ros_tools/test_linked_head_ros2_cli.py has the
 ``ros2 launch``."""
 from __future__ import annotations
 

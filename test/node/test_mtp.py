@@ -1,5 +1,5 @@
 """MTP in the node's pure parts and the bench's plan: the Gemma 4 profile, the parameter checks, the
-runners. No ROS graph here (test/ros_tools/test_mtp_ros2_cli.py has the launch)."""
+runners. No ROS graph here (test/ros_tools/test_linked_head_ros2_cli.py has the launch)."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,5 +1,5 @@
 """Helpers that drive the real `ros2 launch` and `ros2` CLI in subprocesses, as a user does, for
-ros_tools/test_ros2_cli.py and ros_tools/test_mtp_ros2_cli.py.
+ros_tools/test_ros2_cli.py and ros_tools/test_linked_head_ros2_cli.py.
 
 The tools (launch, launch_ros, ros2cli: Jazzy, from source) are not on any package registry; CI
 installs them with ``../shared/ros2-tools/install.sh .venv``. Without them, importing this module
