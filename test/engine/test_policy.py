@@ -6,7 +6,7 @@ import pytest
 
 from gemma_spec_ros.engine.policy.acceptance import AcceptanceModel
 from gemma_spec_ros.engine.policy.costs import CostModel
-from gemma_spec_ros.engine.policy.length import DraftLengthPolicy
+from gemma_spec_ros.engine.policy.length import DraftLengthPolicy, PassShare
 
 
 def test_cost_model_interpolates_and_extrapolates():
@@ -152,3 +152,32 @@ def test_story_case_long_accepted_drafts_are_not_cut_at_four():
     for _ in range(20):
         mixed.observe(8, 2)  # positions 0-1 accepted, position 2 rejected
     assert 1 <= mixed.decide(8, adaptive=True).draft_len <= 3
+
+
+def test_a_shared_pass_prices_a_draft_by_what_it_adds_to_the_pass():
+    """Several requests at once (policy/length.py, "Sharing a pass"): a draft's rows are priced by
+    what they add to a pass that already holds the other requests' rows, against the tokens the
+    whole pass emits. Costs like a 2-core CPU's: every row adds ~20 % of a one-row pass."""
+    costs = CostModel()
+    for n in range(1, 20):
+        costs.observe_verify(n, 0.025 * (1 + 0.2 * (n - 1)))
+    policy = DraftLengthPolicy("lookup", costs)
+    for _ in range(20):  # drafts of 4 tokens: all, 2, 1 or none of them accepted
+        for accepted in (4, 4, 2, 0):
+            policy.observe(4, accepted)
+    alone = policy.decide(4, adaptive=True)
+    assert alone == policy.decide(4, adaptive=True, share=PassShare())
+    e = policy.acceptance.expected_tokens(alone.draft_len)
+    assert alone.predicted_speedup == pytest.approx(
+        e * costs.verify_cost(1) / costs.verify_cost(alone.draft_len + 1))
+    assert alone.expected_tokens == pytest.approx(e)
+    # two other requests' 5-row steps, expected to emit 3 tokens each, are in the pass already
+    share = PassShare(rows=10, expected_tokens=6.0)
+    shared = policy.decide(4, adaptive=True, share=share)
+    k = shared.draft_len
+    assert shared.predicted_speedup == pytest.approx(
+        (policy.acceptance.expected_tokens(k) + 6.0) * costs.verify_cost(11)
+        / (7.0 * costs.verify_cost(11 + k)))
+    # each row of this draft now slows six expected tokens of the others too: a shorter draft pays
+    assert (alone.draft_len, shared.draft_len) == (4, 2)
+    assert shared.predicted_speedup < alone.predicted_speedup

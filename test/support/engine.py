@@ -43,18 +43,19 @@ def collect(engine: GenerationEngine, request: GenerationRequest,
 
 def build_engine(target: Union[str, Path], draft: Union[str, Path, None] = None, *, n_ctx: int = 256,
                  n_threads: int = 0, spec: Optional[SpecConfig] = None, lookup: Optional[LookupConfig] = None,
-                 calibrate: bool = False, **target_options: Any) -> Engine:
+                 calibrate: bool = False, max_running: int = 1, **target_options: Any) -> Engine:
     """A local Engine on the GGUF file ``target`` (and ``draft``, with the same ``n_ctx`` and
     ``n_threads``, as the engine requires of an assistant).
 
     ``target_options`` are the target's other ModelConfig fields (``n_batch``, ``flash_attn``...).
     Unlike the engine's own default, it skips the startup calibration unless ``calibrate=True``: most
     tests fix the draft length, and the warm-up passes only cost time; a test of what the policy
-    learns from the measured costs asks for it.
+    learns from the measured costs asks for it. ``max_running`` > 1 serves that many requests at
+    once (engine/slots.py).
     """
     config = EngineConfig(
         target=ModelConfig(str(target), n_ctx=n_ctx, n_threads=n_threads, **target_options),
         draft=None if draft is None else ModelConfig(str(draft), n_ctx=n_ctx, n_threads=n_threads),
         spec=SpecConfig() if spec is None else spec,
-        lookup=LookupConfig() if lookup is None else lookup)
+        lookup=LookupConfig() if lookup is None else lookup, max_running=max_running)
     return Engine(config, calibrate=calibrate)

@@ -21,9 +21,14 @@ class GenerationEngine(Protocol):
     """What the node asks of an engine; see :mod:`gemma_spec_ros.engine.engine` for the semantics.
 
     Thread use: ``count_prompt`` and ``check_request`` run in the node's goal callback (they must
-    answer quickly: cancels wait behind them); ``generate`` runs one request at a time (the node
-    serialises); ``status`` and ``rolling_stats`` run on the diagnostics timer.
+    answer quickly: cancels wait behind them); ``generate`` runs at most ``max_running`` requests at
+    a time (the node's queue sees to it), each in its own thread; ``status`` and ``rolling_stats``
+    run on the diagnostics timer.
     """
+
+    @property
+    def max_running(self) -> int:
+        """How many requests ``generate`` serves at once (1: one at a time)."""
 
     @property
     def spec(self) -> SpecConfig:

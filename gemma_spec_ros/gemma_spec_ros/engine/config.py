@@ -166,6 +166,10 @@ class SuffixConfig:
                     f"{self.cache_dir!r}: the node writes only there")
 
 
+#: The most requests one engine serves at once (slots): each adds up to 65 rows to a pass.
+MAX_RUNNING = 4
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything needed to build an :class:`~gemma_spec_ros.engine.engine.Engine`."""
@@ -175,8 +179,17 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     lookup: LookupConfig = field(default_factory=LookupConfig)
     suffix: SuffixConfig = field(default_factory=SuffixConfig)
+    #: requests served at once, each in its own sequence of the target, their steps in one pass
+    #: (engine/slots.py); 1 = one at a time, as the loop in engine.py runs them
+    max_running: int = 1
+    #: prompt tokens a starting request adds to a pass that also carries other requests' steps
+    prompt_chunk: int = 64
 
     def __post_init__(self) -> None:
+        if not 1 <= self.max_running <= MAX_RUNNING:
+            raise ValueError(f"max_running={self.max_running}: must be in [1, {MAX_RUNNING}]")
+        if self.prompt_chunk < 1:
+            raise ValueError(f"prompt_chunk={self.prompt_chunk}: must be >= 1 token")
         needed = needs_draft_slot(self.spec.mode)
         if needed and self.draft is None:
             raise ValueError(f"spec mode {self.spec.mode!r} needs {needed}: set draft.model_path")

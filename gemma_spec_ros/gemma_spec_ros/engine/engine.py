@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -55,9 +55,10 @@ from .policy.calibration import measure_costs
 from .policy.costs import CostModel
 from .policy.hindsight import DraftHindsight
 from .policy.length import DraftLengthPolicy
-from .propose import GRAMMAR_DRAFT_MAX, GRAMMAR_K, Drafting, DraftRequest, Proposal, propose
+from .propose import GRAMMAR_DRAFT_MAX, GRAMMAR_K, SOLO, Drafting, DraftRequest, PassShare, Proposal, propose
 from .request import CountedPrompt, GenerationRequest, Step
 from .request_state import Ends, RequestState
+from .slots import SlotScheduler
 from .sampling import Sampler, make_rng
 from .stats import SpecStats, timed
 from .verify import Verdict, verify_exact, verify_rejection
@@ -65,6 +66,21 @@ from .verify import Verdict, verify_exact, verify_rejection
 
 #: The largest verify pass: pending token + a draft of SpecConfig.draft_max <= 64 tokens.
 MAX_VERIFY_ROWS = 65
+#: Several requests run at once only where a pass over their rows costs less than this share of
+#: as many one-row passes (Engine._batching_decision).
+BATCHING_MARGIN = 0.05
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    """A step between its two halves (Engine._plan_step, Engine._settle_step): the proposal, the
+    rows the target pass decodes (pending token + draft), the sequence's length before them, and
+    when the step began."""
+
+    proposal: Proposal
+    batch: List[int]
+    n_keep: int
+    started: float
 
 
 def draft_stream(rng: np.random.Generator) -> np.random.Generator:
@@ -104,16 +120,26 @@ class Engine:
         self.costs = CostModel()
         self.drafters: Dict[str, Drafting] = {}
         self._grammar_vocab: Optional[GrammarVocab] = None  # made by the first constrained request
+        self._scheduler: Optional[SlotScheduler] = None  # several requests at once (slots.py)
+        n_slots = config.max_running
         # A window-sized sliding-window cache (LlamaModel): the target rolls back only the
         # rejected tokens of its last pass, and prompt reuse checks the window. Safe only while
         # every verify pass is one llama.cpp batch: with a smaller n_batch, the full cache. The
         # window cache's cell order depends on the rollback history, so wherever bit-identical
         # output is promised (the exact build, F16/F32 weights) the backend keeps the full cache.
+        # Several sequences keep the full cache too: each rolls back its own rows of a shared pass,
+        # and llama.cpp warns that a window cache shared by sequences can cost speed.
         one_batch = min(config.target.n_batch, config.target.n_ctx) >= MAX_VERIFY_ROWS
-        self.target = LlamaModel(config.target, full_swa_cache=None if one_batch else True)
+        full_swa_cache = None if one_batch and n_slots == 1 else True
+        self.target = LlamaModel(config.target, full_swa_cache=full_swa_cache, n_seq=n_slots)
         try:  # the draft model first: if it cannot draft for the target, no cache is loaded (or saved)
-            if config.draft is not None:
-                self._add_drafter(model_drafter(config.draft, self.target))  # a model or an assistant
+            if n_slots > 1 and self.target.n_batch < MAX_VERIFY_ROWS * n_slots:
+                raise ValueError(
+                    f"max_running {n_slots} needs n_batch >= {MAX_VERIFY_ROWS * n_slots} (each running "
+                    f"request's step may add {MAX_VERIFY_ROWS} rows to one pass); n_batch is "
+                    f"{self.target.n_batch}")
+            if config.draft is not None:  # a model or an assistant
+                self._add_drafter(model_drafter(config.draft, self.target, n_slots))
             lookup = config.lookup
             tag = self.target.vocab_tag() if lookup.dynamic_path or lookup.static_path else ""
             self._add_drafter(LookupDrafter(lookup, vocab_tag=tag))
@@ -125,10 +151,47 @@ class Engine:
             raise
         if calibrate:
             self.calibrate()
+        if n_slots > 1:
+            slots = [(self.target.sequence(0), self.drafters)]
+            slots += [(self.target.sequence(seq), self._slot_drafters(seq)) for seq in range(1, n_slots)]
+            self._scheduler = SlotScheduler(self, slots, config.prompt_chunk)
+            self._scheduler.limit, self._scheduler.why = self._batching_decision(n_slots)
 
     def _add_drafter(self, drafter: Drafter) -> None:
+        self.drafters[drafter.name] = self._drafting(drafter)
+
+    def _drafting(self, drafter: Drafter) -> Drafting:
         policy = DraftLengthPolicy(drafter.name, self.costs, probe_new_requests=drafter.cheap_to_probe)
-        self.drafters[drafter.name] = Drafting(drafter, policy)
+        return Drafting(drafter, policy)
+
+    def _slot_drafters(self, seq: int) -> Dict[str, Drafting]:
+        """The drafters of slot ``seq`` (several requests at once): each of the engine's drafters
+        for another request (Drafter.for_slot: what they learn is shared), with policies of their
+        own (acceptance is the request's text's; the costs are the device's, shared)."""
+        return {name: self._drafting(d.drafter.for_slot(seq)) for name, d in self.drafters.items()}
+
+    def _batching_decision(self, n_slots: int) -> Tuple[int, str]:
+        """How many requests to run at once, and why: all the slots, unless the calibration found
+        a pass over ``n_slots`` rows as dear as that many one-row passes (then one at a time: never
+        slower in total than serving them one after another). Not measured: all the slots."""
+        one, many = self.costs.verify_cost(1), self.costs.verify_cost(n_slots)
+        if not one or not many:
+            return n_slots, "pass costs not measured"
+        ratio = many / one
+        told = f"a pass over {n_slots} rows costs {ratio:.2f}x a pass over one, measured at load"
+        if ratio >= n_slots * (1.0 - BATCHING_MARGIN):
+            return 1, f"{told}: batching does not pay here, one at a time"
+        return n_slots, told
+
+    @property
+    def max_running(self) -> int:
+        """Requests served at once: ``EngineConfig.max_running``, or 1 where a pass over that many
+        rows was measured to cost as much as that many passes of one (batching would not pay)."""
+        scheduler = self._scheduler
+        return 1 if scheduler is None else scheduler.limit
+
+    #: The most rows one request's step adds to a target pass.
+    max_rows_per_request = MAX_VERIFY_ROWS
 
     def __enter__(self) -> "Engine":
         return self
@@ -168,8 +231,19 @@ class Engine:
         return len(drafting.drafter.dynamic_cache) if drafting is not None else 0
 
     def status(self) -> Dict[str, Any]:
-        """Key-values for /diagnostics: the backend, and the learned lookup cache's size."""
-        return {"backend": "local", "served by": "local", "dynamic cache n-grams": self.dynamic_ngrams()}
+        """Key-values for /diagnostics: the backend, the learned lookup cache's size, and with
+        several requests at once how many run and how full the passes are."""
+        values: Dict[str, Any] = {"backend": "local", "served by": "local",
+                                  "dynamic cache n-grams": self.dynamic_ngrams()}
+        scheduler = self._scheduler
+        if scheduler is not None:
+            counts = scheduler.counts
+            values.update({
+                "requests running": f"{scheduler.running()} of {scheduler.limit}",
+                "requests at once": scheduler.why,
+                "requests per pass": round(counts.requests_per_pass, 2),
+                "rows per pass": round(counts.rows_per_pass, 2)})
+        return values
 
     def check_spec(self, spec: SpecConfig) -> str:
         """Why ``spec`` cannot be used here ('' if it can)."""
@@ -242,6 +316,9 @@ class Engine:
     def generate(self, request: GenerationRequest, cancel: Optional[threading.Event] = None,
                  prompt: Optional[CountedPrompt] = None) -> Iterator[Step]:
         """Yield one Step per target pass; see the module docstring."""
+        if self._scheduler is not None:  # several at once: the scheduler's rounds make the steps
+            yield from self._scheduler.generate(request, self._checked_prompt(request, prompt), cancel)
+            return
         with self._lock:
             if self._closing.is_set():
                 raise EngineError("the engine is closed")
@@ -258,13 +335,18 @@ class Engine:
     def _stop_requested(self, cancel: Optional[threading.Event]) -> bool:
         return self._closing.is_set() or (cancel is not None and cancel.is_set())
 
+    def _checked_prompt(self, request: GenerationRequest, counted: Optional[CountedPrompt]) -> List[int]:
+        """The request's prompt tokens: ``counted``'s (the caller checked the request), else
+        tokenized and checked here."""
+        if counted is not None and counted.tokens is not None:
+            return list(counted.tokens)
+        prompt = self.prompt_tokens(request)
+        self.check_request(request, len(prompt))
+        return prompt
+
     def _generate(self, request: GenerationRequest, cancel: Optional[threading.Event],
                   counted: Optional[CountedPrompt]) -> Iterator[Step]:
-        if counted is not None and counted.tokens is not None:  # the caller checked the request
-            prompt = list(counted.tokens)
-        else:
-            prompt = self.prompt_tokens(request)
-            self.check_request(request, len(prompt))
+        prompt = self._checked_prompt(request, counted)
         state = self._start(request, prompt, cancel)
         try:
             try:
@@ -282,32 +364,37 @@ class Engine:
                 step = state.emit(tokens, self._spec, proposal.draft.source or None)
                 yield step
         except BaseException:
-            self.target.clear()  # the KV cache may not hold what kv_tokens says: reuse none of it
+            state.kv.clear()  # the KV cache may not hold what kv_tokens says: reuse none of it
             raise
         finally:
             self._end(state)
 
-    def _start(self, request: GenerationRequest, prompt: List[int],
-               cancel: Optional[threading.Event]) -> RequestState:
-        """A request's state: its sampler and seed stream, its text, its stats, its grammar."""
+    def _start(self, request: GenerationRequest, prompt: List[int], cancel: Optional[threading.Event],
+               kv: Any = None, drafters: Optional[Dict[str, Drafting]] = None) -> RequestState:
+        """A request's state: its sampler and seed stream, its text, its stats, its grammar; the KV
+        sequence it decodes in and its drafters (the target's only sequence and the engine's
+        drafters, unless a slot of several requests at once gives its own: engine/slots.py)."""
         sampler = Sampler(request.sampling)
         verification = self._spec.verification
-        target = self.target
-        ends = Ends(is_eog=target.is_eog, context_full=lambda: target.n_past + 1 >= self.n_ctx,
+        kv = self.target if kv is None else kv
+        drafters = self.drafters if drafters is None else drafters
+        ends = Ends(is_eog=self.target.is_eog, context_full=lambda: kv.n_past + 1 >= self.n_ctx,
                     stop_requested=lambda: self._stop_requested(cancel))
         state = RequestState(request, sampler, make_rng(request.sampling.seed),
-                             SpecStats(num_prompt_tokens=len(prompt)), TextAssembler(target, request.stop),
-                             prompt, ends, DraftHindsight({n: d.policy for n, d in self.drafters.items()}),
-                             verification, verification == "rejection" and not sampler.greedy)
+                             SpecStats(num_prompt_tokens=len(prompt)), TextAssembler(self.target, request.stop),
+                             prompt, ends, DraftHindsight({n: d.policy for n, d in drafters.items()}),
+                             verification, verification == "rejection" and not sampler.greedy,
+                             kv=kv, drafters=drafters)
         state.stats.plain_token_time = self.costs.plain_token_time
         state.grammar = self._start_grammar(request)  # after state.started: its time counts
         return state
 
-    def _before_target_pass(self, mode: str) -> None:
+    @staticmethod
+    def _before_target_pass(state: RequestState, mode: str) -> None:
         """Each drafter learns whether the pass about to run belongs to a step of its mode (an
         assistant's target then exports the hidden rows it reads; see Drafter.before_target_pass)."""
         chain = MODES[mode].chain
-        for name, drafting in self.drafters.items():
+        for name, drafting in state.drafters.items():
             drafting.drafter.before_target_pass(name in chain)
 
     def _prompt_pass(self, state: RequestState, cancel: Optional[threading.Event] = None) -> int:
@@ -316,25 +403,35 @@ class Engine:
         Raises DecodeInterrupted if ``cancel``, close() or the request's time budget stops it
         between two n_batch chunks."""
         with timed(state.stats, "prompt_time"):
-            reused = self._keep_prompt_prefix(state.prompt, state.request.reuse_prompt)
-            self._before_target_pass(state.mode(self._spec))
-            rest = state.prompt[reused:]
-            rows = self.target.decode(
+            rest = self._prompt_rest(state)
+            rows = state.kv.decode(
                 rest, [len(rest) - 1], stop=lambda: self._stop_requested(cancel) or state.over_budget())
             first = verify_exact(rows, (), state.sampler, state.rng, state.grammar).tokens[0]
+        return self._prompt_done(state, first)
+
+    def _prompt_rest(self, state: RequestState) -> List[int]:
+        """The prompt tokens left to decode once the KV cells the request's sequence already holds
+        are kept (:meth:`_keep_prompt_prefix`); the drafters learn that a target pass follows."""
+        reused = self._keep_prompt_prefix(state.kv, state.prompt, state.request.reuse_prompt)
         state.stats.num_prompt_tokens_reused = reused
+        self._before_target_pass(state, state.mode(self._spec))
+        return state.prompt[reused:]
+
+    def _prompt_done(self, state: RequestState, first: int) -> int:
+        """The prompt is decoded and ``first`` sampled: the drafters and their policies start."""
         state.stats.time_to_first_token = time.perf_counter() - state.started
         # Drafts sampled for rejection verification draw from their own stream of the request's seed.
         sampling = state.request.sampling if state.use_rejection else None
         draft_rng = draft_stream(state.rng) if state.use_rejection else None
-        for drafting in self.drafters.values():
+        for drafting in state.drafters.values():
             drafting.drafter.begin(state.prompt, sampling, draft_rng)
             drafting.policy.new_request()
         state.context, state.pending = list(state.prompt), first
         return first
 
-    def _keep_prompt_prefix(self, prompt: Sequence[int], reuse: bool) -> int:
-        """Prompt tokens whose KV cells the previous request left (its common prefix with
+    @staticmethod
+    def _keep_prompt_prefix(kv: Any, prompt: Sequence[int], reuse: bool) -> int:
+        """Prompt tokens whose KV cells the previous request left in ``kv`` (its common prefix with
         ``prompt``, less the last token, whose logits are needed); the rest is rolled back.
 
         With ``reuse`` False the cache is emptied and the whole prompt evaluated in one batch: the
@@ -342,54 +439,65 @@ class Engine:
         reuse a seeded request's text can depend on the previous request; F16/F32 cannot differ).
         """
         if not reuse:
-            self.target.clear()
+            kv.clear()
             return 0
-        return self.target.reuse_prefix(prompt, keep_last=1)
+        return kv.reuse_prefix(prompt, keep_last=1)
 
     def _speculative_step(self, state: RequestState) -> Tuple[Proposal, Tuple[int, ...]]:
         """One target pass: propose a draft -> decode pending + draft -> accept -> roll back the
         rejected tokens' KV cells -> observe. Returns the proposal and the tokens the pass emits
         (the accepted draft prefix + the recovered or bonus token)."""
+        planned = self._plan_step(state)
+        with timed(state.stats, "verify_time"):
+            rows, seconds = state.kv.timed_decode(planned.batch, range(len(planned.batch)))
+        self.costs.observe_verify(len(planned.batch), seconds)
+        return planned.proposal, self._settle_step(state, planned, rows)
+
+    def _plan_step(self, state: RequestState, share: PassShare = SOLO) -> "PlannedStep":
+        """The first half of a step: the draft to verify and the rows of the target pass
+        (``share``: what else the pass holds when several requests run at once)."""
         started = time.perf_counter()
-        target, stats, spec = self.target, state.stats, self._spec
+        stats, spec = state.stats, self._spec
         mode = state.mode(spec)
-        room = self.n_ctx - target.n_past - 1
+        room = self.n_ctx - state.kv.n_past - 1
         hard_cap = max(0, min(state.request.max_tokens - len(state.generated) - 1, room))
         # constrained text is more predictable: its drafts may run longer than K (propose.py)
         k_cap = min(spec.draft_max if state.grammar is None else max(spec.draft_max, GRAMMAR_K), hard_cap)
         state.context.append(state.pending)
-        self._before_target_pass(mode)  # for this step's verify pass
+        self._before_target_pass(state, mode)  # for this step's verify pass
         with timed(stats, "draft_time"):
             if state.hindsight.pending:
                 state.hindsight.settle(state.generated)
-            proposal = propose(self.drafters, self.costs, DraftRequest(
+            proposal = propose(state.drafters, self.costs, DraftRequest(
                 mode, spec, state.context, k_cap, min(GRAMMAR_DRAFT_MAX, hard_cap), state.grammar,
-                stats, state.hindsight, len(state.generated)))
+                stats, state.hindsight, len(state.generated), share))
+        return PlannedStep(proposal, [state.pending, *proposal.draft.tokens], state.kv.n_past, started)
+
+    def _settle_step(self, state: RequestState, planned: "PlannedStep", rows: Sequence[np.ndarray]) -> Tuple[int, ...]:
+        """The second half of a step, given the pass's logits rows: accept -> roll back the rejected
+        tokens' KV cells -> observe. Returns the tokens the pass emits."""
+        stats, proposal = state.stats, planned.proposal
         draft = proposal.draft
-        batch = [state.pending, *draft.tokens]
-        n_keep = target.n_past
-        with timed(stats, "verify_time"):
-            rows, seconds = target.timed_decode(batch, range(len(batch)))
-        self.costs.observe_verify(len(batch), seconds)
         with timed(stats, "sample_time"):
             if state.use_rejection:
                 verdict = verify_rejection(rows, draft.tokens, draft.probs, state.sampler, state.rng,
                                            state.grammar)
             else:
                 verdict = verify_exact(rows, draft.tokens, state.sampler, state.rng, state.grammar)
-        target.rollback(n_keep + 1 + verdict.num_accepted)
-        self._observe(stats, proposal, verdict)
+        state.kv.rollback(planned.n_keep + 1 + verdict.num_accepted)
+        self._observe(state, proposal, verdict)
         state.context.extend(verdict.tokens[:-1])
         state.pending = verdict.tokens[-1]
         stats.predicted_speedup = proposal.decision.predicted_speedup
         stats.plain_token_time = self.costs.plain_token_time
-        stats.generation_time += time.perf_counter() - started
-        return proposal, verdict.tokens
+        stats.generation_time += time.perf_counter() - planned.started
+        return verdict.tokens
 
-    def _observe(self, stats: SpecStats, proposal: Proposal, verdict: Verdict) -> None:
+    @staticmethod
+    def _observe(state: RequestState, proposal: Proposal, verdict: Verdict) -> None:
         """Feed one verify pass to the request's stats and to the drafter's policy (a drafter's
         policy learns from its own part of the draft, after the tokens a grammar forced)."""
-        draft, n_forced = proposal.draft, proposal.n_forced
+        stats, draft, n_forced = state.stats, proposal.draft, proposal.n_forced
         stats.num_steps += 1
         stats.num_step_tokens += len(verdict.tokens)
         if draft.tokens:
@@ -398,7 +506,7 @@ class Engine:
             stats.num_grammar_accepted_tokens += min(n_forced, verdict.num_accepted)
             own = len(draft) - n_forced
             if own > 0 and verdict.num_accepted >= n_forced:  # the drafter's part was reached
-                self.drafters[draft.source].policy.observe(own, verdict.num_accepted - n_forced)
+                state.drafters[draft.source].policy.observe(own, verdict.num_accepted - n_forced)
 
     def _end(self, state: RequestState) -> None:
         """The request ended (finished, cancelled, or failed): drafters learn, stats roll up."""
@@ -407,7 +515,7 @@ class Engine:
             state.grammar.close()
         with self._stats_lock:  # first: whatever follows, the request counts
             self._rolling.merge(state.stats)
-        for drafting in self.drafters.values():
+        for drafting in state.drafters.values():
             drafter = drafting.drafter
             drafter.end(state.prompt + state.generated)  # learns; a failed save is kept, never raised
             fault = drafter.take_fault()
@@ -433,6 +541,8 @@ class Engine:
         disk); the first such failure is then raised, for the caller to report.
         """
         self._closing.set()
+        if self._scheduler is not None:
+            self._scheduler.wake()  # its rounds end; its thread frees the models as it leaves
         if not self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
             return False
         try:

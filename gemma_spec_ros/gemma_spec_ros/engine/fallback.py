@@ -58,6 +58,11 @@ class FallbackEngine:
     def count_prompt_tokens(self, request: GenerationRequest) -> int:
         return self.primary.count_prompt_tokens(request)
 
+    @property
+    def max_running(self) -> int:
+        """What both engines can serve at once: a request may move to the local one."""
+        return min(self.primary.max_running, self.local.max_running)
+
     def count_prompt(self, request: GenerationRequest) -> CountedPrompt:
         return self.primary.count_prompt(request)
 

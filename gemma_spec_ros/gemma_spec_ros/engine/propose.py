@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .grammar.matcher import Grammar
-from .policy.length import PLAIN_STEP, Decision, DraftLengthPolicy
+from .policy.length import PLAIN_STEP, SOLO, Decision, DraftLengthPolicy, PassShare
 from .policy.costs import CostModel
 from .stats import SpecStats
 from .drafters.base import EMPTY_DRAFT, Draft, Drafter
@@ -54,6 +54,7 @@ class DraftRequest:
     #: a drafter that cuts its drafts then proposes ``k_cap`` tokens and its policy cuts them
     hindsight: Optional[DraftHindsight] = None
     n_emitted: int = 0  # tokens the request has emitted: where a whole draft's guesses start
+    share: PassShare = SOLO  # what else the target pass holds (several requests at once)
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,8 @@ NO_PROPOSAL = Proposal(EMPTY_DRAFT, PLAIN_STEP)
 
 
 def drafting_order(mode: str, drafters: Dict[str, Drafting], k_cap: int,
-                   adaptive: bool, cut: bool = False) -> Iterator[Tuple[Drafting, Decision]]:
+                   adaptive: bool, cut: bool = False,
+                   share: PassShare = SOLO) -> Iterator[Tuple[Drafting, Decision]]:
     """The drafters one step tries, in order, each with its policy's decision (draft length > 0).
 
     A mode's chain (modes.py) is tried in table order and honours ``adaptive``
@@ -85,11 +87,11 @@ def drafting_order(mode: str, drafters: Dict[str, Drafting], k_cap: int,
     chain = [drafters[name] for name in row.chain if name in drafters]
     if not row.ranked:
         for drafting in chain:
-            decision = _decide(drafting, k_cap, adaptive, cut)
+            decision = _decide(drafting, k_cap, adaptive, cut, share)
             if decision.draft_len > 0:
                 yield drafting, decision
         return
-    decided = [(drafting, _decide(drafting, k_cap, True, cut)) for drafting in chain]
+    decided = [(drafting, _decide(drafting, k_cap, True, cut, share)) for drafting in chain]
     decided.sort(key=lambda pair: -_rank(pair[1].predicted_speedup))
     yield from ((drafting, decision) for drafting, decision in decided if decision.draft_len > 0)
 
@@ -99,11 +101,12 @@ def _cutting(drafting: Drafting, adaptive: bool, cut: bool) -> bool:
     return cut and adaptive and drafting.drafter.cuts_drafts
 
 
-def _decide(drafting: Drafting, k_cap: int, adaptive: bool, cut: bool) -> Decision:
+def _decide(drafting: Drafting, k_cap: int, adaptive: bool, cut: bool,
+            share: PassShare = SOLO) -> Decision:
     if _cutting(drafting, adaptive, cut):
         # ranked in auto by what its verified drafts have shown (the policy's S at its best k)
-        return Decision(k_cap, drafting.policy.best(k_cap).predicted_speedup)
-    return drafting.policy.decide(k_cap, adaptive)
+        return Decision(k_cap, drafting.policy.best(k_cap, share).predicted_speedup)
+    return drafting.policy.decide(k_cap, adaptive, share)
 
 
 def _rank(speedup: float) -> float:
@@ -153,7 +156,7 @@ def _drafted(drafters: Dict[str, Drafting], costs: CostModel, ask: DraftRequest,
     spec, grammar = ask.spec, ask.grammar
     hindsight = ask.hindsight if grammar is None else None
     cut = hindsight is not None
-    for drafting, decision in drafting_order(ask.mode, drafters, ask.k_cap, spec.adaptive, cut):
+    for drafting, decision in drafting_order(ask.mode, drafters, ask.k_cap, spec.adaptive, cut, ask.share):
         if room <= 0:
             break
         started = time.perf_counter()
@@ -162,7 +165,7 @@ def _drafted(drafters: Dict[str, Drafting], costs: CostModel, ask: DraftRequest,
         if cutting and draft.evidence is not None:
             hindsight.add(draft, ask.n_emitted)
             costs.observe_draft_time(draft.source, len(draft), time.perf_counter() - started)
-            decision = drafting.policy.cut(draft.evidence)
+            decision = drafting.policy.cut(draft.evidence, ask.share)
             draft = _cut(draft, decision.draft_len)
             if draft.tokens:
                 return draft, decision

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -57,6 +57,11 @@ class RequestState:
     generated: List[int] = field(default_factory=list)  # tokens emitted so far
     started: float = field(default_factory=time.perf_counter)  # when generate() took the request
     source: Optional[str] = None  # the drafter whose draft the last pass verified (None: none)
+    #: the target's KV sequence this request decodes in (the model itself, or one sequence of it
+    #: when several requests run at once: llama/model.py SequenceView)
+    kv: Any = None
+    #: the drafters (with their policies) this request drafts with: the engine's, or a slot's own
+    drafters: Dict[str, Any] = field(default_factory=dict)
 
     def mode(self, spec: SpecConfig) -> str:
         """The mode of a step: the request's own, else the engine's at this step."""

@@ -85,5 +85,11 @@ class Drafter(Protocol):
     def model_info(self) -> Optional[dict]:
         """The model this drafter runs (path, size, ...), None if it runs none."""
 
+    def for_slot(self, seq: int) -> "Drafter":
+        """A drafter of the same kind for another request that runs at the same time, in sequence
+        ``seq`` of the target (engine/slots.py): its own per-request state, this drafter's
+        learned state and models (it owns nothing that :meth:`close` must free or save). Raises
+        ValueError with the reason where this kind cannot draft for several requests at once."""
+
     def close(self) -> None:
         """Free resources and persist what should survive (dynamic caches)."""

@@ -67,17 +67,21 @@ class DraftModelDrafter:
     cuts_drafts = False
     warnings: List[str] = []  # nothing is recovered from at load: a mismatch refuses the model
 
-    def __init__(self, config: ModelConfig, target: LlamaModel) -> None:
-        self.backend = LlamaModel(config)
+    def __init__(self, config: ModelConfig, target: LlamaModel, n_seq: int = 1) -> None:
+        #: the draft model; with ``n_seq`` > 1 one sequence per request running at once (for_slot)
+        self.model = LlamaModel(config, n_seq=n_seq)
         try:
-            check_vocab_compatible(target, self.backend)
+            check_vocab_compatible(target, self.model)
         except Exception:
-            self.backend.close()
+            self.model.close()
             raise
+        #: the KV sequence this drafter's requests draft in: the model's only one, or its first
+        self.backend = self.model if n_seq == 1 else self.model.sequence(0)
         # llama.cpp allows vocabularies up to 128 tokens apart: draft only ids both models have
-        self._n_shared = min(target.n_vocab, self.backend.n_vocab)
+        self._n_shared = min(target.n_vocab, self.model.n_vocab)
         self._sampler: Optional[Sampler] = None  # set for stochastic (rejection) drafting
         self._rng: Optional[np.random.Generator] = None
+        self._owns_model = True
 
     # -- Drafter protocol -------------------------------------------------------------------------
     def begin(self, prompt_tokens: Sequence[int], sampling: Optional[SamplingParams] = None,
@@ -96,7 +100,7 @@ class DraftModelDrafter:
             return Draft()
         backend.reuse_prefix(context, keep_last=1)
         new_tokens = list(context[backend.n_past:])
-        if max(new_tokens) >= backend.n_vocab:  # the target emitted an id the draft lacks
+        if max(new_tokens) >= self.model.n_vocab:  # the target emitted an id the draft lacks
             return Draft()
         rows = backend.decode(new_tokens, [len(context) - backend.n_past - 1])
         n_shared = self._n_shared
@@ -108,7 +112,7 @@ class DraftModelDrafter:
             if token is None:
                 break
             tokens.append(token)
-            if len(tokens) >= max_tokens or backend.is_eog(token):
+            if len(tokens) >= max_tokens or self.model.is_eog(token):
                 break
             logits = backend.decode([token], [0])[0][:n_shared]
         if len(tokens) < spec.draft_min:
@@ -137,7 +141,17 @@ class DraftModelDrafter:
         backend.clear()
 
     def model_info(self) -> Optional[dict]:
-        return self.backend.model_info()
+        return self.model.model_info()
+
+    def for_slot(self, seq: int) -> "DraftModelDrafter":
+        """A drafter of the same draft model in its sequence ``seq`` (the model was loaded with a
+        sequence per request running at once); the model stays this drafter's to free."""
+        other = DraftModelDrafter.__new__(DraftModelDrafter)
+        other.model, other.backend = self.model, self.model.sequence(seq)
+        other._n_shared, other._sampler, other._rng = self._n_shared, None, None
+        other._owns_model = False
+        return other
 
     def close(self) -> None:
-        self.backend.close()
+        if self._owns_model:
+            self.model.close()

@@ -529,6 +529,10 @@ class Eagle3Drafter:
     def model_info(self) -> Optional[dict]:
         return {**self.head.model_info(), "drafter": self.name}
 
+    def for_slot(self, seq: int) -> "Eagle3Drafter":
+        """Not possible: the head reads the target's layer features of one sequence."""
+        raise ValueError("an EAGLE-3 head drafts for one request at a time")
+
     def close(self) -> None:
         """Stop the target's export, then free the head (before the target)."""
         if self.head._ctx is not None and self.features.enabled:

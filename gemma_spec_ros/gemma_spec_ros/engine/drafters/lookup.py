@@ -257,6 +257,7 @@ class LookupDrafter:
         # its last NGRAM_MAX tokens, to detect a context that is not a continuation
         self._context_tail: Tuple[int, ...] = ()
         self._dynamic_changed = False
+        self._owner: Optional["LookupDrafter"] = None  # for_slot's drafters: the one that saves
 
     def _load_dynamic(self, path: str) -> NgramCache:
         """The learned cache at ``path`` (empty if there is none yet). Only a file this engine wrote
@@ -336,8 +337,13 @@ class LookupDrafter:
         dynamic cache, as llama.cpp's lookup example does at exit. Call once per request."""
         self._extend_context(tokens)
         self._dynamic_cache.merge(self._context_cache)
-        self._dynamic_changed = self._dynamic_changed or len(self._context_cache) > 0
+        owner = self._owner or self  # a for_slot drafter's learning is its owner's to keep
+        owner._dynamic_changed = owner._dynamic_changed or len(self._context_cache) > 0
         self._reset_context()
+        owner._keep_learned()
+
+    def _keep_learned(self) -> None:
+        """Prune the dynamic cache to its bound; save it if the save period has passed."""
         self._dynamic_cache.prune(self.config.dynamic_max_ngrams)
         period = self.config.save_period
         if period and self._dynamic_changed and time.monotonic() - self._last_save >= period:
@@ -360,7 +366,8 @@ class LookupDrafter:
 
     def take_fault(self) -> Optional[str]:
         """A periodic save's failure since the last call (reported once), else None."""
-        fault, self.save_error = self.save_error, None
+        owner = self._owner or self
+        fault, owner.save_error = owner.save_error, None
         return fault
 
     def warm_up(self, filler: Sequence[int], max_rows: int, passes: int) -> None:
@@ -368,6 +375,15 @@ class LookupDrafter:
 
     def model_info(self) -> Optional[dict]:
         return None
+
+    def for_slot(self, seq: int) -> "LookupDrafter":
+        """A drafter of this one's static and dynamic caches with a context cache of its own: what
+        its requests teach lands in the shared dynamic cache, which this drafter prunes and saves."""
+        other = LookupDrafter(LookupConfig(ngram_min=self.config.ngram_min, ngram_max=self.config.ngram_max,
+                                           dynamic_max_ngrams=self.config.dynamic_max_ngrams, save_period=0.0),
+                              static_cache=self._static_cache, dynamic_cache=self._dynamic_cache)
+        other._owner = self
+        return other
 
     def close(self) -> None:
         """Save the dynamic cache to ``LookupConfig.dynamic_path`` if that is set, unless the file

@@ -56,17 +56,25 @@ def is_assistant(path: str) -> bool:
         return False
 
 
-def model_drafter(config: ModelConfig, target: LlamaModel) -> Drafter:
+def model_drafter(config: ModelConfig, target: LlamaModel, n_seq: int = 1) -> Drafter:
     """The drafter ``draft.model_path`` names, by the GGUF's architecture: an :class:`MtpDrafter`
     for a Gemma 4 assistant, an :class:`~gemma_spec_ros.engine.drafters.eagle3.Eagle3Drafter` for
     an EAGLE-3 head, else a standalone draft model
-    (:class:`~gemma_spec_ros.engine.drafters.draft_model.DraftModelDrafter`)."""
+    (:class:`~gemma_spec_ros.engine.drafters.draft_model.DraftModelDrafter`) with ``n_seq``
+    sequences (one per request running at once). ValueError where the kind cannot serve ``n_seq``
+    requests at once."""
     path = config.resolved_path
+    linked = "a Gemma 4 assistant" if is_assistant(path) else "an EAGLE-3 head" if is_eagle3_head(path) else ""
+    if linked and n_seq > 1:
+        raise ValueError(
+            f"{linked} drafts for one request at a time: it reads the target's rows of one sequence "
+            f"(draft.model_path {path}); serve one request at a time (max_running 1) or use a draft "
+            "model or the n-gram modes")
     if is_assistant(path):
         return MtpDrafter(config, target)
     if is_eagle3_head(path):
         return Eagle3Drafter(config, target)
-    return DraftModelDrafter(config, target)
+    return DraftModelDrafter(config, target, n_seq)
 
 
 class TargetHiddenRows:
@@ -261,6 +269,10 @@ class MtpDrafter:
 
     def model_info(self) -> Optional[dict]:
         return {**self.assistant.model_info(), "drafter": self.name}
+
+    def for_slot(self, seq: int) -> Drafter:
+        """Not possible: the assistant reads the target's rows of one sequence (model_drafter)."""
+        raise ValueError("a Gemma 4 assistant drafts for one request at a time")
 
     def close(self) -> None:
         self.hidden.close()

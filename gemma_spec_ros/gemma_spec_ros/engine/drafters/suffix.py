@@ -30,6 +30,7 @@ the learned cache's folder with its file-safety rules (:mod:`.suffix_history`).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
@@ -276,6 +277,13 @@ class SuffixDrafter:
 
     def model_info(self) -> Optional[dict]:
         return None
+
+    def for_slot(self, seq: int) -> "SuffixDrafter":
+        """A suffix drafter for another request at the same time: its index holds its own
+        requests and the history they leave, in memory (this drafter's history is not shared:
+        the index holds one running request at its end)."""
+        return SuffixDrafter(replace(self.config, history_path="", cache_dir=""),
+                             request_room=self._index.capacity - self.config.history_max_tokens)
 
     def close(self) -> None:
         """Save the history if it changed since it was loaded or saved, or if its file does not

@@ -6,7 +6,10 @@
 - roll the KV cache back to a position (checking llama.cpp's answer),
 - report the vocabulary's identity (for the draft/target compatibility check).
 
-Only one sequence (id 0) is used. Not thread-safe for decoding; tokenization is read-only on the
+One sequence (id 0) by default; with ``n_seq`` > 1 the context holds that many sequences in one
+unified KV cache, each with its own tokens and rollback (:class:`SequenceView`), and
+:meth:`LlamaModel.decode_parts` decodes rows of several sequences in one pass (several requests
+served at once: engine/slots.py). Not thread-safe for decoding; tokenization is read-only on the
 vocabulary and may run from another thread.
 """
 from __future__ import annotations
@@ -69,9 +72,13 @@ class BufferViews:
 
 
 class LlamaModel:
-    """A loaded GGUF model with one context and one sequence.
+    """A loaded GGUF model with one context and ``n_seq`` sequences (1 by default).
 
-    ``n_past`` is the number of positions in the KV cache; ``kv_tokens`` the tokens they hold.
+    ``n_past`` is the number of positions of sequence 0 in the KV cache; ``kv_tokens`` the tokens
+    they hold (``past(seq)`` / ``tokens_of(seq)`` for the others). ``n_ctx`` is what one sequence may
+    hold: with ``n_seq`` > 1 the context is made ``n_seq`` times as large, so that each sequence
+    keeps the whole ``n_ctx`` whatever the others hold (a unified cache: llama.cpp's ``kv_unified``,
+    with which rows of several sequences, each with its own row count, decode in one pass).
 
     Sliding-window attention (Gemma 3: 5 of 6 layers see the last 512 positions). With
     ``full_swa_cache`` those layers keep every position, so the sequence can be rolled back
@@ -101,7 +108,9 @@ class LlamaModel:
     after_chunk: Optional[Callable[[int, List[int], bool], None]] = None
 
     def __init__(self, config: ModelConfig, *, max_batch_rows: int = 65,
-                 full_swa_cache: Optional[bool] = True) -> None:
+                 full_swa_cache: Optional[bool] = True, n_seq: int = 1) -> None:
+        if n_seq < 1:
+            raise ValueError(f"n_seq={n_seq}: a context holds at least one sequence")
         init_backend()
         llama_cpp = load_llama_cpp()
         self._llama_cpp = llama_cpp
@@ -129,10 +138,13 @@ class LlamaModel:
             self._vocab = llama_cpp.llama_model_get_vocab(self._model)
             self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
             cparams = llama_cpp.llama_context_default_params()
-            cparams.n_ctx = config.n_ctx
+            cparams.n_ctx = config.n_ctx * n_seq
             cparams.n_batch = config.n_batch
             cparams.n_ubatch = config.n_batch
-            cparams.n_seq_max = 1
+            cparams.n_seq_max = n_seq
+            # one cache for all sequences: any mix of rows per sequence decodes in one ubatch (split
+            # per sequence streams, a batch must give each sequence as many rows as the others)
+            cparams.kv_unified = n_seq > 1
             threads = config.n_threads or (os.cpu_count() or 1)
             cparams.n_threads = threads
             cparams.n_threads_batch = threads
@@ -144,7 +156,8 @@ class LlamaModel:
                 raise ModelLoadError(
                     f"llama.cpp could not create a context for {self.path} with n_ctx={config.n_ctx} "
                     f"(not enough memory?)")
-            self.n_ctx = int(llama_cpp.llama_n_ctx(self._ctx))
+            self.n_seq = n_seq
+            self.n_ctx = int(llama_cpp.llama_n_ctx(self._ctx)) // n_seq
             self._mem = llama_cpp.llama_get_memory(self._ctx)
             # llama.cpp may clamp n_batch (to n_ctx) and pad n_ctx: decode in chunks of what it took,
             # since a larger batch is a fatal assertion inside llama_decode, not an error code.
@@ -163,7 +176,7 @@ class LlamaModel:
         except Exception:
             self.close()
             raise
-        self.kv_tokens: List[int] = []
+        self._seq_tokens: List[List[int]] = [[] for _ in range(n_seq)]
         self._logits_views = BufferViews()
         self._piece_buf = ctypes.create_string_buffer(256)
         self._vocab_identity: Optional[VocabIdentity] = None
@@ -366,7 +379,8 @@ class LlamaModel:
     # -- decoding -------------------------------------------------------------------------------
     def _init_batch_views(self) -> None:
         """Numpy views of the batch's token, position and logits-flag arrays (llama_batch_init's,
-        ``_batch_capacity`` entries each); every row belongs to sequence 0, set once here."""
+        ``_batch_capacity`` entries each); every row belongs to sequence 0 until a decode of another
+        sequence sets its rows (:meth:`_set_row_seqs`)."""
         capacity, batch = self._batch_capacity, self._batch
         self._token_in = np.ctypeslib.as_array(batch.token, shape=(capacity,))
         self._pos_in = np.ctypeslib.as_array(batch.pos, shape=(capacity,))
@@ -374,14 +388,49 @@ class LlamaModel:
         np.ctypeslib.as_array(batch.n_seq_id, shape=(capacity,))[:] = 1
         for i in range(capacity):
             batch.seq_id[i][0] = 0
+        self._row_seq = np.zeros(capacity, dtype=np.int32)  # what batch.seq_id[i][0] holds
+
+    def _set_row_seqs(self, start: int, seqs: np.ndarray) -> None:
+        """Rows ``start..start+len(seqs)`` of the batch belong to ``seqs``: a store per row that
+        changes (a batch's seq_id is an array of pointers, not one numpy-viewable array)."""
+        end = start + len(seqs)
+        changed = np.flatnonzero(self._row_seq[start:end] != seqs)
+        if len(changed):
+            seq_id = self._batch.seq_id
+            for i in changed.tolist():
+                seq_id[start + i][0] = int(seqs[i])
+            self._row_seq[start:end] = seqs
+
+    @property
+    def kv_tokens(self) -> List[int]:
+        """The tokens of sequence 0 in the KV cache (its positions 0..n_past-1)."""
+        return self._seq_tokens[0]
+
+    @kv_tokens.setter
+    def kv_tokens(self, tokens: List[int]) -> None:  # a restored snapshot (engine/conversations.py)
+        self._seq_tokens[0] = tokens
 
     @property
     def n_past(self) -> int:
-        return len(self.kv_tokens)
+        return len(self._seq_tokens[0])
+
+    def past(self, seq: int) -> int:
+        """Positions of sequence ``seq`` in the KV cache."""
+        return len(self._seq_tokens[seq])
+
+    def tokens_of(self, seq: int) -> List[int]:
+        """The tokens of sequence ``seq`` in the KV cache (read-only by convention)."""
+        return self._seq_tokens[seq]
+
+    def sequence(self, seq: int) -> "SequenceView":
+        """Sequence ``seq`` with the one-sequence API (decode, rollback, reuse_prefix, clear)."""
+        if not 0 <= seq < self.n_seq:
+            raise ValueError(f"sequence {seq} of a context of {self.n_seq}")
+        return SequenceView(self, seq)
 
     def decode(self, tokens: Sequence[int], logit_rows: Sequence[int],
-               stop: Optional[Callable[[], bool]] = None) -> List[np.ndarray]:
-        """Append ``tokens`` to the sequence; return logits for the requested row indices of this
+               stop: Optional[Callable[[], bool]] = None, seq: int = 0) -> List[np.ndarray]:
+        """Append ``tokens`` to sequence ``seq``; return logits for the requested row indices of this
         batch only: views valid until the next decode for rows of the last chunk, copies for rows
         of earlier chunks.
 
@@ -395,8 +444,9 @@ class LlamaModel:
         """
         if not tokens:
             raise ValueError("decode of an empty batch")
-        if self.n_past + len(tokens) > self.n_ctx:
-            raise KVCacheError(f"context full: {self.n_past} + {len(tokens)} tokens > n_ctx {self.n_ctx}")
+        kv = self._seq_tokens[seq]
+        if len(kv) + len(tokens) > self.n_ctx:
+            raise KVCacheError(f"context full: {len(kv)} + {len(tokens)} tokens > n_ctx {self.n_ctx}")
         llama_cpp = self._llama_cpp
         wanted = sorted(set(logit_rows))
         if wanted and not 0 <= wanted[0] <= wanted[-1] < len(tokens):
@@ -411,12 +461,14 @@ class LlamaModel:
                 raise DecodeInterrupted(f"stopped after {start} of {len(tokens)} tokens")
             part = tokens[start:start + chunk]
             n = len(part)
-            base = self.n_past
+            base = len(kv)
             # the batch's arrays are numpy views (see _init_batch_views): a few array stores a
             # chunk instead of five ctypes stores per row
             token_in[:n] = part
             pos_in[:n] = range(base, base + n)
             flags[:n] = 0
+            if self.n_seq > 1:
+                self._set_row_seqs(0, np.full(n, seq, dtype=np.int32))
             rows_here = [r - start for r in wanted if start <= r < start + n]
             if rows_here:
                 flags[rows_here] = 1
@@ -424,10 +476,10 @@ class LlamaModel:
             rc = llama_cpp.llama_decode(ctx, batch)
             if rc != 0:
                 # Failed decodes leave the KV in an unknown state past base: drop it.
-                llama_cpp.llama_memory_seq_rm(self._mem, 0, base, -1)
+                llama_cpp.llama_memory_seq_rm(self._mem, seq, base, -1)
                 raise KVCacheError(f"llama_decode failed with code {rc} at position {base} "
                                    f"({n} tokens; 1 = no KV slot, <0 = error)")
-            self.kv_tokens.extend(part)
+            kv.extend(part)
             last_chunk = start + n >= len(tokens)
             if rows_here:
                 # llama.cpp stores the rows asked for contiguously, in batch order (llama.h): one
@@ -442,56 +494,125 @@ class LlamaModel:
             start += n
         return out
 
-    def rollback(self, n_keep: int) -> None:
-        """Drop KV positions >= ``n_keep``; raise KVCacheError if llama.cpp refuses."""
-        if n_keep >= self.n_past:
+    def decode_parts(self, parts: Sequence[Tuple[int, Sequence[int], int]]) -> List[np.ndarray]:
+        """One ``llama_decode`` over rows of several sequences: ``parts`` are (sequence, tokens,
+        logit rows), each sequence at most once, the logit rows being the part's last ``n`` rows
+        (a verify pass wants them all, a prompt chunk its last one or none). Each part's tokens are
+        appended to its sequence. Returns one logits block per part (rows x n_vocab; 0 rows where
+        none were asked), views valid until the next decode.
+
+        All rows must fit one batch (``n_batch``); :meth:`decode` splits a longer one. On a failed
+        decode every part's sequence is rolled back to where it stood and KVCacheError raised.
+        """
+        n_rows = sum(len(tokens) for _, tokens, _ in parts)
+        if n_rows == 0:
+            raise ValueError("decode of an empty batch")
+        if n_rows > self._batch_capacity:
+            raise ValueError(f"{n_rows} rows in one pass: more than n_batch {self._batch_capacity}")
+        token_in, pos_in, flags = self._token_in, self._pos_in, self._logits_flags
+        seqs = np.empty(n_rows, dtype=np.int32)
+        flags[:n_rows] = 0
+        at = 0
+        bases = []
+        for seq, tokens, n_logits in parts:
+            kv = self._seq_tokens[seq]
+            n = len(tokens)
+            if len(kv) + n > self.n_ctx:
+                raise KVCacheError(f"context full: {len(kv)} + {n} tokens > n_ctx {self.n_ctx} "
+                                   f"(sequence {seq})")
+            if not 0 <= n_logits <= n:
+                raise ValueError(f"{n_logits} logit rows of a part of {n} tokens")
+            token_in[at:at + n] = tokens
+            pos_in[at:at + n] = range(len(kv), len(kv) + n)
+            seqs[at:at + n] = seq
+            if n_logits:
+                flags[at + n - n_logits:at + n] = 1
+            bases.append(len(kv))
+            at += n
+        self._set_row_seqs(0, seqs)
+        self._batch.n_tokens = n_rows
+        llama_cpp = self._llama_cpp
+        rc = llama_cpp.llama_decode(self._ctx, self._batch)
+        if rc != 0:
+            for (seq, _, _), base in zip(parts, bases):
+                llama_cpp.llama_memory_seq_rm(self._mem, seq, base, -1)
+            raise KVCacheError(f"llama_decode failed with code {rc} over {n_rows} rows of "
+                               f"{len(parts)} sequences (1 = no KV slot, <0 = error)")
+        n_out = sum(n_logits for _, _, n_logits in parts)
+        block = None
+        if n_out:
+            first = llama_cpp.llama_get_logits_ith(self._ctx, int(np.flatnonzero(flags[:n_rows])[0]))
+            if not first:
+                raise KVCacheError(f"llama.cpp returned no logits for a pass of {n_rows} rows ({self.path})")
+            block = self._logits_views.get(first, (n_out, self.n_vocab))
+        out: List[np.ndarray] = []
+        row = 0
+        for seq, tokens, n_logits in parts:
+            self._seq_tokens[seq].extend(tokens)
+            out.append(block[row:row + n_logits] if block is not None else np.empty((0, self.n_vocab), np.float32))
+            row += n_logits
+        return out
+
+    def rollback(self, n_keep: int, seq: int = 0) -> None:
+        """Drop KV positions >= ``n_keep`` of sequence ``seq``; raise KVCacheError if llama.cpp
+        refuses."""
+        kv = self._seq_tokens[seq]
+        if n_keep >= len(kv):
             return
         if n_keep < 0:
             raise ValueError(f"rollback to {n_keep}")
-        ok = self._llama_cpp.llama_memory_seq_rm(self._mem, 0, n_keep, -1)
+        ok = self._llama_cpp.llama_memory_seq_rm(self._mem, seq, n_keep, -1)
         if not ok:
-            raise KVCacheError(f"llama.cpp refused to remove KV positions >= {n_keep} of {self.n_past} "
+            raise KVCacheError(f"llama.cpp refused to remove KV positions >= {n_keep} of {len(kv)} "
                                f"({self.path}); the sequence cannot be rolled back")
-        del self.kv_tokens[n_keep:]
-        if not self._window_intact():
-            self.clear()
+        del kv[n_keep:]
+        if not self._window_intact(seq):
+            self.clear(seq)
             raise WindowLostError(f"cannot roll back to position {n_keep}: the sliding-window layers "
                                   f"no longer hold the {self.n_swa} positions before it ({self.path}); "
                                   f"the cache was cleared")
 
-    def _window_intact(self) -> bool:
-        """Whether the next position's sliding window is all in the KV cache (True without a
-        window limit). llama.cpp keeps each sequence's positions contiguous, from its minimum on."""
-        n = self.n_past
+    def _window_intact(self, seq: int = 0) -> bool:
+        """Whether the next position's sliding window of sequence ``seq`` is all in the KV cache
+        (True without a window limit). llama.cpp keeps each sequence's positions contiguous, from
+        its minimum on."""
+        n = len(self._seq_tokens[seq])
         if not self.n_swa or n == 0:
             return True
-        first = int(self._llama_cpp.llama_memory_seq_pos_min(self._mem, 0))
+        first = int(self._llama_cpp.llama_memory_seq_pos_min(self._mem, seq))
         return 0 <= first <= max(0, n - self.n_swa + 1)
 
-    def reuse_prefix(self, tokens: Sequence[int], *, keep_last: int = 0) -> int:
-        """Keep the longest common prefix of the KV cache and ``tokens`` (minus ``keep_last`` tokens
-        that must be re-decoded, e.g. to get their logits); return how many tokens remain to decode
-        from ``tokens``."""
-        limit = min(len(self.kv_tokens), len(tokens) - keep_last)
+    def reuse_prefix(self, tokens: Sequence[int], *, keep_last: int = 0, seq: int = 0) -> int:
+        """Keep the longest common prefix of sequence ``seq``'s KV cache and ``tokens`` (minus
+        ``keep_last`` tokens that must be re-decoded, e.g. to get their logits); return how many
+        tokens remain to decode from ``tokens``."""
+        kv = self._seq_tokens[seq]
+        limit = min(len(kv), len(tokens) - keep_last)
         n = 0
-        kv = self.kv_tokens
         while n < limit and kv[n] == tokens[n]:
             n += 1
         try:
-            self.rollback(n)
+            self.rollback(n, seq)
         except WindowLostError:  # the window before the prefix was overwritten: start over
             return 0
         return n
 
-    def clear(self) -> None:
-        self._llama_cpp.llama_memory_clear(self._mem, True)
-        self.kv_tokens = []
+    def clear(self, seq: Optional[int] = None) -> None:
+        """Empty the KV cache: every sequence (None), or one. With a single sequence both are the
+        same: the whole cache is reset, so cells are laid out again from the first."""
+        if seq is None or self.n_seq == 1:
+            self._llama_cpp.llama_memory_clear(self._mem, True)
+            self._seq_tokens = [[] for _ in range(self.n_seq)]
+            return
+        self._llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        self._seq_tokens[seq] = []
 
-    def timed_decode(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> Tuple[List[np.ndarray], float]:
+    def timed_decode(self, tokens: Sequence[int], logit_rows: Sequence[int],
+                     seq: int = 0) -> Tuple[List[np.ndarray], float]:
         """``decode`` plus its wall time in seconds (logits ready: llama_decode is synchronous on
         the CPU; on a GPU ``llama_get_logits_ith`` synchronises)."""
         t0 = time.perf_counter()
-        rows = self.decode(tokens, logit_rows)
+        rows = self.decode(tokens, logit_rows, seq=seq)
         return rows, time.perf_counter() - t0
 
     @property
@@ -505,3 +626,41 @@ class LlamaModel:
         """(llama_model, llama_context) pointers, for code that calls llama.cpp on this model itself
         (an MTP assistant's context is created over the target's: engine/drafters/mtp.py)."""
         return self._model, self._ctx
+
+
+class SequenceView:
+    """One sequence of a :class:`LlamaModel` with the one-sequence API, for code written against a
+    model's sequence 0 (the engine's loop, a draft model's drafter): decode, rollback,
+    reuse_prefix, clear and the sequence's tokens. ``model`` is the model itself."""
+
+    def __init__(self, model: LlamaModel, seq: int) -> None:
+        self.model = model
+        self.seq = seq
+
+    @property
+    def kv_tokens(self) -> List[int]:
+        return self.model.tokens_of(self.seq)
+
+    @property
+    def n_past(self) -> int:
+        return self.model.past(self.seq)
+
+    @property
+    def n_ctx(self) -> int:
+        return self.model.n_ctx
+
+    def decode(self, tokens: Sequence[int], logit_rows: Sequence[int],
+               stop: Optional[Callable[[], bool]] = None) -> List[np.ndarray]:
+        return self.model.decode(tokens, logit_rows, stop, seq=self.seq)
+
+    def timed_decode(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> Tuple[List[np.ndarray], float]:
+        return self.model.timed_decode(tokens, logit_rows, seq=self.seq)
+
+    def rollback(self, n_keep: int) -> None:
+        self.model.rollback(n_keep, self.seq)
+
+    def reuse_prefix(self, tokens: Sequence[int], *, keep_last: int = 0) -> int:
+        return self.model.reuse_prefix(tokens, keep_last=keep_last, seq=self.seq)
+
+    def clear(self) -> None:
+        self.model.clear(self.seq)

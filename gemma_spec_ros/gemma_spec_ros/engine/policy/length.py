@@ -24,6 +24,16 @@ on again only above ``1 + margin``).
 This is the break-even condition tau > 1 + K*c of speculative decoding with c = draft cost / target cost,
 generalised to a verify cost that grows with the batch (it does on a CPU; on a GPU V(k+1) ~ V(1)).
 
+**Sharing a pass.** When several requests run at once their rows go into one target pass
+(engine/slots.py). A request then chooses k for the pass it joins: with ``R`` rows and ``E_o``
+expected tokens of the other requests already in it (:class:`PassShare`), the pass emits
+``E(k) + E_o`` tokens in ``D(k) + V(R + 1 + k)`` seconds, against ``1 + E_o`` in ``V(R + 1)`` without
+a draft, so
+
+    S(k) = (E(k) + E_o) * V(R + 1) / ((1 + E_o) * (D(k) + V(R + 1 + k)))
+
+which is the S(k) above when the pass is the request's alone (R = 0, E_o = 0).
+
 **Cutting each draft.** A drafter whose drafts are free and say what each token rests on
 (``Draft.evidence``: n-gram lookup) is not given a length in advance. It drafts up to a longer cap
 and :meth:`DraftLengthPolicy.cut` chooses the k of *this* draft: the same S(k), with ``a_i`` the
@@ -48,10 +58,24 @@ class Decision:
 
     draft_len: int  # 0 = plain step
     predicted_speedup: float  # of the chosen length (1.0 for a plain step)
+    expected_tokens: float = 1.0  # the tokens the step is predicted to emit (E(draft_len))
 
 
 #: A plain step: no draft, plain decoding's speed.
 PLAIN_STEP = Decision(0, 1.0)
+
+
+@dataclass(frozen=True)
+class PassShare:
+    """What else the target pass a step joins holds (module docstring, "Sharing a pass"): the rows
+    of the other requests and the tokens they are expected to emit."""
+
+    rows: int = 0
+    expected_tokens: float = 0.0
+
+
+#: A pass of one request alone.
+SOLO = PassShare()
 
 
 class DraftLengthPolicy:
@@ -81,46 +105,49 @@ class DraftLengthPolicy:
         self._probe_interval = probe_min
         self._steps_off = 0
 
-    def predicted_speedup(self, k: int) -> float:
+    def predicted_speedup(self, k: int, share: PassShare = SOLO) -> float:
         """S(k) of the module docstring; NaN when costs are not measured yet."""
-        return self._speedup(k, self.acceptance.expected_tokens(k))
+        return self._speedup(k, self.acceptance.expected_tokens(k), share)
 
-    def _speedup(self, k: int, expected_tokens: float) -> float:
-        plain = self.costs.verify_cost(1)
-        verify = self.costs.verify_cost(k + 1)
+    def _speedup(self, k: int, expected_tokens: float, share: PassShare = SOLO) -> float:
+        plain = self.costs.verify_cost(share.rows + 1)
+        verify = self.costs.verify_cost(share.rows + k + 1)
         if plain is None or verify is None:
             return math.nan
-        return expected_tokens * plain / (self.costs.draft_cost(self.source, k) + verify)
+        others = share.expected_tokens
+        return ((expected_tokens + others) * plain
+                / ((1.0 + others) * (self.costs.draft_cost(self.source, k) + verify)))
 
-    def best(self, draft_max: int) -> Decision:
+    def best(self, draft_max: int, share: PassShare = SOLO) -> Decision:
         best_k, best_s = 0, 1.0
         expected = self.acceptance.expected_tokens_upto(draft_max)
         for k in range(1, draft_max + 1):
-            s = self._speedup(k, expected[k])
+            s = self._speedup(k, expected[k], share)
             if math.isnan(s):  # nothing measured yet: trust the drafter, draft the most
-                return Decision(draft_max, math.nan)
+                return Decision(draft_max, math.nan, expected[draft_max])
             if s > best_s or best_k == 0:
                 best_k, best_s = k, s
-        return Decision(best_k, best_s)
+        return Decision(best_k, best_s, expected[best_k])
 
-    def cut(self, evidence: Sequence[Hashable]) -> Decision:
+    def cut(self, evidence: Sequence[Hashable], share: PassShare = SOLO) -> Decision:
         """The length to verify of a draft whose tokens rest on ``evidence`` (module docstring):
         argmax S(k) over its prefixes, or 0 when none is predicted faster than plain decoding.
         Costs not measured yet: the whole draft."""
         expected = self.evidence.expected_tokens_upto(evidence)
         best_k, best_s = 0, 1.0
         for k in range(1, len(evidence) + 1):
-            s = self._speedup(k, expected[k])
+            s = self._speedup(k, expected[k], share)
             if math.isnan(s):
-                return Decision(len(evidence), math.nan)
+                return Decision(len(evidence), math.nan, expected[len(evidence)])
             if s > best_s:
                 best_k, best_s = k, s
-        return Decision(best_k, best_s)
+        return Decision(best_k, best_s, expected[best_k])
 
-    def decide(self, draft_max: int, adaptive: bool) -> Decision:
+    def decide(self, draft_max: int, adaptive: bool, share: PassShare = SOLO) -> Decision:
         if not adaptive:
-            return Decision(draft_max, self.predicted_speedup(draft_max))
-        choice = self.best(draft_max)
+            return Decision(draft_max, self.predicted_speedup(draft_max, share),
+                            self.acceptance.expected_tokens(draft_max))
+        choice = self.best(draft_max, share)
         speedup = choice.predicted_speedup
         if self.enabled:
             if not math.isnan(speedup) and speedup < 1.0 - self.margin:

@@ -34,14 +34,51 @@ CHAT_TEMPLATE_TOKENS = 16
 FINISH_REASONS = {"stop": "stop", "eos": "stop", "tool_calls": "stop", "length": "length"}
 
 
+class InFlight:
+    """Generations in flight, at most ``limit``: ``with gate:`` waits for a place; ``acquire(
+    blocking=False)`` / ``release()`` is the prober's idle gate (server.py ``when_idle``), taken
+    only while none is in flight, and no generation starts while it is held."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(1, limit)
+        self._cond = threading.Condition()
+        self._running = 0
+        self._probing = False
+
+    def __enter__(self) -> "InFlight":
+        with self._cond:
+            self._cond.wait_for(lambda: self._running < self.limit and not self._probing)
+            self._running += 1
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        with self._cond:
+            self._running -= 1
+            self._cond.notify_all()
+
+    def acquire(self, blocking: bool = True) -> bool:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._running == 0 and not self._probing,
+                                       None if blocking else 0):
+                return False
+            self._probing = True
+            return True
+
+    def release(self) -> None:
+        with self._cond:
+            self._probing = False
+            self._cond.notify_all()
+
+
 class RemoteEngine:
     """The engine API over an OpenAI-compatible HTTP server; see the package docstring."""
 
-    def __init__(self, config: RemoteConfig, spec: SpecConfig) -> None:
+    def __init__(self, config: RemoteConfig, spec: SpecConfig, max_running: int = 1) -> None:
         self.config = config
         self._spec = spec
         self._http = HttpClient(config)
-        self._lock = threading.Lock()  # one generation at a time (the node serialises anyway)
+        # generations in flight at once (the server's slots batch them); the prober's idle gate
+        self._lock = InFlight(max_running)
         self._state_lock = threading.Lock()
         self._rolling = SpecStats(spec_mode=REMOTE_MODE, verification="server")
         self._served = 0
@@ -52,6 +89,13 @@ class RemoteEngine:
     @property
     def spec(self) -> SpecConfig:
         return self._spec
+
+    @property
+    def max_running(self) -> int:
+        """Requests streamed at once (the server batches them in its slots; llama-server's
+        ``-np``); tau then comes from each request's own timings where the server sends them
+        (/metrics deltas of overlapping requests are nobody's alone, metrics.py)."""
+        return self._lock.limit
 
     @property
     def n_ctx(self) -> int:

@@ -66,7 +66,7 @@ class ServerProbe:
     idle gate (:meth:`when_idle`) takes it without blocking. ``tau`` learns here whether the server
     has counters, and takes a reading at every probe."""
 
-    def __init__(self, client: HttpClient, config: RemoteConfig, busy: threading.Lock,
+    def __init__(self, client: HttpClient, config: RemoteConfig, busy: Any,
                  tau: TauAttribution) -> None:
         self._client, self._config, self._busy, self._tau = client, config, busy, tau
         self._lock = threading.Lock()

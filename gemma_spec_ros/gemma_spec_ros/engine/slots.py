@@ -1,0 +1,373 @@
+"""Several requests at once: one target pass per round carries every running request's rows.
+
+Decoding is bound by reading the weights: a pass over a few rows costs little more than a pass over
+one (on a 2-core CPU two rows cost ~1.5 passes of one, on a GPU nearly one), so requests that decode
+together share that cost. With ``EngineConfig.max_running`` = N > 1 the engine keeps N *slots*: each
+is a sequence of the target's context (llama/model.py, one unified KV cache, every sequence with the
+whole ``n_ctx``) with its own drafters and their policies. One thread (this module's scheduler) runs
+rounds; each round is one ``llama_decode``:
+
+1. every running request past its prompt plans a step as it would alone (engine.py
+   ``_plan_step``: its pending token plus its own draft: n-gram, suffix, a draft model's, the text a
+   grammar forces), its draft length chosen for the pass it joins (policy/length.py, "Sharing a
+   pass": the rows and expected tokens of the others);
+2. a request still in its prompt adds a chunk of it (``prompt_chunk`` tokens while others decode,
+   ``n_batch`` when it is alone), so a long prompt does not stall the others for its whole length;
+3. the pass decodes all rows; each request verifies its own rows, rolls its own sequence back and
+   learns from its own draft (engine.py ``_settle_step``), exactly as alone;
+4. each request's Step goes to the thread reading its :meth:`SlotScheduler.generate`.
+
+Requests start in the order :meth:`~SlotScheduler.generate` is called (the node's queue decides
+that order: priorities, preemption) in the free slot whose sequence shares the longest prefix with
+the prompt (prompt reuse per slot). Cancel, close and time budgets are checked per request at every
+round; a request whose step fails ends alone with its error, a pass that fails ends the requests in
+it. A request's Steps, stats and text are what it would get alone; its logits are not always bit
+for bit those of a pass of its own (docs/design.md, "Several requests at once").
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Deque, Dict, Iterator, List, Optional, Tuple
+
+from .errors import EngineError
+from .policy.length import PassShare
+from .request import GenerationRequest, Step
+from .request_state import RequestState
+from .verify import verify_exact
+
+if TYPE_CHECKING:
+    from .engine import Engine, PlannedStep
+    from .propose import Drafting
+
+#: Prompt tokens a starting request adds to a pass that also carries other requests' steps: a
+#: chunk costs about as much as a few steps (on a 2-core CPU 64 prompt tokens of the 270M model
+#: take ~4 one-row passes), so the others wait a few steps' time for each, not the whole prompt's.
+PROMPT_CHUNK = 64
+
+
+class _StopEvents:
+    """Stop if any of these events is set (the caller's cancel, the reader leaving)."""
+
+    def __init__(self, *events: Optional[threading.Event]) -> None:
+        self._events = [e for e in events if e is not None]
+
+    def is_set(self) -> bool:
+        return any(e.is_set() for e in self._events)
+
+
+@dataclass
+class _Ticket:
+    """A request handed to the scheduler, and the queue its Steps (or its error) come back in."""
+
+    request: GenerationRequest
+    prompt: List[int]
+    cancel: Optional[threading.Event]
+    left: threading.Event = field(default_factory=threading.Event)  # the reader stopped reading
+    out: "queue.SimpleQueue[Any]" = field(default_factory=queue.SimpleQueue)
+
+    @property
+    def stop(self) -> _StopEvents:
+        return _StopEvents(self.cancel, self.left)
+
+
+@dataclass
+class _Slot:
+    """One sequence of the target with its drafters, and the request it serves (if any)."""
+
+    seq: int
+    kv: Any  # llama/model.py SequenceView
+    drafters: Dict[str, "Drafting"]
+    ticket: Optional[_Ticket] = None
+    state: Optional[RequestState] = None
+    rest: List[int] = field(default_factory=list)  # prompt tokens not decoded yet
+    prompting: bool = False
+    prompt_started: float = 0.0
+
+
+@dataclass
+class PassCounts:
+    """What the rounds have done since the engine started: for /diagnostics."""
+
+    passes: int = 0
+    rows: int = 0
+    requests: int = 0  # request steps carried (a pass with three requests' steps counts three)
+
+    @property
+    def rows_per_pass(self) -> float:
+        return self.rows / self.passes if self.passes else 0.0
+
+    @property
+    def requests_per_pass(self) -> float:
+        return self.requests / self.passes if self.passes else 0.0
+
+
+class SlotScheduler:
+    """Runs the rounds of several requests at once over an engine's target (module docstring).
+
+    The scheduler's thread holds the engine's generation lock for its whole life and is the only
+    thread that touches the models; :meth:`generate` is called from any thread.
+    """
+
+    def __init__(self, engine: "Engine", slots: List[Tuple[Any, Dict[str, "Drafting"]]],
+                 prompt_chunk: int = PROMPT_CHUNK) -> None:
+        self._engine = engine
+        self._slots = [_Slot(i, kv, drafters) for i, (kv, drafters) in enumerate(slots)]
+        self._prompt_chunk = max(1, prompt_chunk)
+        #: requests started at once (at most the slots): the engine lowers it to 1 where batching
+        #: was measured not to pay (Engine.max_running), and says why in ``why``
+        self.limit = len(self._slots)
+        self.why = ""
+        self._waiting: Deque[_Ticket] = deque()
+        self._cond = threading.Condition()
+        self.counts = PassCounts()
+        self._thread = threading.Thread(target=self._run, name="gemma_spec_slots", daemon=True)
+        self._thread.start()
+
+    # -- any thread ------------------------------------------------------------------------------
+    @property
+    def n_slots(self) -> int:
+        return len(self._slots)
+
+    def running(self) -> int:
+        """Requests in a slot now (their prompt or their steps)."""
+        return sum(1 for slot in self._slots if slot.ticket is not None)
+
+    def generate(self, request: GenerationRequest, prompt: List[int],
+                 cancel: Optional[threading.Event]) -> Iterator[Step]:
+        """The request's Steps as its rounds make them; raises what its step raised. ``prompt``:
+        its tokens, checked. A reader that stops reading ends the request at the next round."""
+        ticket = _Ticket(request, prompt, cancel)
+        with self._cond:
+            if self._engine._closing.is_set():  # noqa: SLF001  the engine's own flag
+                raise EngineError("the engine is closed")
+            self._waiting.append(ticket)
+            self._cond.notify_all()
+        try:
+            while True:
+                item = ticket.out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            ticket.left.set()
+            self.wake()
+
+    def wake(self) -> None:
+        """Let the scheduler look again (a request was cancelled, the engine is closing)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def join(self, timeout: Optional[float]) -> bool:
+        """Wait for the scheduler's thread to end (the engine is closing); True if it did."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    # -- the scheduler's thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self._engine
+        with engine._lock:  # noqa: SLF001  the models are the scheduler's until it ends
+            try:
+                while self._next_round():
+                    self._round()
+            finally:
+                self._end_all()
+                try:
+                    engine._free()  # noqa: SLF001  close() set the flag that ended the rounds
+                except Exception as exc:  # noqa: BLE001  kept for the owner to report
+                    engine.close_error = exc
+                    engine._faults.append(f"closing the engine after its last step failed: {exc}")  # noqa: SLF001
+
+    def _next_round(self) -> bool:
+        """Wait until a request runs or waits for a free slot, start the waiting ones that fit;
+        False once the engine is closing."""
+        closing = self._engine._closing  # noqa: SLF001
+        with self._cond:
+            while not closing.is_set():
+                free = [slot for slot in self._slots if slot.ticket is None]
+                if any(slot.ticket is not None for slot in self._slots) or (self._waiting and free):
+                    break
+                self._cond.wait()
+            if closing.is_set():
+                return False
+            starting = []
+            while self._waiting and self.running() < self.limit:
+                ticket = self._waiting.popleft()
+                slot = self._free_slot(ticket.prompt)
+                slot.ticket = ticket
+                starting.append(slot)
+        for slot in starting:
+            self._start(slot)
+        return True
+
+    def _free_slot(self, prompt: List[int]) -> _Slot:
+        """The free slot whose sequence shares the longest prefix with ``prompt``."""
+        def shared(slot: _Slot) -> int:
+            kv, n = slot.kv.kv_tokens, 0
+            limit = min(len(kv), len(prompt))
+            while n < limit and kv[n] == prompt[n]:
+                n += 1
+            return n
+        return max((slot for slot in self._slots if slot.ticket is None), key=shared)
+
+    def _start(self, slot: _Slot) -> None:
+        ticket = slot.ticket
+        assert ticket is not None
+        engine = self._engine
+        try:
+            state = engine._start(ticket.request, ticket.prompt, ticket.stop, kv=slot.kv,  # noqa: SLF001
+                                  drafters=slot.drafters)
+        except BaseException as exc:  # noqa: BLE001  e.g. a grammar that does not compile
+            self._release(slot, exc)
+            return
+        slot.state = state
+        slot.prompting = True
+        slot.prompt_started = time.perf_counter()
+        try:
+            slot.rest = engine._prompt_rest(state)  # noqa: SLF001
+        except BaseException as exc:  # noqa: BLE001
+            self._fail(slot, exc)
+
+    def _round(self) -> None:
+        """One pass over every running request (module docstring)."""
+        engine = self._engine
+        spec = engine.spec
+        started = time.perf_counter()
+        decoding = [slot for slot in self._slots if slot.state is not None and not slot.prompting]
+        prompting = [slot for slot in self._slots if slot.state is not None and slot.prompting]
+        decoding = [slot for slot in decoding if not self._stopped_between_passes(slot)]
+        prompting = [slot for slot in prompting if not self._stopped_between_passes(slot)]
+        chunk_slot = prompting[0] if prompting else None
+        chunk: List[int] = []
+        if chunk_slot is not None:
+            size = self._prompt_chunk if decoding else engine.target.n_batch
+            room = engine.target.n_batch - sum(engine.max_rows_per_request for _ in decoding)
+            chunk = chunk_slot.rest[:max(1, min(size, room))]
+        planned: List[Tuple[_Slot, "PlannedStep"]] = []
+        rows, expected = len(chunk), 0.0
+        undecided = len(decoding)
+        for slot in decoding:
+            undecided -= 1
+            share = PassShare(rows + undecided, expected + undecided)
+            try:
+                step = engine._plan_step(slot.state, share)  # noqa: SLF001
+            except BaseException as exc:  # noqa: BLE001  one request's fault is its own
+                self._fail(slot, exc)
+                continue
+            planned.append((slot, step))
+            rows += len(step.batch)
+            expected += step.proposal.decision.expected_tokens + step.proposal.n_forced
+        parts = [(slot.seq, step.batch, len(step.batch)) for slot, step in planned]
+        last_chunk = chunk_slot is not None and len(chunk) == len(chunk_slot.rest)
+        if chunk:
+            parts.append((chunk_slot.seq, chunk, 1 if last_chunk else 0))
+        if not parts:
+            return
+        t0 = time.perf_counter()
+        try:
+            outputs = engine.target.decode_parts(parts)
+        except BaseException as exc:  # noqa: BLE001  the pass failed: every request in it ends
+            for slot, _ in planned:
+                self._fail(slot, exc)
+            if chunk:
+                self._fail(chunk_slot, exc)
+            return
+        seconds = time.perf_counter() - t0
+        self.counts.passes += 1
+        self.counts.rows += rows
+        self.counts.requests += len(planned) + (1 if chunk else 0)
+        if not chunk:  # every row asked for logits: a pass the cost model's sizes describe
+            engine.costs.observe_verify(rows, seconds)
+        for (slot, step), logits in zip(planned, outputs):
+            state = slot.state
+            state.stats.verify_time += seconds
+            try:
+                tokens = engine._settle_step(state, step, logits)  # noqa: SLF001
+                out = state.emit(tokens, spec, step.proposal.draft.source or None)
+            except BaseException as exc:  # noqa: BLE001
+                self._fail(slot, exc)
+                continue
+            self._deliver(slot, out)
+        if chunk:
+            self._prompt_chunk_done(chunk_slot, chunk, outputs[-1], started)
+
+    def _prompt_chunk_done(self, slot: _Slot, chunk: List[int], logits: Any, started: float) -> None:
+        """A chunk of ``slot``'s prompt is decoded; after the last, its first token is sampled."""
+        engine, state = self._engine, slot.state
+        del slot.rest[:len(chunk)]
+        state.stats.prompt_time += time.perf_counter() - started
+        if slot.rest:
+            return
+        try:
+            first = verify_exact(logits, (), state.sampler, state.rng, state.grammar).tokens[0]
+            engine._prompt_done(state, first)  # noqa: SLF001
+            slot.prompting = False
+            out = state.emit((first,), engine.spec)
+        except BaseException as exc:  # noqa: BLE001
+            self._fail(slot, exc)
+            return
+        self._deliver(slot, out)
+
+    def _stopped_between_passes(self, slot: _Slot) -> bool:
+        """End the slot's request here if a stop was asked (cancel, the reader left) or, in its
+        prompt, its time budget ran out; True if it ended."""
+        state = slot.state
+        if state.ends.stop_requested():
+            finish = "cancelled"
+        elif slot.prompting and state.over_budget():
+            finish = "timeout"
+        else:
+            return False
+        self._deliver(slot, state.step(self._engine.spec, finish))
+        return True
+
+    def _deliver(self, slot: _Slot, step: Step) -> None:
+        """Hand ``step`` to the request's reader; the last one frees the slot."""
+        slot.ticket.out.put(step)
+        if step.finish_reason is not None:
+            self._end_request(slot)
+            self._release(slot)
+
+    def _fail(self, slot: _Slot, exc: BaseException) -> None:
+        """The request ends with ``exc``: its sequence is emptied (the cache may not hold what its
+        tokens say), its drafters still learn what it emitted."""
+        try:
+            slot.kv.clear()
+        finally:
+            self._end_request(slot)
+            self._release(slot, exc)
+
+    def _end_request(self, slot: _Slot) -> None:
+        if slot.state is not None:
+            state, slot.state = slot.state, None
+            self._engine._end(state)  # noqa: SLF001
+
+    def _release(self, slot: _Slot, exc: Optional[BaseException] = None) -> None:
+        ticket, slot.ticket = slot.ticket, None
+        slot.state, slot.rest, slot.prompting = None, [], False
+        if exc is not None and ticket is not None:
+            ticket.out.put(exc)
+
+    def _end_all(self) -> None:
+        """The engine is closing: running requests end cancelled, waiting ones with an error."""
+        spec = self._engine.spec
+        for slot in self._slots:
+            if slot.state is not None:
+                try:
+                    self._deliver(slot, slot.state.step(spec, "cancelled"))
+                except BaseException as exc:  # noqa: BLE001
+                    self._release(slot, exc)
+            elif slot.ticket is not None:
+                self._release(slot, EngineError("the engine is closed"))
+        with self._cond:
+            waiting, self._waiting = list(self._waiting), deque()
+        for ticket in waiting:
+            ticket.out.put(EngineError("the engine is closed"))
+
+
+__all__ = ["PROMPT_CHUNK", "PassCounts", "SlotScheduler"]
