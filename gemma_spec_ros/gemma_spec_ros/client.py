@@ -106,6 +106,7 @@ class GoalRun:
     accepted: bool = False
     handle: Any = None
     feedback: List[Any] = field(default_factory=list)
+    feedback_at: List[float] = field(default_factory=list)  # when each feedback message came
     status: Optional[int] = None
     result: Optional[Any] = None
     sent_at: float = 0.0
@@ -377,6 +378,7 @@ class GenerateClient:
         with self._lock:
             run = self._runs_by_goal.get(bytes(message.goal_id.uuid))
         if run is not None:
+            run.feedback_at.append(time.monotonic())
             run.feedback.append(message.feedback)
             if run._on_feedback is not None:
                 run._on_feedback(message)

@@ -34,7 +34,7 @@ draft.model_path draft.n_gpu_layers draft.n_ctx draft.n_threads spec.mode spec.d
 spec.draft_min spec.p_min spec.adaptive spec.verification lookup.static_path lookup.dynamic_path
 lookup.cache_dir lookup.ngram_min lookup.ngram_max generation.max_tokens generation.temperature generation.top_p
 generation.top_k generation.seed generation.time_budget generation.prompt_cache limits.max_prompt_tokens
-limits.max_tokens queue.max_depth
+limits.max_tokens queue.max_depth queue.max_running
 limits.max_prompt_bytes limits.max_stop_strings limits.max_stop_length limits.max_grammar_bytes generation.grammar generation.json_schema queue.result_timeout lookup.dynamic_max_ngrams lookup.save_period
 feedback.min_period diagnostics.period diagnostics.hardware_id
 suffix.history_path suffix.history_max_tokens suffix.save_period

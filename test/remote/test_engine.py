@@ -366,6 +366,43 @@ def test_tau_from_llama_server_with_ngram_speculation(embedded_model_path: Path,
         srv.stop()
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not LLAMA_SERVER.is_file(),
+                    reason=f"llama-server not built at {LLAMA_SERVER} (scripts/build_native_tools.sh)")
+def test_several_requests_stream_at_once_through_llama_servers_slots(embedded_model_path: Path,
+                                                                     tmp_path: Path) -> None:
+    """With max_running 3 three requests stream at the same time (llama-server -np 3 batches them in
+    its slots): each one's first text comes before any of them ends; each gets its whole text."""
+    srv = llama_server(embedded_model_path, tmp_path, ["-np", "3", "-c", "3072"]).start()
+    eng = RemoteEngine(RemoteConfig(url=srv.url, probe_period=0.2), SPEC, max_running=3)
+    try:
+        assert eng.max_running == 3
+        firsts: List[float] = []
+        ends: List[float] = []
+        texts: List[str] = []
+
+        def one(prompt: str) -> None:
+            steps = []
+            for step in eng.generate(GenerationRequest(prompt=prompt, max_tokens=48)):
+                if step.text and not steps:
+                    firsts.append(time.monotonic())
+                steps.append(step)
+            ends.append(time.monotonic())
+            texts.append("".join(step.text for step in steps))
+            assert steps[-1].finish_reason in ("length", "stop")
+        threads = [threading.Thread(target=one, args=(prompt,)) for prompt in
+                   (CODE_PROMPT, "The three laws of robotics are", "A robot arm picks up")]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=240)
+        assert len(ends) == 3 and all(texts)
+        assert max(firsts) < min(ends)
+    finally:
+        eng.close()
+        srv.stop()
+
+
 # -- helpers ---------------------------------------------------------------------------------------------
 def _wait(predicate, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout

@@ -109,7 +109,7 @@ def build_engine(plan: EnginePlan) -> GenerationEngine:
         return Engine(plan.config)
     local = Engine(plan.config) if plan.fallback_local else None
     try:
-        primary = RemoteEngine(plan.remote, plan.config.spec)
+        primary = RemoteEngine(plan.remote, plan.config.spec, plan.config.max_running)
     except BaseException:
         if local is not None:
             local.close()

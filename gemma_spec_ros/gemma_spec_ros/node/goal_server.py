@@ -6,7 +6,8 @@ One goal's trip, on three threads:
    checks (the prompt tokenized once) -> accept, or reject with the reason logged and kept;
 2. accepted callback (executor, right after): the checked request becomes a
    :class:`~gemma_spec_ros.node.goals.Job` in the :class:`~gemma_spec_ros.node.goals.JobQueue`;
-3. dispatcher thread: starts the next job, one at a time, so waiting goals hold no executor thread;
+3. dispatcher thread: starts the next job while fewer than the engine's ``max_running`` run (several
+   goals at once decode in one pass: engine/slots.py), so waiting goals hold no executor thread;
 4. execute callback (an executor task): the engine's steps as feedback, then the result.
 
 The action server sits in its own mutually exclusive callback group, so that "is the queue full?"
@@ -121,7 +122,7 @@ class GoalServer:
         """Create the action server over ``engine`` (configure); goals are refused until
         :meth:`activate`."""
         self._engine = engine
-        self._jobs = JobQueue()
+        self._jobs = JobQueue(engine.max_running)
         self._dispatcher = threading.Thread(target=self._dispatch, name="gemma_spec_dispatch",
                                             daemon=True)
         self._dispatcher.start()
@@ -167,7 +168,7 @@ class GoalServer:
 
     # -- what diagnostics shows ---------------------------------------------------------------------
     def depth(self) -> int:
-        """Goals waiting behind the running one."""
+        """Goals waiting behind the running ones."""
         jobs = self._jobs
         return jobs.depth() if jobs is not None else 0
 
@@ -272,7 +273,8 @@ class GoalServer:
 
     # -- the dispatcher thread ----------------------------------------------------------------------
     def _dispatch(self) -> None:
-        """Execute goals one at a time, in queue order (see JobQueue), until the queue is closed.
+        """Execute goals in queue order, at most the engine's ``max_running`` at once (see
+        JobQueue), until the queue is closed.
 
         A fault of the loop itself is reported and the loop goes on: this thread is the only one
         that starts goals, and a node that looks active but starts nothing loses every goal."""

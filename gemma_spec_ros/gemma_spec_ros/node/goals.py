@@ -141,22 +141,24 @@ class Job:
 
 
 class JobQueue:
-    """The bounded priority queue of accepted goals and the one running goal.
+    """The bounded priority queue of accepted goals and the goals running (at most ``max_running``).
 
-    Goals start one at a time, highest ``priority`` first and in acceptance order within a level; a
-    goal that was cancelled or dropped while waiting, or whose time budget ran out while waiting, is
-    handed out at once (out of order) so its client gets the result without waiting for the
-    running goal. A goal pushed with ``preempt``
-    stops a running goal of lower priority at its next step (``preempted_by`` set, cancel event
-    set). ``max_depth`` counts waiting goals, not the running one.
+    Goals start highest ``priority`` first and in acceptance order within a level, while fewer than
+    ``max_running`` run (the engine's: several requests at once decode in one pass, engine/slots.py);
+    a goal that was cancelled or dropped while waiting, or whose time budget ran out while waiting,
+    is handed out at once (out of order) so its client gets the result without waiting for a running
+    goal. A goal pushed with ``preempt`` while every running place is taken stops the running goal
+    of lowest priority below its own at its next step (``preempted_by`` set, cancel event set).
+    ``max_depth`` counts waiting goals, not the running ones.
 
     All methods are thread-safe; :meth:`next_to_start` blocks until there is something to start.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_running: int = 1) -> None:
         self._cond = threading.Condition()
         self._waiting: Deque[Job] = collections.deque()
-        self._running: Optional[Job] = None
+        self._running: List[Job] = []
+        self.max_running = max(1, max_running)
         self._jobs: Dict[bytes, Job] = {}
         self._closed = False
         # set by drop_all (a transition stopped goals), cleared by resume(): a goal that passed the
@@ -165,19 +167,21 @@ class JobQueue:
 
     # -- producers ---------------------------------------------------------------------------------
     def depth(self) -> int:
-        """Goals waiting behind the running one.
+        """Goals waiting behind the running ones.
 
-        A goal accepted while none runs counts as the next to run, not as waiting, even in the
-        instant before the dispatcher starts it; so with ``max_depth`` N exactly N goals wait.
+        A goal accepted while a running place is free counts as about to run, not as waiting, even
+        in the instant before the dispatcher starts it; so with ``max_depth`` N exactly N goals wait.
         """
         with self._cond:
-            waiting = len(self._waiting)
-            return waiting if self._running is not None else max(0, waiting - 1)
+            return max(0, len(self._waiting) - self._free_places())
+
+    def _free_places(self) -> int:
+        return max(0, self.max_running - len(self._running))
 
     def busy(self) -> bool:
         """True if a goal runs or waits."""
         with self._cond:
-            return self._running is not None or bool(self._waiting)
+            return bool(self._running) or bool(self._waiting)
 
     def push(self, job: Job) -> None:
         """Queue an accepted goal behind every waiting goal of its priority or higher."""
@@ -189,11 +193,12 @@ class JobQueue:
                          len(self._waiting))
             self._waiting.insert(index, job)
             self._jobs[job.key] = job
-            running = self._running
-            if job.preempt and running is not None and running.priority < job.priority:
-                running.preempted_by = (f"preempted by a goal of priority {job.priority} "
-                                        f"(this one: {running.priority})")
-                running.cancel.set()
+            if job.preempt and len(self._running) >= self.max_running:
+                lowest = min(self._running, key=lambda other: other.priority, default=None)
+                if lowest is not None and lowest.priority < job.priority and not lowest.preempted_by:
+                    lowest.preempted_by = (f"preempted by a goal of priority {job.priority} "
+                                           f"(this one: {lowest.priority})")
+                    lowest.cancel.set()
             self._cond.notify_all()
 
     def positions(self) -> List[Tuple[Job, int]]:
@@ -203,8 +208,7 @@ class JobQueue:
         gets no position (its first feedback is its first text)."""
         with self._cond:
             waiting = [job for job in self._waiting if not (job.drop_reason or job.cancel.is_set())]
-            if self._running is None:
-                waiting = waiting[1:]
+            waiting = waiting[self._free_places():]
             return [(job, i + 1) for i, job in enumerate(waiting)]
 
     def get(self, key: bytes) -> Optional[Job]:
@@ -213,11 +217,15 @@ class JobQueue:
 
     def has_running(self) -> bool:
         with self._cond:
-            return self._running is not None
+            return bool(self._running)
+
+    def n_running(self) -> int:
+        with self._cond:
+            return len(self._running)
 
     def is_running(self, job: Job) -> bool:
         with self._cond:
-            return self._running is job
+            return any(other is job for other in self._running)
 
     def cancel(self, key: bytes) -> bool:
         """Ask a goal to stop (at its next step, or before it starts). False if it is unknown."""
@@ -231,16 +239,13 @@ class JobQueue:
             return True
 
     def drop_all(self, reason: str) -> None:
-        """Cancel the running goal and mark every waiting goal to finish unstarted with ``reason``;
+        """Cancel the running goals and mark every waiting goal to finish unstarted with ``reason``;
         goals pushed from now on until :meth:`resume` are dropped with it too."""
         with self._cond:
             self._dropping = reason
-            for job in self._waiting:
+            for job in [*self._waiting, *self._running]:
                 job.drop_reason = reason
                 job.cancel.set()
-            if self._running is not None:
-                self._running.drop_reason = reason
-                self._running.cancel.set()
             self._cond.notify_all()
 
     def resume(self) -> None:
@@ -251,15 +256,14 @@ class JobQueue:
     def finished(self, job: Job) -> None:
         """A goal's execute callback is done with it."""
         with self._cond:
-            if self._running is job:
-                self._running = None
+            self._running = [other for other in self._running if other is not job]
             self._jobs.pop(job.key, None)
             self._cond.notify_all()
 
     def wait_idle(self, timeout: float) -> bool:
         """Block until no goal runs or waits; False on timeout."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._running is None and not self._waiting, timeout)
+            return self._cond.wait_for(lambda: not self._running and not self._waiting, timeout)
 
     def close(self) -> None:
         """Wake :meth:`next_to_start` for good (it returns None from now on)."""
@@ -294,11 +298,11 @@ class JobQueue:
                     or job.budget_spent(now)):
                 self._waiting.remove(job)
                 return job
-        if self._running is None:
+        if len(self._running) < self.max_running:
             for job in self._waiting:
                 if not job.cancel.is_set():  # a cancel in flight ends unstarted, above
                     self._waiting.remove(job)
-                    self._running = job
+                    self._running.append(job)
                     return job
         return None
 

@@ -51,6 +51,7 @@ from rclpy.parameter import Parameter
 from rclpy.timer import Timer
 
 from ..engine.api import GenerationEngine
+from ..engine.config import MAX_RUNNING
 from ..engine.stats import SpecStats
 from . import NODE_NAME, diagnostics
 from .engine_factory import build_engine, check_files, plan_engine
@@ -60,9 +61,10 @@ from .messages import MAX_ECHO, clip, spec_stats_msg
 from .parameters import (PARAMETERS, PARAMETERS_BY_NAME, as_declared, check_values, history_path,
                          spec_config_from)
 
-#: Executor threads the node needs: a transition or parameter call, the running goal's execute
-#: callback, goal/cancel requests and the diagnostics timer must be able to run at once.
-MIN_EXECUTOR_THREADS = 4
+#: Executor threads the node needs: a transition or parameter call, the running goals' execute
+#: callbacks (up to queue.max_running), goal/cancel requests and the diagnostics timer must be able
+#: to run at once.
+MIN_EXECUTOR_THREADS = 3 + MAX_RUNNING
 #: Seconds release() waits for the engine to be idle before leaving the freeing of the models to
 #: the running step (a step or prompt chunk on a slow, shared CPU can outlast the goals' stop).
 CLOSE_TIMEOUT = 5.0

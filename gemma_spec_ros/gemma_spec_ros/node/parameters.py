@@ -7,7 +7,8 @@ checks it is in sync).
 
 Two kinds of parameter:
 
-- **configure-time** (``backend``, ``remote.*``, ``target.*``, ``draft.*``, ``lookup.*``, ``suffix.*``): read
+- **configure-time** (``backend``, ``remote.*``, ``target.*``, ``draft.*``, ``lookup.*``, ``suffix.*``,
+  ``queue.max_running``): read
   by the configure transition to load the models (or reach the inference server). They are *not*
   ``read_only``: an operator fixing a wrong model path expects
   ``ros2 param set`` to work while the node is unconfigured. The node's set-parameters callback
@@ -31,8 +32,8 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from ..engine.grammar.matcher import MAX_GRAMMAR_BYTES, compiled_constraint
 from ..engine.modes import SPEC_MODES
-from ..engine.config import (VERIFICATIONS, EngineConfig, LookupConfig, ModelConfig, SamplingParams, SpecConfig,
-                             SuffixConfig, expand_path)
+from ..engine.config import (MAX_RUNNING, VERIFICATIONS, EngineConfig, LookupConfig, ModelConfig, SamplingParams,
+                             SpecConfig, SuffixConfig, expand_path)
 from ..engine.remote.config import RemoteConfig
 
 ParamValue = Union[str, int, float, bool]
@@ -42,7 +43,8 @@ EMBEDDED_MODEL_PATH = "~/.cache/gemma_spec_ros/models/gemma-3-270m-q4_k_m.gguf"
 #: The folder the node's learned n-gram cache must lie in, by default (``lookup.cache_dir``).
 CACHE_DIR = "~/.cache/gemma_spec_ros"
 #: Prefixes of the parameters that only change while the node is unconfigured.
-CONFIGURE_TIME_PREFIXES: Tuple[str, ...] = ("target.", "draft.", "lookup.", "suffix.", "backend", "remote.")
+CONFIGURE_TIME_PREFIXES: Tuple[str, ...] = (
+    "target.", "draft.", "lookup.", "suffix.", "backend", "remote.", "queue.max_running")
 #: Where generation runs: this process (llama.cpp in-process) or an OpenAI-compatible server.
 BACKENDS: Tuple[str, ...] = ("local", "remote")
 #: What serves when the remote server is unreachable.
@@ -262,7 +264,13 @@ PARAMETERS: Tuple[ParamSpec, ...] = (
               "seconds a finished goal's result (and its request) is kept for late get_result "
               "calls; read by configure", (1.0, 86_400.0)),
     ParamSpec("queue.max_depth", 4,
-              "accepted goals that may wait behind the running one; more are rejected", (0, 1000)),
+              "accepted goals that may wait behind the running ones; more are rejected", (0, 1000)),
+    ParamSpec("queue.max_running", 1,
+              "goals served at once, their steps decoded in one pass (each a sequence of the target's "
+              "KV cache: that much more memory); 1 = one at a time. Not with an MTP assistant or "
+              "EAGLE-3 head; where a pass over that many rows costs as much as that many one-row "
+              "passes the node serves one at a time and says so on /diagnostics; read by configure",
+              (1, MAX_RUNNING)),
     ParamSpec("feedback.min_period", 0.0,
               "seconds between two feedback messages of a goal (text in between is kept); 0 = every "
               "step", (0.0, 60.0)),
@@ -354,7 +362,7 @@ def engine_config_from(values: Mapping[str, Any]) -> EngineConfig:
                           history_max_tokens=values["suffix.history_max_tokens"],
                           save_period=values["suffix.save_period"])
     return EngineConfig(target=target, draft=draft, spec=spec_config_from(values), lookup=lookup,
-                        suffix=suffix)
+                        suffix=suffix, max_running=values["queue.max_running"])
 
 
 def history_path(path: str, cache_dir: str) -> str:
