@@ -120,6 +120,29 @@ def test_a_request_alone_in_a_slot_engine_emits_what_the_one_at_a_time_engine_em
             assert alone(slots, req) == alone(solo, req), (mode, prompt[:30])
 
 
+#: A system prompt every client sends, longer than a prompt chunk (slots.PROMPT_CHUNK).
+LONG_SYSTEM = SYSTEM * 4
+TASKS = ("Task: bring the red cup to the sink.\nPlan:\n1.", "Task: put the milk in the fridge.\nPlan:\n1.",
+         "Task: wipe the table, then report.\nPlan:\n1.")
+
+
+@pytest.mark.exact
+@pytest.mark.timeout(600)
+def test_a_shared_system_prompt_is_decoded_once_and_each_request_emits_what_it_emits_alone(
+        exact_build: None, solo: Engine, slots: Engine) -> None:
+    """Three requests with one long system prompt, sent at once: the first slot decodes it, the
+    others take its cells (LlamaModel.share_prefix) and decode only their task; each emits, token
+    for token, what it emits alone."""
+    runs = [Run(request(LONG_SYSTEM + task, "lookup")) for task in TASKS]
+    run_together(slots, runs)
+    reused = sorted(run.steps[-1].stats.num_prompt_tokens_reused for run in runs)
+    n_system = len(slots.prompt_tokens(request(LONG_SYSTEM, "off"))) - 1
+    assert reused[0] < n_system <= reused[1] + 1, reused  # one slot decoded it, two took it
+    for run in runs:
+        assert run.error is None
+        assert run.tokens == alone(solo, run.request), run.request.prompt[-30:]
+
+
 def test_the_rounds_carry_several_requests_per_pass_and_their_steps_interleave(
         embedded_model_path: Path) -> None:
     engine = build_engine(embedded_model_path, n_ctx=512, max_running=3,

@@ -33,6 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Deque, Dict, Iterator, List, Optional, Tuple
 
+from .conversations import common_prefix
 from .errors import EngineError
 from .policy.length import PassShare
 from .request import GenerationRequest, Step
@@ -83,7 +84,7 @@ class _Slot:
     drafters: Dict[str, "Drafting"]
     ticket: Optional[_Ticket] = None
     state: Optional[RequestState] = None
-    rest: List[int] = field(default_factory=list)  # prompt tokens not decoded yet
+    rest: Optional[List[int]] = None  # prompt tokens not decoded yet (None: not begun)
     prompting: bool = False
     prompt_started: float = 0.0
 
@@ -207,13 +208,19 @@ class SlotScheduler:
 
     def _free_slot(self, prompt: List[int]) -> _Slot:
         """The free slot whose sequence shares the longest prefix with ``prompt``."""
-        def shared(slot: _Slot) -> int:
-            kv, n = slot.kv.kv_tokens, 0
-            limit = min(len(kv), len(prompt))
-            while n < limit and kv[n] == prompt[n]:
-                n += 1
-            return n
-        return max((slot for slot in self._slots if slot.ticket is None), key=shared)
+        return max((slot for slot in self._slots if slot.ticket is None),
+                   key=lambda slot: common_prefix(slot.kv.kv_tokens, prompt))
+
+    def _begin_prompt(self, slot: _Slot) -> None:
+        """The slot's prompt is next to decode: where another slot's sequence (running or not)
+        holds a longer prefix of it, those cells become this slot's too (LlamaModel.share_prefix:
+        a system prompt every client sends is decoded once); then what is left to decode."""
+        prompt = slot.state.prompt
+        shared = {other.seq: common_prefix(other.kv.kv_tokens, prompt) for other in self._slots}
+        donor = max(self._slots, key=lambda other: shared[other.seq])
+        if shared[donor.seq] - shared[slot.seq] >= self._prompt_chunk:  # worth more than a chunk
+            self._engine.target.share_prefix(donor.seq, slot.seq, shared[donor.seq])
+        slot.rest = self._engine._prompt_rest(slot.state)  # noqa: SLF001
 
     def _start(self, slot: _Slot) -> None:
         ticket = slot.ticket
@@ -227,11 +234,8 @@ class SlotScheduler:
             return
         slot.state = state
         slot.prompting = True
+        slot.rest = None  # known when its prompt is next (_begin_prompt)
         slot.prompt_started = time.perf_counter()
-        try:
-            slot.rest = engine._prompt_rest(state)  # noqa: SLF001
-        except BaseException as exc:  # noqa: BLE001
-            self._fail(slot, exc)
 
     def _round(self) -> None:
         """One pass over every running request (module docstring)."""
@@ -244,6 +248,12 @@ class SlotScheduler:
         prompting = [slot for slot in prompting if not self._stopped_between_passes(slot)]
         chunk_slot = prompting[0] if prompting else None
         chunk: List[int] = []
+        if chunk_slot is not None and chunk_slot.rest is None:
+            try:
+                self._begin_prompt(chunk_slot)
+            except BaseException as exc:  # noqa: BLE001
+                self._fail(chunk_slot, exc)
+                chunk_slot = None
         if chunk_slot is not None:
             size = self._prompt_chunk if decoding else engine.target.n_batch
             room = engine.target.n_batch - sum(engine.max_rows_per_request for _ in decoding)
@@ -349,7 +359,7 @@ class SlotScheduler:
 
     def _release(self, slot: _Slot, exc: Optional[BaseException] = None) -> None:
         ticket, slot.ticket = slot.ticket, None
-        slot.state, slot.rest, slot.prompting = None, [], False
+        slot.state, slot.rest, slot.prompting = None, None, False
         if exc is not None and ticket is not None:
             ticket.out.put(exc)
 

@@ -597,6 +597,19 @@ class LlamaModel:
             return 0
         return n
 
+    def share_prefix(self, source: int, seq: int, n: int) -> None:
+        """Sequence ``seq`` becomes the first ``n`` positions of sequence ``source``, which keep
+        their cells: in a unified cache a cell holds a set of sequences, so nothing is computed or
+        copied (a planner's system prompt, decoded once, serves every slot)."""
+        if not 0 <= n <= len(self._seq_tokens[source]):
+            raise ValueError(f"share {n} positions of a sequence of {len(self._seq_tokens[source])}")
+        llama_cpp = self._llama_cpp
+        llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        self._seq_tokens[seq] = []
+        if n:
+            llama_cpp.llama_memory_seq_cp(self._mem, source, seq, 0, n)
+            self._seq_tokens[seq] = list(self._seq_tokens[source][:n])
+
     def clear(self, seq: Optional[int] = None) -> None:
         """Empty the KV cache: every sequence (None), or one. With a single sequence both are the
         same: the whole cache is reset, so cells are laid out again from the first."""
