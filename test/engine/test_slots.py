@@ -98,26 +98,35 @@ def alone(engine: Engine, req: GenerationRequest) -> List[int]:
 @pytest.mark.exact
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("mode", ["off", "lookup"])
-def test_requests_batched_together_emit_what_each_emits_alone(exact_build: None, solo: Engine, slots: Engine,
-                                                              mode: str) -> None:
-    """Greedy, and seeded sampling (each request's own random stream): three requests whose rows
-    share every pass emit, token for token, what each emits served alone."""
-    for sampling in (SamplingParams(), SEEDED):
-        runs = [Run(request(prompt, mode, sampling)) for prompt in PROMPTS]
-        run_together(slots, runs)
-        for run in runs:
-            assert run.error is None, run.error
-            assert run.tokens == alone(solo, run.request), (mode, sampling, run.request.prompt[:30])
+def test_requests_batched_together_emit_what_each_emits_alone_greedy(exact_build: None, solo: Engine,
+                                                                     slots: Engine, mode: str) -> None:
+    """Three greedy requests whose rows share every pass emit, token for token, what each emits
+    served alone. (Their logits are not bit for bit the solo ones: a sequence's KV cells lie
+    elsewhere in the unified cache, so attention sums run in another order, up to ~0.02 of a logit
+    with F16, measured; greedy decoding crossed no near-tie in any case tested, seeded sampling at
+    temperature 0.8 did: docs/design.md, "Several requests at once".)"""
+    runs = [Run(request(prompt, mode)) for prompt in PROMPTS]
+    run_together(slots, runs)
+    for run in runs:
+        assert run.error is None, run.error
+        assert run.tokens == alone(solo, run.request), (mode, run.request.prompt[:30])
 
 
 @pytest.mark.exact
 @pytest.mark.timeout(600)
 def test_a_request_alone_in_a_slot_engine_emits_what_the_one_at_a_time_engine_emits(
-        exact_build: None, solo: Engine, slots: Engine) -> None:
-    for prompt in PROMPTS:
-        for mode in ("off", "lookup"):
-            req = request(prompt, mode)
-            assert alone(slots, req) == alone(solo, req), (mode, prompt[:30])
+        exact_build: None, solo: Engine, f16_model_path: Path) -> None:
+    """Alone (the other slots idle, a fresh engine: its sequence's cells are where a one-sequence
+    cache puts them), greedy and seeded, drafting or not: bit for bit today's output."""
+    engine = build_engine(f16_model_path, n_ctx=512, max_running=3,
+                          spec=SpecConfig(mode="off", draft_max=4, adaptive=False))
+    try:
+        for prompt in PROMPTS:
+            for mode, sampling in (("off", SamplingParams()), ("lookup", SamplingParams()), ("lookup", SEEDED)):
+                req = request(prompt, mode, sampling)
+                assert alone(engine, req) == alone(solo, req), (mode, sampling, prompt[:30])
+    finally:
+        engine.close()
 
 
 #: A system prompt every client sends, longer than a prompt chunk (slots.PROMPT_CHUNK).
