@@ -91,7 +91,26 @@ def test_tokens_taken_back_are_taken_out_of_the_index() -> None:
     fresh.propose(prompt + [42, 70], 4)
     for tail in ([42, 43, 44], [42, 43, 44, 45, 46, 47, 48]):
         assert taken_back.propose(prompt + tail, 4) == fresh.propose(prompt + tail, 4)
-    assert taken_back.index.sequences() == fresh.index.sequences()
+    assert taken_back.request_index.sequences() == fresh.request_index.sequences() == [prompt + tail]
+    assert taken_back.index.sequences() == fresh.index.sequences() == [PLAN]
+
+
+def test_the_next_request_keeps_the_prompt_it_shares_and_drafts_as_a_fresh_drafter() -> None:
+    """A planner resends one long system prompt: the request's index keeps the tokens the new
+    context shares with the last request's text and takes back the rest (the old instruction and
+    output, which are in the history now), so its drafts are those of a drafter that never saw
+    the earlier request's text as its own."""
+    system = list(range(100, 140))
+    kept, fresh = SuffixDrafter(SuffixConfig(match_factor=0)), SuffixDrafter(SuffixConfig(match_factor=0))
+    run_request(kept, system + [1, 2], PLAN)
+    fresh.end([])  # nothing learned
+    run_request(fresh, [9], PLAN)  # the same history
+    for drafter in (kept, fresh):
+        drafter.begin(system + [3])
+    assert kept.propose(system + [3, 40, 41], 4) == fresh.propose(system + [3, 40, 41], 4)
+    assert kept.request_index.sequences() == [system + [3, 40, 41]]
+    assert kept.request_index.end == len(system) + 3
+    assert kept.index.sequences() == fresh.index.sequences() == [PLAN]
 
 
 def test_only_outputs_join_the_history_unless_prompts_are_kept() -> None:
@@ -125,11 +144,15 @@ def test_the_history_cap_evicts_the_oldest_outputs_first() -> None:
     assert drafter.propose([2, 50, 51], 3).tokens == (52, 53, 54)
 
 
-def test_a_request_longer_than_its_room_evicts_history_and_ends_cleanly() -> None:
-    drafter = SuffixDrafter(SuffixConfig(history_max_tokens=10), request_room=4)
+def test_a_request_longer_than_its_room_keeps_its_newest_tokens_and_evicts_no_history() -> None:
+    drafter = SuffixDrafter(SuffixConfig(history_max_tokens=10, match_factor=0), request_room=4)
     run_request(drafter, [1], [5, 6, 7])
-    run_request(drafter, list(range(100, 130)), [8, 9])  # 31 tokens in a ring of 14
-    assert drafter.index.sequences()[-1] == [8, 9]
+    run_request(drafter, list(range(100, 130)), [8, 9])  # 32 tokens in a request ring of 4
+    assert drafter.index.sequences() == [[5, 6, 7], [8, 9]]
+    assert drafter.request_index.sequences() == [[128, 129, 8, 9]]  # the last context's newest tokens
+    drafter.begin([2])  # shares nothing with what the ring still holds: indexed anew
+    assert drafter.propose([2, 5], 2).tokens == (6, 7)
+    assert drafter.request_index.sequences() == [[2, 5]]
 
 
 # ------------------------------------------------------------------------------------ the file

@@ -10,9 +10,10 @@ the draft.
 
 Each step, with ``context`` = prompt + accepted tokens:
 
-1. the index (:class:`~.suffix_index.SuffixIndex`: the history's sequences, then this request's)
-   finds the longest suffix of ``context`` that occurred before with a continuation, and its
-   newest ``max_occurrences`` occurrences;
+1. the indexes (:class:`~.suffix_index.IndexPair`: this request's own :class:`RequestIndex`, then
+   the history's :class:`~.suffix_index.SuffixIndex`, shared by every request) find the longest
+   suffix of ``context`` that occurred before with a continuation, and its newest
+   ``max_occurrences`` occurrences;
 2. the draft follows them token by token: the continuation most of them share (ties: the newest),
    then only the occurrences that continue so, as a walk down a suffix tree does; the share of the
    chosen token among them is its estimated probability;
@@ -34,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from . import learned_cache, suffix_history
-from .suffix_index import DEFAULT_LEVELS, Match, SuffixIndex
+from .suffix_index import DEFAULT_LEVELS, IndexPair, Match, SuffixIndex
 from .base import EMPTY_DRAFT, Draft
 from ..errors import CacheFormatError
 from ..config import SamplingParams, SpecConfig, SuffixConfig, expand_path
@@ -61,20 +62,20 @@ def index_levels(config: SuffixConfig) -> Tuple[int, ...]:
 Evidence = Tuple[str, bool]
 
 
-def draft_with_evidence(index: SuffixIndex, context: Sequence[int], max_tokens: int,
-                        config: SuffixConfig, request_start: int) -> Tuple[List[int], List[Evidence]]:
-    """Up to ``max_tokens`` tokens to follow ``context`` from ``index`` (module docstring, steps
-    1-3), with their evidence; positions from ``request_start`` on are the current request's.
+def draft_with_evidence(index: IndexPair, context: Sequence[int], max_tokens: int,
+                        config: SuffixConfig) -> Tuple[List[int], List[Evidence]]:
+    """Up to ``max_tokens`` tokens to follow ``context`` from ``index`` (the request's and the
+    history's: module docstring, steps 1-3), with their evidence.
 
     Worked example: the history holds "5 6 7 8" twice and "5 6 7 9" once; the context ends "5 6".
     The match is "5 6" (3 occurrences): all continue with 7 (share 1), then 8 twice, 9 once: 8
     (share 2/3). The match factor 1 bounds the draft to 2 tokens.
 
-    >>> index = SuffixIndex(64)
+    >>> history, request = SuffixIndex(64), SuffixIndex(64)
     >>> for sequence in ([5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 9]):
-    ...     index.new_sequence(); index.extend(sequence)
-    >>> index.new_sequence(); start = index.end; index.extend([3, 5, 6])
-    >>> draft_with_evidence(index, [3, 5, 6], 8, SuffixConfig(match_factor=1), start)
+    ...     history.new_sequence(); history.extend(sequence)
+    >>> request.extend([3, 5, 6])
+    >>> draft_with_evidence(IndexPair(request, history), [3, 5, 6], 8, SuffixConfig(match_factor=1))
     ([7, 8], [('history', True), ('history', False)])
 
     Measured and not kept (replay of the planner trace): a second draft from the longest match in
@@ -90,18 +91,19 @@ def draft_with_evidence(index: SuffixIndex, context: Sequence[int], max_tokens: 
     limit = max_tokens
     if config.match_factor > 0:
         limit = min(limit, max(1, int(config.match_factor * match.length)))
-    return _walk(index, match, limit, config.min_token_probability, request_start)
+    return _walk(index, match, limit, config.min_token_probability)
 
 
-def _walk(index: SuffixIndex, match: Match, limit: int, min_probability: float,
-          request_start: int) -> Tuple[List[int], List[Evidence]]:
+def _walk(index: IndexPair, match: Match, limit: int,
+          min_probability: float) -> Tuple[List[int], List[Evidence]]:
     """Follow the occurrences of ``match`` down their common continuation (a suffix-tree walk)."""
     positions = list(match.positions)
+    follower = index.follower
     tokens: List[int] = []
     evidence: List[Evidence] = []
     probability = 1.0
     while len(tokens) < limit:
-        followers = [index.follower(p) for p in positions]
+        followers = [follower(p) for p in positions]
         counts: Dict[int, int] = {}
         for token in followers:  # newest first: on a tie the newest continuation wins
             if token is not None:
@@ -114,16 +116,67 @@ def _walk(index: SuffixIndex, match: Match, limit: int, min_probability: float,
         if probability < min_probability:
             break
         agreeing = [p + 1 for p, f in zip(positions, followers) if f == token]
-        evidence.append(("request" if agreeing[0] >= request_start else "history", support == total))
+        evidence.append(("request" if index.in_request(agreeing[0]) else "history", support == total))
         tokens.append(token)
         positions = agreeing
     return tokens, evidence
 
 
+class RequestIndex:
+    """One request's text (prompt + accepted tokens, and tokens drafted ahead that a later step may
+    take back), indexed: the request's own side of the suffix drafter's :class:`IndexPair`.
+
+    It is kept after the request ends: the next request's context is compared with it and only
+    what differs is taken back (a planner resends one long system prompt: its tokens stay indexed).
+    """
+
+    def __init__(self, capacity: int, levels: Sequence[int]) -> None:
+        self.index = SuffixIndex(capacity, levels)
+        self.tokens: List[int] = []  # what the index holds, position i = token i (unless evicted)
+
+    def sync(self, context: Sequence[int], whole: bool = False) -> None:
+        """Make the index hold ``context``: take back what differs, then append what is new.
+
+        Only the last :data:`SYNC_CHECK` known tokens are compared unless ``whole`` (a step's
+        context only grows, or takes back tokens drafted ahead at its end: a step costs O(1)
+        whatever the context's length); the first step of a request compares all of them."""
+        known = self.tokens
+        if not isinstance(context, list):
+            context = list(context)
+        same = len(known)
+        tail = 0 if whole else max(0, same - SYNC_CHECK)
+        if len(context) < same or context[tail:same] != known[tail:]:
+            same = _common_prefix(known, context)
+            if same < self.index.start:  # the ring lost that token: index the context anew
+                self.index = SuffixIndex(self.index.capacity, self.index.levels)
+                known.clear()
+                same = 0
+            else:
+                self.index.truncate(same)
+                del known[same:]
+        if len(context) > same:
+            fresh = [int(t) for t in context[same:]]
+            self.index.extend(fresh)
+            known.extend(fresh)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the longest common prefix of two token lists (compared in C, a block at a time).
+
+    >>> _common_prefix([1, 2, 3, 4], [1, 2, 5]), _common_prefix([1, 2], [1, 2, 3])
+    (2, 2)
+    """
+    n, block, same = min(len(a), len(b)), 256, 0
+    while same + block <= n and a[same:same + block] == b[same:same + block]:
+        same += block
+    while same < n and a[same] == b[same]:
+        same += 1
+    return same
+
+
 #: Tokens at the end of the known context that each step compares with the new one.
 SYNC_CHECK = 64
-#: Slots of the index for the current request (prompt + output) beyond the history's cap; a longer
-#: request evicts the oldest history while it runs.
+#: Slots of a request's index (prompt + output); a longer request keeps its newest tokens indexed.
 REQUEST_ROOM = 8192
 
 
@@ -153,14 +206,16 @@ class SuffixDrafter:
         self.save_error: Optional[str] = None
         if self._path:
             learned_cache.prepare_folder(self._path, expand_path(config.cache_dir))
-        self._index = SuffixIndex(config.history_max_tokens + max(1, request_room), index_levels(config))
+        levels = index_levels(config)
+        self._history = SuffixIndex(max(1, config.history_max_tokens), levels)
         for sequence in self._load(self._path):
-            self._index.new_sequence()
-            self._index.extend(sequence)
-        self._history_end = self._index.end
-        self._request_start = self._history_end
+            self._history.new_sequence()
+            self._history.extend(sequence)
+        self._history.evict_to(config.history_max_tokens)
+        self._request = RequestIndex(max(1, request_room), levels)
+        self._pair = IndexPair(self._request.index, self._history)
         self._prompt_length = -1  # the current request's prompt tokens; -1 between requests
-        self._request: List[int] = []  # the current request's tokens in the index
+        self._synced = False  # the current request's first step compared its whole context
         self._changed = False
         self._last_save = time.monotonic()
 
@@ -176,59 +231,35 @@ class SuffixDrafter:
 
     @property
     def index(self) -> SuffixIndex:
-        """The history and the current request (read-only by convention)."""
-        return self._index
+        """The history of earlier requests (read-only by convention)."""
+        return self._history
+
+    @property
+    def request_index(self) -> SuffixIndex:
+        """The current (or last) request's text as indexed (read-only by convention)."""
+        return self._request.index
 
     @property
     def history_tokens(self) -> int:
         """Tokens of earlier requests kept (separators included)."""
-        return self._history_end - self._index.start
+        return len(self._history)
 
     # --------------------------------------------------------------------------- Drafter protocol
     def begin(self, prompt_tokens: Sequence[int], sampling: Optional[SamplingParams] = None,
               rng: Optional["np.random.Generator"] = None) -> None:
-        """Start a request: its prompt becomes the index's newest sequence, indexed at the first
-        :meth:`propose` (a request whose mode never asks this drafter costs it only its output's
-        indexing, at :meth:`end`). Drafts are deterministic whatever the sampling: ``sampling`` and
-        ``rng`` are not used."""
-        self._drop_request()
-        self._index.new_sequence()
-        self._request_start = self._index.end
+        """Start a request. Its prompt is indexed at the first :meth:`propose`, where the request's
+        index keeps what it shares with the last request's text (a request whose mode never asks
+        this drafter costs it only its output's indexing, at :meth:`end`). Drafts are deterministic
+        whatever the sampling: ``sampling`` and ``rng`` are not used."""
         self._prompt_length = len(prompt_tokens)
-        self._request = []
-
-    def _drop_request(self) -> None:
-        """Take the current request out of the index (back to the history's end)."""
-        if self._index.end != self._history_end:
-            self._index.truncate(max(self._history_end, self._index.start))
-        self._request = []
-
-    def _sync(self, context: Sequence[int]) -> None:
-        """Make the request's part of the index equal ``context``: take back what differs, then
-        append what is new. Only the last :data:`SYNC_CHECK` known tokens are compared (the context
-        only grows, or takes back tokens drafted ahead at its end), so a step costs O(1) whatever
-        the context's length."""
-        known = self._request
-        same = len(known)
-        if not isinstance(context, list):
-            context = list(context)
-        tail = max(0, same - SYNC_CHECK)
-        if len(context) < same or context[tail:same] != known[tail:]:
-            same = next((i for i, (a, b) in enumerate(zip(known, context)) if a != b),
-                        min(len(known), len(context)))
-            self._index.truncate(self._request_start + same)
-            del known[same:]
-        if len(context) > same:
-            fresh = [int(t) for t in context[same:]]
-            self._index.extend(fresh)
-            known.extend(fresh)
+        self._synced = False
 
     def propose(self, context: Sequence[int], max_tokens: int, spec: SpecConfig = SpecConfig()) -> Draft:
         """Up to ``max_tokens`` tokens to follow ``context`` (prompt + accepted tokens); the empty
         draft without a match. ``spec``'s limits are the draft model's, not used here."""
-        self._sync(context)
-        tokens, evidence = draft_with_evidence(self._index, context, max_tokens, self.config,
-                                               self._request_start)
+        self._request.sync(context, whole=not self._synced)
+        self._synced = True
+        tokens, evidence = draft_with_evidence(self._pair, context, max_tokens, self.config)
         if not tokens:
             return EMPTY_DRAFT
         return Draft(tokens=tuple(tokens), probs=None, source=self.name, evidence=tuple(evidence))
@@ -237,17 +268,16 @@ class SuffixDrafter:
         """The request finished with ``tokens`` (prompt + generated): its output (with
         ``keep_prompts`` all of it) joins the history, the oldest history is evicted past the cap,
         and a periodic save may run (its failure is kept in ``save_error``, never raised)."""
-        self._drop_request()
         started, self._prompt_length = self._prompt_length, -1
+        self._synced = False
         if started < 0:  # no begin(): the request ended before its prompt pass did (nothing to learn)
             return
         kept = list(tokens) if self.config.keep_prompts else list(tokens[started:])
         if kept and self.config.history_max_tokens > 0:
-            self._index.new_sequence()
-            self._index.extend(kept)
+            self._history.new_sequence()
+            self._history.extend(kept)
             self._changed = True
-        self._index.evict_to(self.config.history_max_tokens)
-        self._history_end = self._request_start = self._index.end
+        self._history.evict_to(self.config.history_max_tokens)
         period = self.config.save_period
         if period and self._changed and time.monotonic() - self._last_save >= period:
             try:
@@ -268,7 +298,7 @@ class SuffixDrafter:
         engine wrote (ForeignFileError otherwise)."""
         self._last_save = time.monotonic()
         if self._path:
-            suffix_history.save(self._index.sequences(self._history_end), self._path, self._vocab_tag)
+            suffix_history.save(self._history.sequences(), self._path, self._vocab_tag)
             self._changed = False
 
     def warm_up(self, filler: Sequence[int], max_rows: int, passes: int) -> None:
