@@ -37,7 +37,7 @@ def test_an_earlier_output_is_drafted_from_a_long_match() -> None:
     drafter.begin([1, 2, 9])  # a new request that starts the same answer
     draft = drafter.propose([1, 2, 9, 40, 41, 42, 43], 5)
     assert draft.tokens == (44, 45, 46, 47, 48) and draft.source == "suffix"
-    assert draft.evidence == (("history", True),) * 5
+    assert draft.evidence == (("history", True, False, True),) * 5  # one occurrence, nothing else after 2 tokens
 
 
 def test_the_prompt_is_drafted_from_and_marked_as_the_request() -> None:
@@ -64,8 +64,23 @@ def test_a_split_vote_lowers_the_probability_and_stops_the_draft() -> None:
     drafter.begin([2])
     draft = drafter.propose([2, 30, 31], 8)
     assert draft.tokens == (5, 6)  # 5: 3 of 3; 6: 2 of 3 (p 0.67); then 8 or 7: p 0.33 < 0.4
-    assert [unanimous for _, unanimous in draft.evidence] == [True, False]
+    assert [unanimous for _, unanimous, _, _ in draft.evidence] == [True, False]
+    assert [supported for _, _, supported, _ in draft.evidence] == [True, True]  # 3 and 2 occurrences
     assert drafter.propose([2, 30, 31, 5, 6], 8).tokens == (8,)  # a tie: the newest answer wins
+
+
+def test_the_last_evidence_bit_says_whether_the_short_context_was_always_followed_so() -> None:
+    """Two answers share the structure "1 2 <value> 3 4" with different values: after a long match
+    the value is unanimous (one occurrence), but "1 2" was followed by both values; "3 4" after
+    either value only by 5."""
+    drafter = SuffixDrafter(SuffixConfig(match_factor=0))
+    run_request(drafter, [9], [20, 1, 2, 30, 3, 4, 5])
+    run_request(drafter, [9], [21, 1, 2, 31, 3, 4, 5])
+    drafter.begin([8])
+    draft = drafter.propose([8, 21, 1, 2], 4)
+    assert draft.tokens == (31, 3, 4, 5)
+    assert [agrees for _, _, _, agrees in draft.evidence] == [False, True, True, True]
+    assert all(unanimous for _, unanimous, _, _ in draft.evidence)
 
 
 def test_nothing_to_draft_without_any_match() -> None:
@@ -249,4 +264,7 @@ def test_drafts_an_earlier_plan_in_the_embedded_models_tokens(embedded_model_pat
     drafter.begin(prompts[2])
     draft = drafter.propose(started, 8)
     assert list(draft.tokens) == milk_answer[done:done + 8]
-    assert draft.evidence[0] == ("history", True)  # the one occurrence of the long match
+    # the one occurrence of the long match; the two tokens before the object were followed by both
+    # plans' objects: the history's object is a value, not structure
+    assert draft.evidence[0] == ("history", True, False, False)
+    assert ("history", True, False, True) in draft.evidence  # the structure after the object

@@ -70,6 +70,7 @@ class SuffixIndex:
             raise ValueError(f"suffix index levels {tuple(levels)}: need increasing lengths >= 1")
         self.capacity = capacity
         self.levels = tuple(int(n) for n in levels)
+        self._level_of = {n: level for level, n in enumerate(self.levels)}
         buckets = 1 << max(1, (capacity - 1).bit_length())
         self._mask = buckets - 1
         self._tokens = array("q", [SEPARATOR]) * capacity
@@ -210,15 +211,17 @@ class SuffixIndex:
     def occurrences(self, ngram: Sequence[int], limit: int) -> List[int]:
         """End positions of the newest (at most ``limit``) earlier occurrences of ``ngram`` (its
         length one of the levels) that are followed by a token of their sequence, newest first."""
-        level = self.levels.index(len(ngram))
-        key = hash(tuple(int(t) for t in ngram))
-        keys, prev = self._keys[level], self._prev[level]
+        level = self._level_of[len(ngram)]
+        key = hash(tuple(map(int, ngram)))
+        keys, prev, tokens, capacity = self._keys[level], self._prev[level], self._tokens, self.capacity
+        start, last = self._start, self._end - 1  # a position at ``last`` has no follower
         position = self._heads[level][key & self._mask]
         found: List[int] = []
         steps = _WALK_FACTOR * limit + _WALK_SLACK  # other n-grams of the bucket, sequence ends
-        while position >= self._start and len(found) < limit and steps > 0:
-            slot = position % self.capacity
-            if keys[slot] == key and self.follower(position) is not None:
+        while position >= start and len(found) < limit and steps > 0:
+            slot = position % capacity
+            # inline follower(): the next slot is live and holds a token, not a separator
+            if keys[slot] == key and position < last and tokens[(position + 1) % capacity] != SEPARATOR:
                 found.append(position)
             position = prev[slot]
             steps -= 1

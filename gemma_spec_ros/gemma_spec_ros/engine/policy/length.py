@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Callable, Dict, Hashable, Sequence
 
-from .acceptance import AcceptanceModel, EvidenceAcceptance
+from .acceptance import AcceptanceModel, EvidenceAcceptance, PooledEvidenceAcceptance
 from .costs import CostModel
 
 
@@ -52,6 +52,12 @@ class Decision:
 
 #: A plain step: no draft, plain decoding's speed.
 PLAIN_STEP = Decision(0, 1.0)
+
+#: How a drafter's evidence classes are learned, by drafter name (Drafter.name); the others use
+#: :class:`EvidenceAcceptance` (tuned on n-gram lookup). The suffix drafter's four evidence bits
+#: make many sparse classes: they lean on pooled estimates, with a longer memory (its history
+#: changes slowly).
+EVIDENCE_MODELS: Dict[str, Callable[[], EvidenceAcceptance]] = {"suffix": PooledEvidenceAcceptance}
 
 
 class DraftLengthPolicy:
@@ -74,7 +80,7 @@ class DraftLengthPolicy:
         self.probe_new_requests = probe_new_requests
         self.costs = costs
         self.acceptance = AcceptanceModel()
-        self.evidence = EvidenceAcceptance()
+        self.evidence = EVIDENCE_MODELS.get(source, EvidenceAcceptance)()
         self.margin = margin
         self.probe_min, self.probe_max = probe_min, probe_max
         self.enabled = True
