@@ -110,6 +110,30 @@ def replayable_modes() -> List[str]:
     return [m.name for m in MODES.values() if not m.needs and any(d in REPLAYED_DRAFTERS for d in m.chain)]
 
 
+def traced_pass_ms(trace: Mapping[str, Any], min_passes: int = 5) -> str:
+    """The pass costs a timed trace's engine runners measured (``trace.json`` of :mod:`.trace`), as
+    ``--pass-ms`` sizes: per rows, the median over the runners' medians, sizes timed at least
+    ``min_passes`` times by one runner."""
+    medians: Dict[int, List[float]] = {}
+    for info in trace.get("runners", {}).values():
+        for rows, figure in (info.get("pass_ms") or {}).items():
+            if figure["passes"] >= min_passes:
+                medians.setdefault(int(rows), []).append(figure["median_ms"])
+    if 1 not in medians:
+        raise ValueError("the trace recorded no one-row passes of an engine runner (pass_ms)")
+    return ",".join(f"{rows}:{statistics.median(ms):.2f}" for rows, ms in sorted(medians.items()))
+
+
+def replay_pass_ms(choice: str, saved: Mapping[str, Any]) -> Dict[int, float]:
+    """``--pass-ms``: a table's name, sizes, ``measured`` (the reference run's calibration) or the
+    path of a timed trace's ``trace.json``."""
+    if choice == "measured":
+        return {int(n): ms for n, ms in saved["pass_ms"].items()}
+    if choice.endswith(".json"):
+        return pass_costs(traced_pass_ms(json.loads(Path(choice).read_text())))
+    return pass_costs(PASS_TABLES.get(choice, choice))
+
+
 def parse_strategies(text: str, suffix_variants: Mapping[str, SuffixConfig], draft_max: int) -> List[Strategy]:
     """``lookup,suffix,suffix+lookup,suffix[f2]/K16`` -> strategies: a mode of the table,
     ``[name]`` picks a suffix variant (``--suffix-variant``), ``/K<n>`` sets K."""
@@ -311,8 +335,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "inflates it: by default it is only reported, as 'draft ms')")
     parser.add_argument("--pass-ms", default=DEFAULT_PASS_TABLE,
                         help=f"ms per pass by rows: a table ({', '.join(PASS_TABLES)}), sizes such as "
-                             "1:20,4:27.6,9:43.6 (interpolated), or 'measured' for the costs calibrated "
-                             "with the reference outputs")
+                             "1:20,4:27.6,9:43.6 (interpolated), 'measured' for the costs calibrated "
+                             "with the reference outputs, or a timed trace's trace.json (bench.trace: "
+                             "the passes its engine runners timed)")
     args = parser.parse_args(argv)
     params = load_params(args.config) if args.config else default_params()
     requests = trace_requests(args.trace, args.constrained)
@@ -325,8 +350,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     draft_max = args.draft_max or engine_config(params, "lookup", None).spec.draft_max
     variants = dict(parse_suffix_variant(v) for v in args.suffix_variant)
     strategies = parse_strategies(args.strategies, variants, draft_max)
-    pass_ms = ({int(n): ms for n, ms in saved["pass_ms"].items()} if args.pass_ms == "measured"
-               else pass_costs(PASS_TABLES.get(args.pass_ms, args.pass_ms)))
+    pass_ms = replay_pass_ms(args.pass_ms, saved)
     figures = replay_all(saved, strategies, pass_ms, _grammar_factory(params, requests[0].json_schema),
                          args.charge_drafting)
     print(report(saved, figures))
