@@ -94,6 +94,23 @@ def test_the_suffix_drafters_sparse_classes_lean_on_its_pooled_rate_not_on_a_coi
     assert pooled.rate(unseen, 0) < pooled.rate(unseen, 1) < pooled.rate(seen, 0)
 
 
+def test_after_forced_text_a_draft_must_beat_the_forced_text_alone() -> None:
+    """Under a grammar the pass also carries the forced tokens (taken as accepted): a drafted token
+    then must add more than its row costs to a pass that already emits them, a stiffer test than
+    beating plain decoding. Rows cost 10 ms + 2.5 ms each; a token right 60 % of the time."""
+    costs = CostModel()
+    for rows in range(1, 20):
+        costs.observe_verify(rows, (10.0 + 2.5 * (rows - 1)) / 1e3)
+    p = DraftLengthPolicy("suffix", costs)
+    for right in [True, False, True, False, True] * 40:
+        p.evidence.observe((WEAK,), int(right))
+    assert p.evidence.rate(WEAK, 0) == pytest.approx(0.6, abs=0.05)
+    alone, after_forced = p.cut((WEAK,)), p.cut((WEAK,), forced=8)
+    assert alone.draft_len == 1 and alone.predicted_speedup > 1.2  # 1.6 tokens in 12.5 ms
+    assert after_forced.draft_len == 0  # 9 tokens in 30 ms: more than 9.6 in 32.5 ms
+    assert after_forced.predicted_speedup == pytest.approx(9 * 10.0 / 30.0, rel=0.02)
+
+
 def test_a_whole_draft_teaches_as_the_text_comes_the_tokens_past_the_cut_included() -> None:
     p = policy()
     uncut, drafter = DraftHindsight({"lookup": p}), LookupDrafter(LookupConfig())

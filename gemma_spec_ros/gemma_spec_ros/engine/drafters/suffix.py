@@ -219,6 +219,10 @@ class SuffixDrafter:
     name = "suffix"
     cheap_to_probe = True  # a probe is a few hash lookups
     cuts_drafts = True  # its drafts carry their evidence: the policy cuts each one (policy.py)
+    #: under a grammar too. Replayed (planner trace with the plan schema, bench.trace_replay), median
+    #: speedup over constrained plain decoding: 1.60x both ways with the trace's fitted pass costs,
+    #: 1.94x -> 2.02x with design.md's decode shape
+    cuts_constrained_drafts = True
 
     def __init__(self, config: SuffixConfig, vocab_tag: str = "", request_room: int = REQUEST_ROOM) -> None:
         self.config = config

@@ -109,19 +109,30 @@ class DraftLengthPolicy:
                 best_k, best_s = k, s
         return Decision(best_k, best_s)
 
-    def cut(self, evidence: Sequence[Hashable]) -> Decision:
+    def cut(self, evidence: Sequence[Hashable], forced: int = 0) -> Decision:
         """The length to verify of a draft whose tokens rest on ``evidence`` (module docstring):
-        argmax S(k) over its prefixes, or 0 when none is predicted faster than plain decoding.
-        Costs not measured yet: the whole draft."""
+        argmax S(k) over its prefixes, or 0 when none is predicted faster than plain decoding (with
+        ``forced`` tokens a grammar forces before the draft: than verifying those alone). Costs not
+        measured yet: the whole draft."""
         expected = self.evidence.expected_tokens_upto(evidence)
         best_k, best_s = 0, 1.0
+        if forced:
+            best_s = self._speedup_after(forced, 0, 1.0)
         for k in range(1, len(evidence) + 1):
-            s = self._speedup(k, expected[k])
+            s = self._speedup_after(forced, k, expected[k]) if forced else self._speedup(k, expected[k])
             if math.isnan(s):
                 return Decision(len(evidence), math.nan)
             if s > best_s:
                 best_k, best_s = k, s
         return Decision(best_k, best_s)
+
+    def _speedup_after(self, forced: int, k: int, expected_tokens: float) -> float:
+        """S of a pass over ``forced`` tokens (taken as accepted) and then ``k`` drafted ones."""
+        plain = self.costs.verify_cost(1)
+        verify = self.costs.verify_cost(forced + k + 1)
+        if plain is None or verify is None:
+            return math.nan
+        return (forced + expected_tokens) * plain / (self.costs.draft_cost(self.source, k) + verify)
 
     def decide(self, draft_max: int, adaptive: bool) -> Decision:
         if not adaptive:
