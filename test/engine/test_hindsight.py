@@ -10,6 +10,7 @@ import pytest
 
 from gemma_spec_ros.engine.engine import Engine
 from gemma_spec_ros.engine.drafters.lookup import LookupDrafter
+from gemma_spec_ros.engine.policy.acceptance import PooledEvidenceAcceptance
 from gemma_spec_ros.engine.policy.costs import CostModel
 from gemma_spec_ros.engine.policy.length import DraftLengthPolicy
 from gemma_spec_ros.engine.policy.hindsight import DraftHindsight
@@ -74,6 +75,40 @@ def test_an_unknown_class_starts_at_the_prior_and_learns_per_position() -> None:
     assert p.evidence.rate(STRONG, 0) == pytest.approx(2 / 3)  # (1 + 2 * 0.5) / (1 + 2)
     assert p.evidence.rate(STRONG, 1) == pytest.approx(1 / 3)  # (0 + 2 * 0.5) / (1 + 2)
     assert p.evidence.rate(STRONG, 2) == 0.5 and p.evidence.rate(STRONG, 7) == 0.5  # 2+ share one
+
+
+def test_the_suffix_drafters_sparse_classes_lean_on_its_pooled_rate_not_on_a_coin() -> None:
+    """The suffix drafter's policy pools (policy/acceptance.py, PooledEvidenceAcceptance): a class
+    never seen starts at the drafter's rate over all its tokens, a position never reached at its
+    class's rate over all positions; lookup's keeps the fixed prior."""
+    seen, unseen = ("history", True, True, True), ("history", True, False, False)
+    suffix_policy, lookup_policy = DraftLengthPolicy("suffix", CostModel()), policy()
+    for model in (suffix_policy.evidence, lookup_policy.evidence):
+        for _ in range(40):
+            model.observe((seen,) * 2, 2)  # positions 0 and 1 right; position 2 never reached
+    pooled = suffix_policy.evidence
+    assert isinstance(pooled, PooledEvidenceAcceptance)
+    assert pooled.rate(unseen, 0) > 0.9 and lookup_policy.evidence.rate(unseen, 0) == 0.5
+    assert pooled.rate(seen, 2) > 0.9 and lookup_policy.evidence.rate(seen, 2) == 0.5
+    pooled.observe((unseen,) * 3, 0)  # its first token wrong: that class, at that position, drops most
+    assert pooled.rate(unseen, 0) < pooled.rate(unseen, 1) < pooled.rate(seen, 0)
+
+
+def test_after_forced_text_a_draft_must_beat_the_forced_text_alone() -> None:
+    """Under a grammar the pass also carries the forced tokens (taken as accepted): a drafted token
+    then must add more than its row costs to a pass that already emits them, a stiffer test than
+    beating plain decoding. Rows cost 10 ms + 2.5 ms each; a token right 60 % of the time."""
+    costs = CostModel()
+    for rows in range(1, 20):
+        costs.observe_verify(rows, (10.0 + 2.5 * (rows - 1)) / 1e3)
+    p = DraftLengthPolicy("suffix", costs)
+    for right in [True, False, True, False, True] * 40:
+        p.evidence.observe((WEAK,), int(right))
+    assert p.evidence.rate(WEAK, 0) == pytest.approx(0.6, abs=0.05)
+    alone, after_forced = p.cut((WEAK,)), p.cut((WEAK,), forced=8)
+    assert alone.draft_len == 1 and alone.predicted_speedup > 1.2  # 1.6 tokens in 12.5 ms
+    assert after_forced.draft_len == 0  # 9 tokens in 30 ms: more than 9.6 in 32.5 ms
+    assert after_forced.predicted_speedup == pytest.approx(9 * 10.0 / 30.0, rel=0.02)
 
 
 def test_a_whole_draft_teaches_as_the_text_comes_the_tokens_past_the_cut_included() -> None:

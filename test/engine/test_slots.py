@@ -97,7 +97,7 @@ def alone(engine: Engine, req: GenerationRequest) -> List[int]:
 # -- what several requests at once emit ------------------------------------------------------------
 @pytest.mark.exact
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("mode", ["off", "lookup"])
+@pytest.mark.parametrize("mode", ["off", "lookup", "suffix"])
 def test_requests_batched_together_emit_what_each_emits_alone_greedy(exact_build: None, solo: Engine,
                                                                      slots: Engine, mode: str) -> None:
     """Three greedy requests whose rows share every pass emit, token for token, what each emits

@@ -37,7 +37,7 @@ def test_an_earlier_output_is_drafted_from_a_long_match() -> None:
     drafter.begin([1, 2, 9])  # a new request that starts the same answer
     draft = drafter.propose([1, 2, 9, 40, 41, 42, 43], 5)
     assert draft.tokens == (44, 45, 46, 47, 48) and draft.source == "suffix"
-    assert draft.evidence == (("history", True),) * 5
+    assert draft.evidence == (("history", True, False, True),) * 5  # one occurrence, nothing else after 2 tokens
 
 
 def test_the_prompt_is_drafted_from_and_marked_as_the_request() -> None:
@@ -64,8 +64,23 @@ def test_a_split_vote_lowers_the_probability_and_stops_the_draft() -> None:
     drafter.begin([2])
     draft = drafter.propose([2, 30, 31], 8)
     assert draft.tokens == (5, 6)  # 5: 3 of 3; 6: 2 of 3 (p 0.67); then 8 or 7: p 0.33 < 0.4
-    assert [unanimous for _, unanimous in draft.evidence] == [True, False]
+    assert [unanimous for _, unanimous, _, _ in draft.evidence] == [True, False]
+    assert [supported for _, _, supported, _ in draft.evidence] == [True, True]  # 3 and 2 occurrences
     assert drafter.propose([2, 30, 31, 5, 6], 8).tokens == (8,)  # a tie: the newest answer wins
+
+
+def test_the_last_evidence_bit_says_whether_the_short_context_was_always_followed_so() -> None:
+    """Two answers share the structure "1 2 <value> 3 4" with different values: after a long match
+    the value is unanimous (one occurrence), but "1 2" was followed by both values; "3 4" after
+    either value only by 5."""
+    drafter = SuffixDrafter(SuffixConfig(match_factor=0))
+    run_request(drafter, [9], [20, 1, 2, 30, 3, 4, 5])
+    run_request(drafter, [9], [21, 1, 2, 31, 3, 4, 5])
+    drafter.begin([8])
+    draft = drafter.propose([8, 21, 1, 2], 4)
+    assert draft.tokens == (31, 3, 4, 5)
+    assert [agrees for _, _, _, agrees in draft.evidence] == [False, True, True, True]
+    assert all(unanimous for _, unanimous, _, _ in draft.evidence)
 
 
 def test_nothing_to_draft_without_any_match() -> None:
@@ -91,7 +106,26 @@ def test_tokens_taken_back_are_taken_out_of_the_index() -> None:
     fresh.propose(prompt + [42, 70], 4)
     for tail in ([42, 43, 44], [42, 43, 44, 45, 46, 47, 48]):
         assert taken_back.propose(prompt + tail, 4) == fresh.propose(prompt + tail, 4)
-    assert taken_back.index.sequences() == fresh.index.sequences()
+    assert taken_back.request_index.sequences() == fresh.request_index.sequences() == [prompt + tail]
+    assert taken_back.index.sequences() == fresh.index.sequences() == [PLAN]
+
+
+def test_the_next_request_keeps_the_prompt_it_shares_and_drafts_as_a_fresh_drafter() -> None:
+    """A planner resends one long system prompt: the request's index keeps the tokens the new
+    context shares with the last request's text and takes back the rest (the old instruction and
+    output, which are in the history now), so its drafts are those of a drafter that never saw
+    the earlier request's text as its own."""
+    system = list(range(100, 140))
+    kept, fresh = SuffixDrafter(SuffixConfig(match_factor=0)), SuffixDrafter(SuffixConfig(match_factor=0))
+    run_request(kept, system + [1, 2], PLAN)
+    fresh.end([])  # nothing learned
+    run_request(fresh, [9], PLAN)  # the same history
+    for drafter in (kept, fresh):
+        drafter.begin(system + [3])
+    assert kept.propose(system + [3, 40, 41], 4) == fresh.propose(system + [3, 40, 41], 4)
+    assert kept.request_index.sequences() == [system + [3, 40, 41]]
+    assert kept.request_index.end == len(system) + 3
+    assert kept.index.sequences() == fresh.index.sequences() == [PLAN]
 
 
 def test_only_outputs_join_the_history_unless_prompts_are_kept() -> None:
@@ -125,11 +159,15 @@ def test_the_history_cap_evicts_the_oldest_outputs_first() -> None:
     assert drafter.propose([2, 50, 51], 3).tokens == (52, 53, 54)
 
 
-def test_a_request_longer_than_its_room_evicts_history_and_ends_cleanly() -> None:
-    drafter = SuffixDrafter(SuffixConfig(history_max_tokens=10), request_room=4)
+def test_a_request_longer_than_its_room_keeps_its_newest_tokens_and_evicts_no_history() -> None:
+    drafter = SuffixDrafter(SuffixConfig(history_max_tokens=10, match_factor=0), request_room=4)
     run_request(drafter, [1], [5, 6, 7])
-    run_request(drafter, list(range(100, 130)), [8, 9])  # 31 tokens in a ring of 14
-    assert drafter.index.sequences()[-1] == [8, 9]
+    run_request(drafter, list(range(100, 130)), [8, 9])  # 32 tokens in a request ring of 4
+    assert drafter.index.sequences() == [[5, 6, 7], [8, 9]]
+    assert drafter.request_index.sequences() == [[128, 129, 8, 9]]  # the last context's newest tokens
+    drafter.begin([2])  # shares nothing with what the ring still holds: indexed anew
+    assert drafter.propose([2, 5], 2).tokens == (6, 7)
+    assert drafter.request_index.sequences() == [[2, 5]]
 
 
 # ------------------------------------------------------------------------------------ the file
@@ -147,6 +185,32 @@ def test_the_history_survives_a_restart(tmp_path: Path) -> None:
     second.end([2])  # an empty output: nothing learned
     second.close()
     assert (path.stat().st_mtime_ns, path.stat().st_ino) == stamp  # not rewritten for nothing
+
+
+def test_a_slot_drafter_has_its_own_request_and_shares_the_history(tmp_path: Path) -> None:
+    """Two requests at once (Drafter.for_slot): each drafts its own prompt as the request, not the
+    other's; what either leaves joins the one history at once, and the owner saves it at close
+    (the slot's drafter saves nothing)."""
+    path = tmp_path / "history.bin"
+    owner = SuffixDrafter(SuffixConfig(match_factor=0, history_path=str(path), cache_dir=str(tmp_path)),
+                          vocab_tag=TAG)
+    slot = owner.for_slot(1)
+    owner.begin([7, 8, 9, 10, 7, 8])
+    slot.begin([20, 21, 22, 23, 20, 21])
+    assert owner.propose([7, 8, 9, 10, 7, 8], 2).tokens == (9, 10)
+    assert slot.propose([20, 21, 22, 23, 20, 21], 2).tokens == (22, 23)
+    assert slot.propose([20, 21, 22, 23, 20, 21, 7, 8], 2) is EMPTY_DRAFT  # the owner's request is not its
+    slot.end([20, 21, 22, 23, 20, 21] + PLAN)
+    assert owner.history_tokens > 0 and slot.history_tokens == owner.history_tokens
+    assert owner.propose([7, 8, 9, 10, 7, 8, 40, 41, 42], 3).tokens == (43, 44, 45)  # the slot's answer
+    slot.close()
+    assert not path.exists()
+    owner.end([7, 8, 9, 10, 7, 8, 40, 41, 42])
+    owner.close()
+    again = SuffixDrafter(SuffixConfig(match_factor=0, history_path=str(path), cache_dir=str(tmp_path)),
+                          vocab_tag=TAG)
+    again.begin([1])
+    assert again.propose([1, 40, 41, 42, 43], 3).tokens == (44, 45, 46)
 
 
 def test_a_damaged_history_is_moved_aside_with_a_warning(tmp_path: Path) -> None:
@@ -226,4 +290,7 @@ def test_drafts_an_earlier_plan_in_the_embedded_models_tokens(embedded_model_pat
     drafter.begin(prompts[2])
     draft = drafter.propose(started, 8)
     assert list(draft.tokens) == milk_answer[done:done + 8]
-    assert draft.evidence[0] == ("history", True)  # the one occurrence of the long match
+    # the one occurrence of the long match; the two tokens before the object were followed by both
+    # plans' objects: the history's object is a value, not structure
+    assert draft.evidence[0] == ("history", True, False, False)
+    assert ("history", True, False, True) in draft.evidence  # the structure after the object

@@ -1,6 +1,7 @@
 """The suffix drafter through the real Engine (spec modes ``suffix`` and ``suffix+lookup``): lossless
 output against plain decoding under the exact build with the F16 copy (greedy, seeded sampling,
-under the plan schema), drafts from the history of earlier requests, its time in the step's draft
+under the plan schema, at fixed K and with drafts cut by the policy), drafts from the history of
+earlier requests, only the suffix policy learning from constrained drafts, its time in the step's draft
 time, and its history file saved at close and loaded by the next engine.
 
 The tests marked ``exact`` run in test/engine/test_exact_build.py's child under the exact build; the
@@ -110,6 +111,57 @@ def test_constrained_suffix_modes_equal_constrained_plain_decoding(exact_build: 
             forced += done.stats.num_grammar_accepted_tokens
             drafted += suffix_drafts(done)
     assert forced > 0 and drafted > 0, (forced, drafted)
+
+
+def tried(engine: Engine, drafter: str) -> float:
+    """How many draft tokens (decayed) the drafter's evidence model has been taught in hindsight."""
+    return sum(engine.drafters[drafter].policy.evidence.tried.values())
+
+
+#: adaptive K 8: a drafter that cuts its drafts proposes the whole cap and its policy cuts each one
+CUTTING = SpecConfig(mode="off", draft_max=8, adaptive=True)
+
+
+@pytest.mark.exact
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("sampling", [SamplingParams(), SEEDED], ids=["greedy", "seeded"])
+def test_constrained_suffix_drafts_cut_by_the_policy_equal_constrained_plain_decoding(
+        exact_build: None, f16_model_path: Path, sampling: SamplingParams) -> None:
+    """Under the plan schema at adaptive K: the forced text, then the suffix draft cut before the
+    first refused token and then by its policy (the forced rows counted), its whole draft settled in
+    hindsight. A fresh engine, so that the suffix policy's evidence model starts empty: plain decoding
+    fills the history but teaches no evidence, so what it has learned at the end came from the
+    constrained drafts."""
+    with build_engine(f16_model_path, n_ctx=2048, calibrate=True, spec=CUTTING) as engine:
+        plain = [run(engine, prompt, "off", 400, json_schema=SCHEMA_TEXT, sampling=sampling).tokens
+                 for prompt in PLANNER_PROMPTS]
+        assert tried(engine, "suffix") == 0
+        drafted = 0
+        for mode in SUFFIX_MODES:
+            for prompt, reference in zip(PLANNER_PROMPTS, plain):
+                done = run(engine, prompt, mode, 400, json_schema=SCHEMA_TEXT, sampling=sampling)
+                assert done.tokens == reference, f"{mode} differs from constrained plain decoding"
+                drafted += suffix_drafts(done)
+        assert drafted > 0, "the suffix drafter never drafted: parity would be vacuous"
+        assert tried(engine, "suffix") > 0, "no constrained draft was settled in hindsight"
+
+
+@pytest.mark.timeout(600)
+def test_under_a_grammar_only_the_suffix_policy_cuts_its_drafts_and_learns_from_them(
+        embedded_model_path: Path) -> None:
+    """The suffix drafter cuts its constrained drafts (Drafter.cuts_constrained_drafts), so under the
+    plan schema its whole drafts teach its policy; the lookup drafter keeps the per-step length of its
+    policy there, so a constrained lookup request settles nothing. Plain decoding first: its answer
+    is in the suffix history and the lookup cache, and it teaches neither policy."""
+    with build_engine(embedded_model_path, n_ctx=2048, calibrate=True, spec=CUTTING) as engine:
+        run(engine, PLANNER_PROMPTS[0], "off", 400, json_schema=SCHEMA_TEXT)
+        by_lookup = run(engine, PLANNER_PROMPTS[1], "lookup", 400, json_schema=SCHEMA_TEXT)
+        assert by_lookup.stats.drafts_by_source.get("lookup", 0) > 0, "lookup never drafted: vacuous"
+        assert tried(engine, "lookup") == 0 and tried(engine, "suffix") == 0
+        done = run(engine, PLANNER_PROMPTS[1], "suffix", 400, json_schema=SCHEMA_TEXT)
+        jsonschema.validate(json.loads(done.text), json.loads(SCHEMA_TEXT))
+        assert suffix_drafts(done) > 0 and done.stats.num_accepted_tokens > 0
+        assert tried(engine, "suffix") > 0 and tried(engine, "lookup") == 0
 
 
 @pytest.mark.timeout(600)

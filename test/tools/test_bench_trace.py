@@ -20,8 +20,9 @@ from support.servers import LLAMA_SERVER
 
 
 def test_module_doctests() -> None:
-    result = doctest.testmod(trace_replay)
-    assert result.attempted > 0 and result.failed == 0
+    for module in (trace_replay, trace):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__
 
 
 def test_the_planner_trace_is_the_planner_suite_with_new_instructions(repo_root: Path) -> None:
@@ -71,7 +72,7 @@ def test_the_replay_carries_the_history_across_requests() -> None:
     saved = scripted_trace()
     strategies = trace_replay.parse_strategies("lookup,suffix,suffix+lookup,suffix[none]/K4",
                                                {"none": SuffixConfig(history_max_tokens=0)}, 12)
-    figures = trace_replay.replay_all(saved, strategies, trace_replay.pass_costs(trace_replay.QUIET_HOST_PASS_MS),
+    figures = trace_replay.replay_all(saved, strategies, trace_replay.pass_costs(trace_replay.PASS_TABLES[trace_replay.DEFAULT_PASS_TABLE]),
                                       lambda: None)
     median = {name: trace_replay.median_after_warm([f["speedup"] for f in rows]) for name, rows in figures.items()}
     # a later answer follows the earlier ones for 4 tokens before its object: only a history drafts them
@@ -79,7 +80,22 @@ def test_the_replay_carries_the_history_across_requests() -> None:
     first = [f["tokens_per_pass"] for f in figures["suffix"]]
     assert first[-1] > first[0]  # the first request has no history yet
     report = trace_replay.report(saved, figures)
-    assert "median>5" in report and "plan-11" in report
+    assert "median>5" in report and "vs lookup" in report and "plan-11" in report
+
+
+def test_the_replay_charges_the_passes_a_timed_trace_measured() -> None:
+    """bench.trace keeps each engine runner's passes by rows (pass_profile); the replay's pass
+    costs can be those: per rows the median over the runners that timed it often enough."""
+    lookup = trace.pass_profile({1: [0.016, 0.018, 0.017, 0.016, 0.015], 4: [0.034] * 5, 9: [0.07]})
+    suffix = trace.pass_profile({1: [0.015] * 5, 4: [0.036] * 6})
+    assert lookup[1] == {"passes": 5, "median_ms": 16.0} and lookup[9]["passes"] == 1
+    timed = {"runners": {"lookup": {"pass_ms": lookup}, "suffix": {"pass_ms": suffix},
+                         "llama-lookup/K3": {"command": []}}}
+    assert trace_replay.traced_pass_ms(timed) == "1:15.50,4:35.00"  # 9 rows: timed once only
+    assert trace_replay.replay_pass_ms("1:15.5,4:35", {})[3] == pytest.approx(28.5)
+    assert trace_replay.replay_pass_ms("trace-fit", {})[2] == pytest.approx(15.9 + 7.41, abs=0.01)
+    with pytest.raises(ValueError, match="no one-row passes"):
+        trace_replay.traced_pass_ms({"runners": {"off": {"pass_ms": {}}}})
 
 
 def test_strategies_and_variants_parse() -> None:

@@ -72,6 +72,14 @@ class EngineTraceRunner:
         config = dataclasses.replace(engine_config(params, name, None), suffix=suffix)
         self._engine = Engine(config)
         self.info = {"spec": repr(self._engine.spec), "chain": list(modes.MODES[name].chain)}
+        self.passes: Dict[int, List[float]] = {}  # seconds of the target's passes by rows, as timed
+        observe = self._engine.costs.observe_verify
+
+        def observe_and_keep(n_rows: int, seconds: float) -> None:
+            self.passes.setdefault(n_rows, []).append(seconds)
+            observe(n_rows, seconds)
+
+        self._engine.costs.observe_verify = observe_and_keep  # type: ignore[method-assign]
 
     def run(self, request: TraceRequest, max_tokens: int) -> RunResult:
         generation = GenerationRequest(prompt=request.prompt, max_tokens=max_tokens, spec_mode=self._mode,
@@ -80,7 +88,19 @@ class EngineTraceRunner:
         return _streamed(self._engine, generation)
 
     def close(self) -> None:
+        self.info["pass_ms"] = pass_profile(self.passes)
         self._engine.close()
+
+
+def pass_profile(passes: Mapping[int, Sequence[float]]) -> Dict[int, Dict[str, float]]:
+    """Per pass size (rows): how many passes the trace timed and their median milliseconds (the
+    replay's pass costs as this run measured them: ``bench.trace_replay --pass-ms trace.json``).
+
+    >>> pass_profile({4: [0.03, 0.01, 0.02], 1: [0.016]})
+    {1: {'passes': 1, 'median_ms': 16.0}, 4: {'passes': 3, 'median_ms': 20.0}}
+    """
+    return {rows: {"passes": len(seconds), "median_ms": round(1e3 * statistics.median(seconds), 3)}
+            for rows, seconds in sorted(passes.items()) if seconds}
 
 
 def _streamed(engine: Any, generation: GenerationRequest) -> RunResult:

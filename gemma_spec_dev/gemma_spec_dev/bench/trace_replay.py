@@ -11,7 +11,8 @@ drafters and policies live across the requests, as in one engine: what a request
 the history (or the learned n-gram cache) serves the next requests.
 
 Printed per strategy: the modelled speedup over plain decoding per request and its median over the
-requests after the first five (the traces' acceptance figure), and the tokens per pass.
+requests after the first five (the traces' acceptance figure), the median of its per-request ratio
+to the first strategy's, and the tokens per pass.
 
     python -m gemma_spec_dev.bench.trace_replay --trace planner --outputs /tmp/planner_free.json
     python -m gemma_spec_dev.bench.trace_replay --trace planner --constrained \\
@@ -50,10 +51,22 @@ from .trace_requests import TRACES, TraceRequest, trace_requests
 WARM_REQUESTS = 5
 #: Pass sizes the reference run calibrates (a draft of up to 32 tokens + the pending one).
 CALIBRATED_ROWS = 33
-#: Milliseconds per target pass by rows charged by default: llama.cpp's own step profile of the
-#: embedded model on a quiet 2-core CPU (scripts/lookup_replay.py), 4.9 ms per row past 9. A busy
-#: host's calibration is no shape to charge (one measured 450 ms for 1 row and 3100 for 13).
-QUIET_HOST_PASS_MS = "1:20,2:25,3:27.6,4:27.6,5:33,6:35,7:38,8:41,9:43.6,33:161.2"
+#: Milliseconds per target pass by rows (``--pass-ms`` takes a name of this table, or sizes):
+#:
+#: - ``trace-fit`` (the default): fitted to the passes of the timed planner trace (quiet host, the
+#:   engine runners' 144 requests: V(n) = 15.9 ms + 7.41 ms per row past the first, 5 % residual);
+#: - ``decode-shape``: the shape timed outside Python (docs/design.md, "A verify pass is not free on
+#:   a CPU": even row counts cheaper than the odd one below) at the same one-row cost.
+#:
+#: The earlier default (llama.cpp's step profile, a 9-row pass 2.2 one-row passes) charged a row
+#: past the first a third of what the timed trace shows, and so favoured long drafts.
+#: A busy host's calibration is no shape to charge (one measured 450 ms for 1 row and 3100 for 13).
+PASS_TABLES: Dict[str, str] = {
+    "trace-fit": "1:15.9,33:253.0",
+    "decode-shape": "1:15.9,2:23.4,3:39.1,4:33.9,5:49.9,6:42.6,7:54.5,8:59.8,9:74.9,10:65.3,12:74.1,"
+                    "13:83.0,16:93.7,17:122.9,33:237.0",
+}
+DEFAULT_PASS_TABLE = "trace-fit"
 
 
 def pass_costs(text: str, max_rows: int = CALIBRATED_ROWS) -> Dict[int, float]:
@@ -95,6 +108,30 @@ def replayable_modes() -> List[str]:
     """The table's modes a replay runs: no model needed, and a drafter of :data:`REPLAYED_DRAFTERS`
     in the chain (the others are passed over, as in an engine without them loaded: ``auto``)."""
     return [m.name for m in MODES.values() if not m.needs and any(d in REPLAYED_DRAFTERS for d in m.chain)]
+
+
+def traced_pass_ms(trace: Mapping[str, Any], min_passes: int = 5) -> str:
+    """The pass costs a timed trace's engine runners measured (``trace.json`` of :mod:`.trace`), as
+    ``--pass-ms`` sizes: per rows, the median over the runners' medians, sizes timed at least
+    ``min_passes`` times by one runner."""
+    medians: Dict[int, List[float]] = {}
+    for info in trace.get("runners", {}).values():
+        for rows, figure in (info.get("pass_ms") or {}).items():
+            if figure["passes"] >= min_passes:
+                medians.setdefault(int(rows), []).append(figure["median_ms"])
+    if 1 not in medians:
+        raise ValueError("the trace recorded no one-row passes of an engine runner (pass_ms)")
+    return ",".join(f"{rows}:{statistics.median(ms):.2f}" for rows, ms in sorted(medians.items()))
+
+
+def replay_pass_ms(choice: str, saved: Mapping[str, Any]) -> Dict[int, float]:
+    """``--pass-ms``: a table's name, sizes, ``measured`` (the reference run's calibration) or the
+    path of a timed trace's ``trace.json``."""
+    if choice == "measured":
+        return {int(n): ms for n, ms in saved["pass_ms"].items()}
+    if choice.endswith(".json"):
+        return pass_costs(traced_pass_ms(json.loads(Path(choice).read_text())))
+    return pass_costs(PASS_TABLES.get(choice, choice))
 
 
 def parse_strategies(text: str, suffix_variants: Mapping[str, SuffixConfig], draft_max: int) -> List[Strategy]:
@@ -270,6 +307,9 @@ def report(saved: Mapping[str, Any], figures: Mapping[str, List[Dict[str, float]
         f"{median_after_warm([f['speedup'] for f in figures[n]]):17.3f}" for n in names))
     lines.append("tok/pass".ljust(12) + "".join(
         f"{median_after_warm([f['tokens_per_pass'] for f in figures[n]]):17.2f}" for n in names))
+    lines.append(f"vs {names[0][:8]}".ljust(12) + "".join(
+        f"{median_after_warm([f['speedup'] / b['speedup'] for f, b in zip(figures[n], figures[names[0]])]):17.3f}"
+        for n in names))
     lines.append("draft ms".ljust(12) + "".join(
         f"{median_after_warm([f['draft_ms_per_pass'] for f in figures[n]]):17.3f}" for n in names))
     return "\n".join(lines)
@@ -293,9 +333,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--charge-drafting", action="store_true",
                         help="add the measured drafting time to the modelled seconds (a busy host "
                              "inflates it: by default it is only reported, as 'draft ms')")
-    parser.add_argument("--pass-ms", default=QUIET_HOST_PASS_MS,
-                        help="ms per pass by rows, e.g. 1:20,4:27.6,9:43.6 (interpolated), or 'measured' "
-                             "for the costs calibrated with the reference outputs")
+    parser.add_argument("--pass-ms", default=DEFAULT_PASS_TABLE,
+                        help=f"ms per pass by rows: a table ({', '.join(PASS_TABLES)}), sizes such as "
+                             "1:20,4:27.6,9:43.6 (interpolated), 'measured' for the costs calibrated "
+                             "with the reference outputs, or a timed trace's trace.json (bench.trace: "
+                             "the passes its engine runners timed)")
     args = parser.parse_args(argv)
     params = load_params(args.config) if args.config else default_params()
     requests = trace_requests(args.trace, args.constrained)
@@ -308,8 +350,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     draft_max = args.draft_max or engine_config(params, "lookup", None).spec.draft_max
     variants = dict(parse_suffix_variant(v) for v in args.suffix_variant)
     strategies = parse_strategies(args.strategies, variants, draft_max)
-    pass_ms = ({int(n): ms for n, ms in saved["pass_ms"].items()} if args.pass_ms == "measured"
-               else pass_costs(args.pass_ms))
+    pass_ms = replay_pass_ms(args.pass_ms, saved)
     figures = replay_all(saved, strategies, pass_ms, _grammar_factory(params, requests[0].json_schema),
                          args.charge_drafting)
     print(report(saved, figures))

@@ -50,8 +50,9 @@ class DraftRequest:
     forced_cap: int = 0
     grammar: Optional[Grammar] = None  # the request's constraint, in the state the context reached
     stats: Optional[SpecStats] = None  # the request's stats (grammar cuts are counted there)
-    #: where the request's whole drafts go before their cut (adaptive or ``auto``, no grammar):
-    #: a drafter that cuts its drafts then proposes ``k_cap`` tokens and its policy cuts them
+    #: where the request's whole drafts go before their cut (adaptive or ``auto``): a drafter that
+    #: cuts its drafts then proposes ``k_cap`` tokens and its policy cuts them (under a grammar,
+    #: only one that cuts its constrained drafts too: Drafter.cuts_constrained_drafts)
     hindsight: Optional[DraftHindsight] = None
     n_emitted: int = 0  # tokens the request has emitted: where a whole draft's guesses start
     share: PassShare = SOLO  # what else the target pass holds (several requests at once)
@@ -70,9 +71,8 @@ class Proposal:
 NO_PROPOSAL = Proposal(EMPTY_DRAFT, PLAIN_STEP)
 
 
-def drafting_order(mode: str, drafters: Dict[str, Drafting], k_cap: int,
-                   adaptive: bool, cut: bool = False,
-                   share: PassShare = SOLO) -> Iterator[Tuple[Drafting, Decision]]:
+def drafting_order(mode: str, drafters: Dict[str, Drafting], k_cap: int, adaptive: bool, cut: bool = False,
+                   constrained: bool = False, share: PassShare = SOLO) -> Iterator[Tuple[Drafting, Decision]]:
     """The drafters one step tries, in order, each with its policy's decision (draft length > 0).
 
     A mode's chain (modes.py) is tried in table order and honours ``adaptive``
@@ -80,30 +80,33 @@ def drafting_order(mode: str, drafters: Dict[str, Drafting], k_cap: int,
     (``auto``) is always adaptive: it asks every policy first and tries the best predicted speedup
     first (not measured yet counts as best; ties keep table order), or drafts nothing.
 
-    ``cut`` (no grammar): an adaptive drafter that cuts its own drafts is always tried, with the
-    whole ``k_cap``; its policy cuts the draft afterwards (:func:`propose`).
+    ``cut``: an adaptive drafter that cuts its own drafts is always tried, with the whole
+    ``k_cap``; its policy cuts the draft afterwards (:func:`propose`). ``constrained`` (a grammar):
+    only a drafter that also cuts its constrained drafts does (``Drafter.cuts_constrained_drafts``).
     """
     row = MODES[mode]
     chain = [drafters[name] for name in row.chain if name in drafters]
     if not row.ranked:
         for drafting in chain:
-            decision = _decide(drafting, k_cap, adaptive, cut, share)
+            decision = _decide(drafting, k_cap, adaptive, cut, constrained, share)
             if decision.draft_len > 0:
                 yield drafting, decision
         return
-    decided = [(drafting, _decide(drafting, k_cap, True, cut, share)) for drafting in chain]
+    decided = [(drafting, _decide(drafting, k_cap, True, cut, constrained, share)) for drafting in chain]
     decided.sort(key=lambda pair: -_rank(pair[1].predicted_speedup))
     yield from ((drafting, decision) for drafting, decision in decided if decision.draft_len > 0)
 
 
-def _cutting(drafting: Drafting, adaptive: bool, cut: bool) -> bool:
+def _cutting(drafting: Drafting, adaptive: bool, cut: bool, constrained: bool = False) -> bool:
     """Whether this step drafts ``k_cap`` with ``drafting`` and its policy cuts the draft."""
-    return cut and adaptive and drafting.drafter.cuts_drafts
+    drafter = drafting.drafter
+    return (cut and adaptive and drafter.cuts_drafts
+            and (not constrained or drafter.cuts_constrained_drafts))
 
 
-def _decide(drafting: Drafting, k_cap: int, adaptive: bool, cut: bool,
+def _decide(drafting: Drafting, k_cap: int, adaptive: bool, cut: bool, constrained: bool = False,
             share: PassShare = SOLO) -> Decision:
-    if _cutting(drafting, adaptive, cut):
+    if _cutting(drafting, adaptive, cut, constrained):
         # ranked in auto by what its verified drafts have shown (the policy's S at its best k)
         return Decision(k_cap, drafting.policy.best(k_cap, share).predicted_speedup)
     return drafting.policy.decide(k_cap, adaptive, share)
@@ -116,9 +119,9 @@ def _rank(speedup: float) -> float:
 def propose(drafters: Dict[str, Drafting], costs: CostModel, ask: DraftRequest) -> Proposal:
     """The first non-empty draft in this step's drafting order (:class:`Proposal`).
 
-    With ``ask.hindsight`` (adaptive or ``auto``; not under a grammar): a drafter that cuts its
-    drafts proposes ``k_cap`` tokens; the hindsight gets the whole draft (checked later against the
-    emitted tokens: it teaches the policy's evidence model), and the policy's
+    With ``ask.hindsight`` (adaptive or ``auto``): a drafter that cuts its drafts proposes
+    ``k_cap`` tokens; the hindsight gets the whole draft (checked later against the emitted tokens:
+    it teaches the policy's evidence model), and the policy's
     :meth:`~.policy.length.DraftLengthPolicy.cut` decides how much of it this step verifies (none:
     the next drafter's turn).
 
@@ -126,7 +129,9 @@ def propose(drafters: Dict[str, Drafting], costs: CostModel, ask: DraftRequest) 
     the rest of an enum literal) comes first, drafted without a model, up to ``forced_cap`` tokens
     (which may exceed K: such tokens cost no drafting and are nearly always accepted); a drafter
     continues from there within K, and its draft is cut before the first token the grammar refuses
-    (that token could never be accepted, and would cost a verify row)."""
+    (that token could never be accepted, and would cost a verify row). A drafter that cuts its
+    constrained drafts too (the suffix drafter) is then cut by its policy as above, the forced
+    rows counted in the pass's cost; the others draft the length their policy decides per step."""
     if ask.k_cap <= 0:
         return NO_PROPOSAL
     grammar = ask.grammar
@@ -154,27 +159,29 @@ def _drafted(drafters: Dict[str, Drafting], costs: CostModel, ask: DraftRequest,
     """The first non-empty drafter draft of this step (at most ``room`` tokens after ``context``),
     cut before the first token the grammar refuses in its present state; ``EMPTY_DRAFT`` if none."""
     spec, grammar = ask.spec, ask.grammar
-    hindsight = ask.hindsight if grammar is None else None
-    cut = hindsight is not None
-    for drafting, decision in drafting_order(ask.mode, drafters, ask.k_cap, spec.adaptive, cut, ask.share):
+    constrained = grammar is not None
+    n_forced = len(context) - len(ask.context)  # the grammar's forced text before the draft
+    cut = ask.hindsight is not None
+    for drafting, decision in drafting_order(ask.mode, drafters, ask.k_cap, spec.adaptive, cut, constrained,
+                                             ask.share):
         if room <= 0:
             break
         started = time.perf_counter()
-        cutting = _cutting(drafting, spec.adaptive or MODES[ask.mode].ranked, cut)
+        cutting = _cutting(drafting, spec.adaptive or MODES[ask.mode].ranked, cut, constrained)
         draft = drafting.drafter.propose(context, min(decision.draft_len, room), spec)
-        if cutting and draft.evidence is not None:
-            hindsight.add(draft, ask.n_emitted)
-            costs.observe_draft_time(draft.source, len(draft), time.perf_counter() - started)
-            decision = drafting.policy.cut(draft.evidence, ask.share)
-            draft = _cut(draft, decision.draft_len)
-            if draft.tokens:
-                return draft, decision
-            continue
         if draft.tokens and grammar is not None:
             keep = grammar.allowed_prefix(draft.tokens)
             if ask.stats is not None:
                 ask.stats.num_grammar_cut_tokens += len(draft) - keep
             draft = _cut(draft, keep)
+        if cutting and draft.evidence is not None and ask.hindsight is not None:
+            ask.hindsight.add(draft, ask.n_emitted + n_forced)
+            costs.observe_draft_time(draft.source, len(draft), time.perf_counter() - started)
+            decision = drafting.policy.cut(draft.evidence, n_forced, ask.share)
+            draft = _cut(draft, decision.draft_len)
+            if draft.tokens:
+                return draft, decision
+            continue
         if draft.tokens:
             costs.observe_draft_time(draft.source, len(draft), time.perf_counter() - started)
             return draft, decision

@@ -52,6 +52,10 @@ class Drafter(Protocol):
     #: it proposes K tokens at every step and its policy cuts each draft (policy.py); the whole
     #: drafts are checked against the emitted tokens (engine/policy/hindsight.py)
     cuts_drafts: bool
+    #: (with ``cuts_drafts``) under a grammar too: its draft after the forced text is cut by its
+    #: policy, the forced rows counted (engine/propose.py); else its constrained drafts take the
+    #: length its policy decides per step
+    cuts_constrained_drafts: bool
 
     def begin(self, prompt_tokens: Sequence[int], sampling: Optional[SamplingParams] = None,
               rng: Optional["np.random.Generator"] = None) -> None:

@@ -65,6 +65,7 @@ class DraftModelDrafter:
     name = "draft"
     cheap_to_probe = False  # a probe first decodes every context token the model has not seen
     cuts_drafts = False
+    cuts_constrained_drafts = False
     warnings: List[str] = []  # nothing is recovered from at load: a mismatch refuses the model
 
     def __init__(self, config: ModelConfig, target: LlamaModel, n_seq: int = 1) -> None:

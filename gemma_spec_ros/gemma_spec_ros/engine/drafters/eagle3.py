@@ -371,6 +371,7 @@ class Eagle3Drafter:
     #: a probe costs the head's catch-up on the passes since its last draft, and one step
     cheap_to_probe = True
     cuts_drafts = False  # each draft token is a head decode
+    cuts_constrained_drafts = False
 
     def __init__(self, config: ModelConfig, target: LlamaModel) -> None:
         self.target = target

@@ -204,6 +204,7 @@ class MtpDrafter:
     #: cache), unlike a standalone draft model
     cheap_to_probe = True
     cuts_drafts = False  # each draft token is an assistant decode
+    cuts_constrained_drafts = False
     warnings: List[str] = []  # nothing is recovered from at load: a mismatch refuses the assistant
 
     def __init__(self, config: ModelConfig, target: LlamaModel) -> None:

@@ -70,6 +70,7 @@ class SuffixIndex:
             raise ValueError(f"suffix index levels {tuple(levels)}: need increasing lengths >= 1")
         self.capacity = capacity
         self.levels = tuple(int(n) for n in levels)
+        self._level_of = {n: level for level, n in enumerate(self.levels)}
         buckets = 1 << max(1, (capacity - 1).bit_length())
         self._mask = buckets - 1
         self._tokens = array("q", [SEPARATOR]) * capacity
@@ -210,15 +211,17 @@ class SuffixIndex:
     def occurrences(self, ngram: Sequence[int], limit: int) -> List[int]:
         """End positions of the newest (at most ``limit``) earlier occurrences of ``ngram`` (its
         length one of the levels) that are followed by a token of their sequence, newest first."""
-        level = self.levels.index(len(ngram))
-        key = hash(tuple(int(t) for t in ngram))
-        keys, prev = self._keys[level], self._prev[level]
+        level = self._level_of[len(ngram)]
+        key = hash(tuple(map(int, ngram)))
+        keys, prev, tokens, capacity = self._keys[level], self._prev[level], self._tokens, self.capacity
+        start, last = self._start, self._end - 1  # a position at ``last`` has no follower
         position = self._heads[level][key & self._mask]
         found: List[int] = []
         steps = _WALK_FACTOR * limit + _WALK_SLACK  # other n-grams of the bucket, sequence ends
-        while position >= self._start and len(found) < limit and steps > 0:
-            slot = position % self.capacity
-            if keys[slot] == key and self.follower(position) is not None:
+        while position >= start and len(found) < limit and steps > 0:
+            slot = position % capacity
+            # inline follower(): the next slot is live and holds a token, not a separator
+            if keys[slot] == key and position < last and tokens[(position + 1) % capacity] != SEPARATOR:
                 found.append(position)
             position = prev[slot]
             steps -= 1
@@ -233,10 +236,79 @@ class SuffixIndex:
         ``context`` may itself be the index's current sequence: its own last n-gram ends the index
         and has no continuation, so it never counts.
         """
-        for n in reversed(self.levels):
-            if n > len(context) or (max_length is not None and n > max_length):
-                continue
-            positions = self.occurrences(context[len(context) - n:], limit)
-            if positions:
-                return Match(n, tuple(positions))
-        return None
+        return longest_match(self, context, limit, max_length)
+
+    def common_prefix(self, tokens: Sequence[int]) -> int:
+        """How many first tokens of the current sequence equal those of ``tokens`` (the current
+        sequence must still hold its first token: not evicted)."""
+        first = self.sequence_start
+        n = min(self._end - first, len(tokens))
+        capacity, stored = self.capacity, self._tokens
+        for i in range(n):
+            if stored[(first + i) % capacity] != tokens[i]:
+                return i
+        return n
+
+
+def longest_match(index: "SuffixIndex | IndexPair", context: Sequence[int], limit: int,
+                  max_length: Optional[int] = None) -> Optional[Match]:
+    """:meth:`SuffixIndex.longest_match` of ``index`` (one index, or a pair of them)."""
+    for n in reversed(index.levels):
+        if n > len(context) or (max_length is not None and n > max_length):
+            continue
+        positions = index.occurrences(context[len(context) - n:], limit)
+        if positions:
+            return Match(n, tuple(positions))
+    return None
+
+
+#: Added to a position of the request's index in an :class:`IndexPair` (the history's are below it).
+REQUEST_POSITIONS = 1 << 62
+
+
+class IndexPair:
+    """The current request's index and the shared history's, read as one: the request's occurrences
+    first (the newest: its text follows everything the history holds), then the history's.
+
+    A request's index holds one sequence, its prompt and output, and is the request's own; the
+    history's sequences are shared by every request. So each request can keep its index (and the
+    next request with the same long system prompt reuses most of it) while the history only grows
+    by outputs at the end of requests. A request's positions are offset by
+    :data:`REQUEST_POSITIONS`: :meth:`in_request` tells them apart.
+
+    >>> history, request = SuffixIndex(64), SuffixIndex(64)
+    >>> history.extend([5, 6, 7, 8]); request.extend([5, 6, 9, 1, 5, 6])
+    >>> pair = IndexPair(request, history)
+    >>> match = pair.longest_match([1, 5, 6], 8)
+    >>> match.length, [pair.follower(p) for p in match.positions], [pair.in_request(p) for p in match.positions]
+    (2, [9, 7], [True, False])
+    """
+
+    def __init__(self, request: SuffixIndex, history: SuffixIndex) -> None:
+        if request.levels != history.levels:
+            raise ValueError(f"index levels differ: request {request.levels}, history {history.levels}")
+        self.request, self.history = request, history
+        self.levels = history.levels
+
+    @staticmethod
+    def in_request(position: int) -> bool:
+        return position >= REQUEST_POSITIONS
+
+    def follower(self, position: int) -> Optional[int]:
+        """The token after ``position`` in its sequence (SuffixIndex.follower of its index)."""
+        if position >= REQUEST_POSITIONS:
+            return self.request.follower(position - REQUEST_POSITIONS)
+        return self.history.follower(position)
+
+    def occurrences(self, ngram: Sequence[int], limit: int) -> List[int]:
+        """The newest ``limit`` occurrences of ``ngram`` with a continuation: the request's, then
+        the history's (SuffixIndex.occurrences)."""
+        found = [REQUEST_POSITIONS + p for p in self.request.occurrences(ngram, limit)]
+        if len(found) < limit:
+            found.extend(self.history.occurrences(ngram, limit - len(found)))
+        return found
+
+    def longest_match(self, context: Sequence[int], limit: int,
+                      max_length: Optional[int] = None) -> Optional[Match]:
+        """:meth:`SuffixIndex.longest_match` over both indexes."""
+        return longest_match(self, context, limit, max_length)

@@ -46,9 +46,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Callable, Dict, Hashable, Sequence
 
-from .acceptance import AcceptanceModel, EvidenceAcceptance
+from .acceptance import AcceptanceModel, EvidenceAcceptance, PooledEvidenceAcceptance
 from .costs import CostModel
 
 
@@ -63,6 +63,12 @@ class Decision:
 
 #: A plain step: no draft, plain decoding's speed.
 PLAIN_STEP = Decision(0, 1.0)
+
+#: How a drafter's evidence classes are learned, by drafter name (Drafter.name); the others use
+#: :class:`EvidenceAcceptance` (tuned on n-gram lookup). The suffix drafter's four evidence bits
+#: make many sparse classes: they lean on pooled estimates, with a longer memory (its history
+#: changes slowly).
+EVIDENCE_MODELS: Dict[str, Callable[[], EvidenceAcceptance]] = {"suffix": PooledEvidenceAcceptance}
 
 
 @dataclass(frozen=True)
@@ -98,7 +104,7 @@ class DraftLengthPolicy:
         self.probe_new_requests = probe_new_requests
         self.costs = costs
         self.acceptance = AcceptanceModel()
-        self.evidence = EvidenceAcceptance()
+        self.evidence = EVIDENCE_MODELS.get(source, EvidenceAcceptance)()
         self.margin = margin
         self.probe_min, self.probe_max = probe_min, probe_max
         self.enabled = True
@@ -109,13 +115,15 @@ class DraftLengthPolicy:
         """S(k) of the module docstring; NaN when costs are not measured yet."""
         return self._speedup(k, self.acceptance.expected_tokens(k), share)
 
-    def _speedup(self, k: int, expected_tokens: float, share: PassShare = SOLO) -> float:
+    def _speedup(self, k: int, expected_tokens: float, share: PassShare = SOLO, forced: int = 0) -> float:
+        """S of a pass over ``forced`` tokens a grammar forces (taken as accepted) and then ``k``
+        drafted ones, beside what ``share`` says the pass holds for other requests."""
         plain = self.costs.verify_cost(share.rows + 1)
-        verify = self.costs.verify_cost(share.rows + k + 1)
+        verify = self.costs.verify_cost(share.rows + forced + k + 1)
         if plain is None or verify is None:
             return math.nan
         others = share.expected_tokens
-        return ((expected_tokens + others) * plain
+        return ((forced + expected_tokens + others) * plain
                 / ((1.0 + others) * (self.costs.draft_cost(self.source, k) + verify)))
 
     def best(self, draft_max: int, share: PassShare = SOLO) -> Decision:
@@ -129,14 +137,17 @@ class DraftLengthPolicy:
                 best_k, best_s = k, s
         return Decision(best_k, best_s, expected[best_k])
 
-    def cut(self, evidence: Sequence[Hashable], share: PassShare = SOLO) -> Decision:
+    def cut(self, evidence: Sequence[Hashable], forced: int = 0, share: PassShare = SOLO) -> Decision:
         """The length to verify of a draft whose tokens rest on ``evidence`` (module docstring):
-        argmax S(k) over its prefixes, or 0 when none is predicted faster than plain decoding.
-        Costs not measured yet: the whole draft."""
+        argmax S(k) over its prefixes, or 0 when none is predicted faster than plain decoding (with
+        ``forced`` tokens a grammar forces before the draft: than verifying those alone). Costs not
+        measured yet: the whole draft."""
         expected = self.evidence.expected_tokens_upto(evidence)
         best_k, best_s = 0, 1.0
+        if forced:
+            best_s = self._speedup(0, 1.0, share, forced)
         for k in range(1, len(evidence) + 1):
-            s = self._speedup(k, expected[k], share)
+            s = self._speedup(k, expected[k], share, forced)
             if math.isnan(s):
                 return Decision(len(evidence), math.nan, expected[len(evidence)])
             if s > best_s:
