@@ -35,10 +35,11 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..llama.model import BufferViews, LlamaModel
+from ..llama.model import LlamaModel
 from .draft_model import greedy_draft_token, next_draft_token
 from ..llama.gguf import GGUFHeaderError, architecture
-from .linked_head import LinkedHead, address_result, linked_context, nextn_bindings, pointer_field
+from .linked_head import (AddressViews, LinkedHead, address_result, linked_context, nextn_bindings,
+                          pointer_field)
 from ..llama.process import load_llama_cpp
 from ..sampling import Sampler
 from .base import Draft
@@ -102,7 +103,7 @@ class Eagle3Bindings:
         floats = ctypes.POINTER(ctypes.c_float)
         types = {
             "llama_set_embeddings_layer_inp": ([ctx, ctypes.c_uint32, ctypes.c_bool], None),
-            # an address (int), not a float pointer: views are found by it (BufferViews.at)
+            # an address (int), not a float pointer: views are found by it (AddressViews.at)
             "llama_get_embeddings_layer_inp": ([ctx, ctypes.c_uint32], ctypes.c_void_p),
             "llama_model_target_layer_ids": ([model], ctypes.POINTER(ctypes.c_int32)),
             "llama_model_target_layer_ids_n": ([model], ctypes.c_uint32),
@@ -344,7 +345,7 @@ class TargetFeatures:
         _, self._ctx = target.handles
         self._layers, self._n_layer, self._bindings = list(layers), n_layer, bindings
         self._shape = (target.n_batch, n_embd)
-        self._views = BufferViews()
+        self._views = AddressViews()
         # per feature, the function that returns the address of its rows
         final_state = address_result(bindings.nextn.llama_get_embeddings_nextn)
         self._addresses = [bindings.llama_get_embeddings_layer_inp if layer < n_layer else final_state

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Callable, Tuple, Type
+from typing import Callable, Optional, Tuple, Type
 
 import numpy as np
 
@@ -21,6 +21,20 @@ from ..llama.model import BufferViews, LlamaModel
 from ..llama.process import init_backend, load_llama_cpp
 from ..errors import EngineError, ModelLoadError
 from ..config import ModelConfig
+
+
+class AddressViews(BufferViews):
+    """:class:`BufferViews` that also finds a buffer by its address (an int, None for NULL), as a
+    ctypes function with a ``c_void_p`` result returns it (:func:`address_result`): no
+    ``ctypes.cast`` per call (~3 us), which weighs beside a ~0.1 ms step of a small head."""
+
+    def at(self, address: Optional[int], shape: Tuple[int, ...]) -> np.ndarray:
+        view = self._views.get((address, shape))
+        if view is None:
+            if not address:
+                raise ValueError("a NULL buffer from llama.cpp")
+            view = self.get(ctypes.cast(address, ctypes.POINTER(ctypes.c_float)), shape)
+        return view
 
 
 class LinkedHead:
@@ -61,7 +75,7 @@ class LinkedHead:
                                      f"the target's (n_ctx={target.n_ctx}; not enough memory?)")
             self.n_batch = int(llama_cpp.llama_n_batch(self._ctx))
             self._mem = llama_cpp.llama_get_memory(self._ctx)
-            self._views = BufferViews()
+            self._views = AddressViews()
             self._init_step_batch()
             self._after_context(target, target_ctx)
         except BaseException:
@@ -102,7 +116,7 @@ class LinkedHead:
 
         A draft step of a small head costs ~0.1 ms in llama.cpp, so what Python adds around it
         weighs: the batch's arrays are bound once, and the outputs are found by address
-        (:func:`address_result`, :meth:`BufferViews.at`)."""
+        (:func:`address_result`, :meth:`AddressViews.at`)."""
         self._row_in[:] = row
         self._step_token[0] = token
         self._step_pos[0] = position
@@ -147,7 +161,7 @@ class LinkedHead:
 def address_result(function: Callable) -> Callable:
     """The C function behind a ctypes binding that returns a ``float *``, called so that it
     returns the address as a Python int (None for NULL): a view is then found by that int
-    (:meth:`BufferViews.at`) without a ``ctypes.cast`` of the pointer (~3 us a call)."""
+    (:meth:`AddressViews.at`) without a ``ctypes.cast`` of the pointer (~3 us a call)."""
     address = ctypes.cast(function, ctypes.c_void_p).value
     return ctypes.CFUNCTYPE(ctypes.c_void_p, *function.argtypes)(address)
 

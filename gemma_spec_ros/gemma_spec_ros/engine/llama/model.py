@@ -67,17 +67,6 @@ class BufferViews:
             view = self._views[key] = np.ctypeslib.as_array(pointer, shape=shape)
         return view
 
-    def at(self, address: Optional[int], shape: Tuple[int, ...]) -> np.ndarray:
-        """:meth:`get` for a buffer given by its address (an int, None for NULL), as a ctypes
-        function with a ``c_void_p`` result returns it: no ``ctypes.cast`` per call (~3 us)."""
-        view = self._views.get((address, shape))
-        if view is None:
-            if not address:
-                raise ValueError("a NULL buffer from llama.cpp")
-            pointer = ctypes.cast(address, ctypes.POINTER(ctypes.c_float))
-            view = self.get(pointer, shape)
-        return view
-
 
 class LlamaModel:
     """A loaded GGUF model with one context and one sequence.
