@@ -10,8 +10,9 @@ venv's llama-cpp-python), one engine per mode kept for the whole run; a round se
 every worker in turn, the order rotating each round. Per mode it prints ms per target pass (quartiles
 and range) and each round's ratio NEW / OLD, and checks that both emitted the same tokens in as many
 passes (fixed K 3, greedy: the same work). Modes ``off``, ``lookup``, ``draft`` run the embedded
-Gemma 3 270M (``draft``: the same file as its own draft model); ``mtp`` the tests' tiny agreeing
-Gemma 4 pair (test/support/tiny_gemma4.py), written into a temporary folder. One thread a model.
+Gemma 3 270M (``draft``: the same file as its own draft model); ``mtp`` and ``eagle3`` the tests'
+tiny agreeing Gemma 4 pairs (test/support/tiny_gemma4.py, tiny_eagle3.py), written into a temporary
+folder. One thread a model.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from typing import Dict, List, Tuple
 
 EMBEDDED = os.path.expanduser("~/.cache/gemma_spec_ros/models/gemma-3-270m-q4_k_m.gguf")
 CODE_PROMPT = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"
-MTP_PROMPT = "the robot picks up the red cup. "
+TINY_PROMPT = "the robot picks up the red cup. "
 
 
 def quartiles(values: List[float]) -> str:
@@ -38,10 +39,11 @@ def quartiles(values: List[float]) -> str:
     return f"{median:.3f} ({q1:.3f}-{q3:.3f}, {min(values):.3f}-{max(values):.3f})"
 
 
-def mode_config(mode: str, tokens: int, mtp_pair: Tuple[str, str]) -> dict:
+def mode_config(mode: str, tokens: int, tiny_tokens: int, tiny_pairs: Dict[str, Tuple[str, str]]) -> dict:
     """What a worker builds for ``mode``: model files, prompt, request length."""
-    if mode == "mtp":
-        return dict(mode=mode, target=mtp_pair[0], draft=mtp_pair[1], prompt=MTP_PROMPT, tokens=4 * tokens)
+    if mode in tiny_pairs:
+        target, draft = tiny_pairs[mode]
+        return dict(mode=mode, target=target, draft=draft, prompt=TINY_PROMPT, tokens=tiny_tokens)
     return dict(mode=mode, target=EMBEDDED, draft=EMBEDDED if mode == "draft" else "", prompt=CODE_PROMPT,
                 tokens=tokens)
 
@@ -119,16 +121,20 @@ def main() -> None:
     parser.add_argument("new", type=Path)
     parser.add_argument("--modes", default="off,lookup,draft,mtp")
     parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=96, help="per request (mtp: 4 times as many)")
+    parser.add_argument("--tokens", type=int, default=96, help="per request on the embedded model")
+    parser.add_argument("--tiny-tokens", type=int, default=1500, help="per request on a tiny pair")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "test"))
-    from support.tiny_gemma4 import write_gemma4_pair  # the tests' writer, this checkout's
+    from support.tiny_eagle3 import write_eagle3_pair  # the tests' writers, this checkout's
+    from support.tiny_gemma4 import write_gemma4_pair
     checkouts = [args.old.resolve(), args.new.resolve()]
     print(f"old {checkouts[0]}, new {checkouts[1]}; {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
     with tempfile.TemporaryDirectory() as folder:
-        pair = tuple(str(p) for p in write_gemma4_pair(folder, agreeing=True))
+        tiny = {"mtp": write_gemma4_pair(Path(folder, "mtp"), agreeing=True),
+                "eagle3": write_eagle3_pair(Path(folder, "eagle3"), agreeing=True)}
+        pairs = {mode: (str(target), str(draft)) for mode, (target, draft) in tiny.items()}
         for mode in args.modes.split(","):
-            compare(mode, checkouts, args.rounds, mode_config(mode, args.tokens, pair))
+            compare(mode, checkouts, args.rounds, mode_config(mode, args.tokens, args.tiny_tokens, pairs))
 
 
 if __name__ == "__main__":
