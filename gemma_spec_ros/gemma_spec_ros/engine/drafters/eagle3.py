@@ -67,6 +67,10 @@ HEAD_BATCH_ROWS = 65
 MERGED_EXTRA_LOGITS = 1 << 18
 #: Feature rows kept between passes before they are encoded anyway (twice a verify pass).
 STASH_ROWS = 2 * HEAD_BATCH_ROWS
+#: Rows of one encode, in the encoder's own context (Eagle3Head.encode): a pass brings K + 1 new
+#: positions; more (a prompt's) are encoded in chunks. Its context reserves the head's decoder graph
+#: for this many rows, logits included (16 rows of a 262k vocabulary: 16 MiB), so it stays small.
+ENCODER_BATCH_ROWS = 16
 
 
 class HeadMismatchError(EngineError):
@@ -188,8 +192,8 @@ class Eagle3Head(LinkedHead):
             raise HeadMismatchError(f"llama.cpp did not link {self.path} to the target's context")
         nextn.llama_set_embeddings_nextn(self._ctx, True, True)  # the pre-norm rows
         self._encoder_ctx = linked_context(self._model, self.config, target,  # see encode()
-                                           llama_cpp.LLAMA_CONTEXT_TYPE_DEFAULT, self.n_batch,
-                                           n_ctx=self.n_batch)
+                                           llama_cpp.LLAMA_CONTEXT_TYPE_DEFAULT, ENCODER_BATCH_ROWS,
+                                           n_ctx=ENCODER_BATCH_ROWS)
         if not self._encoder_ctx:
             raise ModelLoadError(f"llama.cpp could not create the encoder context of {self.path}")
         nextn.llama_set_embeddings_nextn(self._encoder_ctx, True, True)  # the encoder's output
@@ -197,19 +201,19 @@ class Eagle3Head(LinkedHead):
         self.n_features = N_FEATURES * self.n_embd_target
         # encoder: embedding rows only (no token array: set to NULL, kept for llama_batch_free);
         # decoder rows: tokens, with embd pointing at the caller's rows (reset before the free)
-        self._encoder = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        self._encoder = llama_cpp.llama_batch_init(ENCODER_BATCH_ROWS, 0, 1)
         self._encoder_embd = pointer_field(self._encoder, "embd")
         self._encoder_tokens, self._encoder.token = self._encoder.token, None
         self._pairs = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self._pairs_embd = pointer_field(self._pairs, "embd")
-        for batch in (self._encoder, self._pairs):
-            np.ctypeslib.as_array(batch.n_seq_id, shape=(self.n_batch,))[:] = 1
-            for i in range(self.n_batch):
+        for batch, rows in ((self._encoder, ENCODER_BATCH_ROWS), (self._pairs, self.n_batch)):
+            np.ctypeslib.as_array(batch.n_seq_id, shape=(rows,))[:] = 1
+            for i in range(rows):
                 batch.seq_id[i][0] = 0
         # the encoder is per row and checks no positions (llama.cpp skips their continuity
         # checks in llama_encode): placeholders, set once
-        np.ctypeslib.as_array(self._encoder.pos, shape=(self.n_batch,))[:] = range(self.n_batch)
-        np.ctypeslib.as_array(self._encoder.logits, shape=(self.n_batch,))[:] = 1
+        np.ctypeslib.as_array(self._encoder.pos, shape=(ENCODER_BATCH_ROWS,))[:] = range(ENCODER_BATCH_ROWS)
+        np.ctypeslib.as_array(self._encoder.logits, shape=(ENCODER_BATCH_ROWS,))[:] = 1
         self._pair_tokens = np.ctypeslib.as_array(self._pairs.token, shape=(self.n_batch,))
         self._pair_pos = np.ctypeslib.as_array(self._pairs.pos, shape=(self.n_batch,))
         self._pair_flags = np.ctypeslib.as_array(self._pairs.logits, shape=(self.n_batch,))
@@ -231,14 +235,14 @@ class Eagle3Head(LinkedHead):
     def encode(self, features_at: int, n: int, out: np.ndarray) -> None:
         """``out[i] = g`` of the feature row i of the ``n`` rows at address ``features_at``
         (C-contiguous float32 rows of ``n_features``, see :func:`rows_address`), in chunks of
-        ``n_batch`` rows (llama.cpp's encoder takes one ubatch).
+        :data:`ENCODER_BATCH_ROWS` (llama.cpp's encoder takes one ubatch).
 
         The encoder runs in a context of its own (the same weights, no KV cell written): in the
         head's, every decode after an encode rebuilt its graph and re-planned its buffers, and
         every encode its own graph; here consecutive encodes of as many rows reuse theirs."""
         batch, row_bytes, ctx = self._encoder, self.n_features * 4, self._encoder_ctx
-        for start in range(0, n, self.n_batch):
-            rows = min(self.n_batch, n - start)
+        for start in range(0, n, ENCODER_BATCH_ROWS):
+            rows = min(ENCODER_BATCH_ROWS, n - start)
             self._encoder_embd.value = features_at + start * row_bytes
             batch.n_tokens = rows
             rc = self._llama_cpp.llama_encode(ctx, batch)
