@@ -43,14 +43,14 @@ def native_step_ms(target: str, assistant: str, mode: str) -> float:
     argv = [TOOL, "-m", target, "-md", assistant, "--spec-type", f"draft-{mode}", "--spec-draft-n-max", str(K),
             "--spec-draft-p-min", str(P_MIN), "-c", str(N_CTX), "-t", "1", "-p", PROMPT,
             "-n", str(MAX_TOKENS - 1), "--temp", "0", "--no-escape"]
-    for _ in range(5):
+    for _ in range(10):
         log = subprocess.run(argv, capture_output=True, text=True, check=True).stderr
         decoded = re.search(r"decoded\s+(\d+) tokens in\s+([0-9.]+) seconds", log)
         accepted = re.search(r"n_accept\s*=\s*(\d+)", log)
         if decoded and accepted:
             passes = int(decoded.group(1)) - 1 - int(accepted.group(1))
             return float(decoded.group(2)) / passes * 1e3
-    raise RuntimeError("llama-speculative-simple printed no timings in 5 runs")
+    raise RuntimeError("llama-speculative-simple printed no timings in 10 runs")
 
 
 def quartiles(values: List[float]) -> str:
