@@ -140,7 +140,8 @@ def _model_rows(prefix: str, what: str, path_default: str, path_help: str,
             ParamSpec(f"{prefix}.n_batch", _MODEL.n_batch,
                       "largest batch one llama_decode call gets (prompt chunks)", (1, 1 << 16)),
             ParamSpec(f"{prefix}.flash_attn", _MODEL.flash_attn,
-                      "flash attention for both models (faster on GPUs and CPUs; logits then depend on the batch)"),
+                      ("flash attention for the target, and for the draft unless draft.flash_attn says otherwise "
+                       "(faster on GPUs and CPUs; logits then depend on the batch)")),
         ]
     else:
         rows.append(ParamSpec(f"{prefix}.flash_attn", "target",
