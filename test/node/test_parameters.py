@@ -30,7 +30,7 @@ from support.node import config_values
 #: The names the rest of the project (launch file, README, configs) relies on.
 EXPECTED_NAMES = """
 target.model_path target.n_gpu_layers target.n_ctx target.n_batch target.n_threads target.flash_attn
-draft.model_path draft.n_gpu_layers draft.n_ctx draft.n_threads spec.mode spec.draft_max
+draft.model_path draft.n_gpu_layers draft.n_ctx draft.n_threads draft.flash_attn spec.mode spec.draft_max
 spec.draft_min spec.p_min spec.adaptive spec.verification lookup.static_path lookup.dynamic_path
 lookup.cache_dir lookup.ngram_min lookup.ngram_max generation.max_tokens generation.temperature generation.top_p
 generation.top_k generation.seed generation.time_budget generation.prompt_cache limits.max_prompt_tokens
@@ -78,6 +78,19 @@ def test_shipped_configs_give_valid_engine_configs(repo_root: Path) -> None:
     assert orin.spec.mode == "draft" and orin.target.flash_attn
     assert orin.target.n_gpu_layers == orin.draft.n_gpu_layers == -1
     assert orin.draft.n_ctx == orin.target.n_ctx == 4096
+
+
+@pytest.mark.parametrize("target, draft, expected", [
+    (True, "target", True), (False, "target", False), (True, "disabled", False), (False, "enabled", True)])
+def test_the_draft_has_the_targets_flash_attention_unless_told(target: bool, draft: str, expected: bool) -> None:
+    values = {**defaults(), "draft.model_path": "/m/draft.gguf", "target.flash_attn": target,
+              "draft.flash_attn": draft}
+    config = engine_config_from(values)
+    assert config.target.flash_attn == target and config.draft.flash_attn == expected
+
+
+def test_the_draft_flash_attention_is_one_of_its_choices() -> None:
+    assert "expected one of" in check_values({**defaults(), "draft.flash_attn": "off"}, configured=False)
 
 
 @pytest.mark.parametrize("changes, reason", [

@@ -49,6 +49,8 @@ CONFIGURE_TIME_PREFIXES: Tuple[str, ...] = (
 BACKENDS: Tuple[str, ...] = ("local", "remote")
 #: What serves when the remote server is unreachable.
 FALLBACKS: Tuple[str, ...] = ("none", "local")
+#: The draft's flash attention: the target's setting, or one of its own.
+DRAFT_FLASH_ATTN: Tuple[str, ...] = ("target", "enabled", "disabled")
 _INT_MAX = 2**31 - 1
 _INT64_MAX = 2**63 - 1
 
@@ -140,8 +142,14 @@ def _model_rows(prefix: str, what: str, path_default: str, path_help: str,
             ParamSpec(f"{prefix}.n_batch", _MODEL.n_batch,
                       "largest batch one llama_decode call gets (prompt chunks)", (1, 1 << 16)),
             ParamSpec(f"{prefix}.flash_attn", _MODEL.flash_attn,
-                      "flash attention for both models (faster on GPUs and CPUs; logits then depend on the batch)"),
+                      ("flash attention for the target, and for the draft unless draft.flash_attn says otherwise "
+                       "(faster on GPUs and CPUs; logits then depend on the batch)")),
         ]
+    else:
+        rows.append(ParamSpec(f"{prefix}.flash_attn", "target",
+                              "flash attention for the draft model, assistant or head: target = as target.flash_attn; "
+                              "on a CPU a small model's one-row draft step can be faster without it",
+                              choices=DRAFT_FLASH_ATTN))
     return tuple(rows)
 
 
@@ -339,8 +347,8 @@ def sampling_from(values: Mapping[str, Any]) -> SamplingParams:
 def engine_config_from(values: Mapping[str, Any]) -> EngineConfig:
     """All parameters -> EngineConfig; raises ValueError with a user-facing reason.
 
-    The draft model shares the target's ``n_batch`` and ``flash_attn``; ``draft.n_ctx`` 0 means the
-    target's context length.
+    The draft model shares the target's ``n_batch``, and its ``flash_attn`` unless
+    ``draft.flash_attn`` says otherwise; ``draft.n_ctx`` 0 means the target's context length.
     """
     target = ModelConfig(path=values["target.model_path"], n_gpu_layers=values["target.n_gpu_layers"],
                          n_ctx=values["target.n_ctx"], n_batch=values["target.n_batch"],
@@ -350,7 +358,9 @@ def engine_config_from(values: Mapping[str, Any]) -> EngineConfig:
         draft = replace(target, path=values["draft.model_path"],
                         n_gpu_layers=values["draft.n_gpu_layers"],
                         n_ctx=values["draft.n_ctx"] or target.n_ctx,
-                        n_threads=values["draft.n_threads"])
+                        n_threads=values["draft.n_threads"],
+                        flash_attn=(target.flash_attn if values["draft.flash_attn"] == "target"
+                                    else values["draft.flash_attn"] == "enabled"))
     lookup = LookupConfig(static_path=values["lookup.static_path"],
                           dynamic_path=values["lookup.dynamic_path"],
                           cache_dir=values["lookup.cache_dir"],

@@ -12,38 +12,43 @@ from ..sampling import Sampler, inverse_cdf
 from .base import Draft
 from ..config import ModelConfig, SamplingParams, SpecConfig
 
-_GREEDY = Sampler(SamplingParams())
-
-
 _SCRATCH = threading.local()  # per thread: two engines may draft at once in one process
 
 
-def _top_probability(logits: np.ndarray, top: int) -> float:
+def _top_probability(logits: np.ndarray, top: int, out: Optional[np.ndarray] = None) -> float:
     """Softmax probability of token ``top`` (the draft's confidence in its greedy choice).
 
-    In float32, into a buffer kept per thread: a draft step of a 262k vocabulary spent ~400 us
-    here in float64 with a fresh array, ~215 us now (measured on this CPU; the exponentials are
-    <= 1 and numpy sums pairwise, so float32 is far finer than the p_min threshold needs)."""
-    scratch = getattr(_SCRATCH, "array", None)
-    if scratch is None or scratch.shape != logits.shape:
-        scratch = _SCRATCH.array = np.empty(logits.shape, dtype=np.float32)
-    np.subtract(logits, logits[top], out=scratch)
-    return 1.0 / float(np.exp(scratch, out=scratch).sum())
+    In float32, into ``out`` (a float32 array of the logits' shape that may be overwritten: the
+    logits themselves when they are a copy) or a buffer kept per thread: a draft step of a 262k
+    vocabulary spent ~400 us here in float64 with a fresh array, ~215 us now (measured on this
+    CPU; the exponentials are <= 1 and numpy sums pairwise, so float32 is far finer than the p_min
+    threshold needs). ``np.add.reduce`` is what ``ndarray.sum`` calls, without its Python layer."""
+    if out is None:
+        out = getattr(_SCRATCH, "array", None)
+        if out is None or out.shape != logits.shape:
+            out = _SCRATCH.array = np.empty(logits.shape, dtype=np.float32)
+    np.subtract(logits, logits[top], out=out)
+    return 1.0 / float(np.add.reduce(np.exp(out, out=out)))
+
+
+def greedy_draft_token(logits: np.ndarray, p_min: float, out: Optional[np.ndarray] = None) -> Optional[int]:
+    """The most likely token of ``logits``, None when its probability is below ``p_min`` (the
+    draft stops there: it would likely be rejected). ``out``: see :func:`_top_probability`."""
+    token = int(logits.argmax())  # the method: np.argmax's dispatch costs as much on a small row
+    if p_min > 0.0 and _top_probability(logits, token, out) < p_min:
+        return None
+    return token
 
 
 def next_draft_token(logits: np.ndarray, sampler: Optional[Sampler], rng: Optional[np.random.Generator],
                      p_min: float, probs: List[np.ndarray]) -> Optional[int]:
     """One drafted token from a drafter model's logits: sampled from ``sampler`` (its distribution q
-    appended to ``probs``, for rejection verification), or greedy; None when the greedy token's
-    probability is below ``p_min`` (the draft stops there: it would likely be rejected)."""
+    appended to ``probs``, for rejection verification), or greedy (:func:`greedy_draft_token`)."""
     if sampler is not None:
         q = sampler.distribution(logits)
         probs.append(q)
         return inverse_cdf(q, rng.random())
-    token = _GREEDY.sample(logits, None)
-    if p_min > 0.0 and _top_probability(logits, token) < p_min:
-        return None
-    return token
+    return greedy_draft_token(logits, p_min)
 
 
 class DraftModelDrafter:

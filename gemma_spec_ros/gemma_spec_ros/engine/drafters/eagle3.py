@@ -11,13 +11,14 @@ embedding, and its output head when it has none); the loop is ours (llama.cpp's 
 - the target exports the three features of every row it decodes, only while an EAGLE-3 drafter may
   draft (:meth:`Eagle3Drafter.enable`); the rows are copied after each chunk (a later pass would
   overwrite them, and a step the policy does not draft still extends the context);
-- the **encoder** maps a position's features to g[p] = fc(features[p]) (an embedding-only batch);
+- the **encoder** maps a position's features to g[p] = fc(features[p]) (an embedding-only batch,
+  in a second context over the same weights, so that the decoder's context keeps its graph);
 - the **decoder** at position p takes the pair (token at p + 1, g[p]) and writes the head's KV cell
-  p: so after a target pass the head catches up on the pairs of the accepted positions (no logits:
-  llama.cpp's eagle3 graph selects no output rows, so a decode with outputs must be one row), then
-  feeds the seed pair (the pending token, g at n_past - 1) alone, whose logits give draft token 1
-  and whose pre-norm hidden row is the next step's g; every later step feeds (the token just
-  drafted, the next position, that hidden row);
+  p: so after a target pass the head catches up on the pairs of the accepted positions and feeds
+  the seed pair (the pending token, g at n_past - 1), in one decode that asks every row's logits
+  (llama.cpp's eagle3 graph selects no output rows; see :data:`MERGED_EXTRA_LOGITS`); the seed's
+  logits give draft token 1 and its pre-norm hidden row is the next step's g; every later step
+  feeds (the token just drafted, the next position, that hidden row);
 - the head's cells past the accepted positions (the draft chain's) are removed before the next
   catch-up, and cells whose pair changed (the target rolled back below them) too: the head's KV
   cache stays in step with every rollback of the target's;
@@ -34,10 +35,11 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..llama.model import BufferViews, LlamaModel
-from .draft_model import next_draft_token
+from ..llama.model import LlamaModel
+from .draft_model import greedy_draft_token, next_draft_token
 from ..llama.gguf import GGUFHeaderError, architecture
-from .linked_head import LinkedHead, nextn_bindings
+from .linked_head import (AddressViews, LinkedHead, address_result, linked_context, nextn_bindings,
+                          pointer_field)
 from ..llama.process import load_llama_cpp
 from ..sampling import Sampler
 from .base import Draft
@@ -65,6 +67,10 @@ HEAD_BATCH_ROWS = 65
 MERGED_EXTRA_LOGITS = 1 << 18
 #: Feature rows kept between passes before they are encoded anyway (twice a verify pass).
 STASH_ROWS = 2 * HEAD_BATCH_ROWS
+#: Rows of one encode, in the encoder's own context (Eagle3Head.encode): a pass brings K + 1 new
+#: positions; more (a prompt's) are encoded in chunks. Its context reserves the head's decoder graph
+#: for this many rows, logits included (16 rows of a 262k vocabulary: 16 MiB), so it stays small.
+ENCODER_BATCH_ROWS = 16
 
 
 class HeadMismatchError(EngineError):
@@ -101,7 +107,8 @@ class Eagle3Bindings:
         floats = ctypes.POINTER(ctypes.c_float)
         types = {
             "llama_set_embeddings_layer_inp": ([ctx, ctypes.c_uint32, ctypes.c_bool], None),
-            "llama_get_embeddings_layer_inp": ([ctx, ctypes.c_uint32], floats),
+            # an address (int), not a float pointer: views are found by it (AddressViews.at)
+            "llama_get_embeddings_layer_inp": ([ctx, ctypes.c_uint32], ctypes.c_void_p),
             "llama_model_target_layer_ids": ([model], ctypes.POINTER(ctypes.c_int32)),
             "llama_model_target_layer_ids_n": ([model], ctypes.c_uint32),
             "llama_model_get_tok_embd": ([model, floats], ctypes.c_uint32),
@@ -147,7 +154,7 @@ class Eagle3Head(LinkedHead):
                                     f"{kind or 'unknown'}, not {HEAD_ARCHITECTURE}")
         check_feature_target(target)
         self.bindings = Eagle3Bindings()
-        self._encoder = self._pairs = None
+        self._encoder = self._pairs = self._encoder_ctx = None
         super().__init__(config, target, ctx_type=load_llama_cpp().LLAMA_CONTEXT_TYPE_DEFAULT,
                          n_batch=HEAD_BATCH_ROWS)
 
@@ -183,23 +190,35 @@ class Eagle3Head(LinkedHead):
         llama_cpp, nextn = self._llama_cpp, self.bindings.nextn
         if not self.own_token_embd and nextn.llama_get_ctx_other(self._ctx) != target_ctx:
             raise HeadMismatchError(f"llama.cpp did not link {self.path} to the target's context")
-        nextn.llama_set_embeddings_nextn(self._ctx, True, True)  # encoder output / pre-norm rows
-        self._nextn = nextn.llama_get_embeddings_nextn
+        nextn.llama_set_embeddings_nextn(self._ctx, True, True)  # the pre-norm rows
+        self._encoder_ctx = linked_context(self._model, self.config, target,  # see encode()
+                                           llama_cpp.LLAMA_CONTEXT_TYPE_DEFAULT, ENCODER_BATCH_ROWS,
+                                           n_ctx=ENCODER_BATCH_ROWS)
+        if not self._encoder_ctx:
+            raise ModelLoadError(f"llama.cpp could not create the encoder context of {self.path}")
+        nextn.llama_set_embeddings_nextn(self._encoder_ctx, True, True)  # the encoder's output
+        self._encoded_at = address_result(nextn.llama_get_embeddings_nextn)
         self.n_features = N_FEATURES * self.n_embd_target
         # encoder: embedding rows only (no token array: set to NULL, kept for llama_batch_free);
         # decoder rows: tokens, with embd pointing at the caller's rows (reset before the free)
-        self._encoder = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        self._encoder = llama_cpp.llama_batch_init(ENCODER_BATCH_ROWS, 0, 1)
+        self._encoder_embd = pointer_field(self._encoder, "embd")
         self._encoder_tokens, self._encoder.token = self._encoder.token, None
         self._pairs = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
-        for batch in (self._encoder, self._pairs):
-            np.ctypeslib.as_array(batch.n_seq_id, shape=(self.n_batch,))[:] = 1
-            for i in range(self.n_batch):
+        self._pairs_embd = pointer_field(self._pairs, "embd")
+        for batch, rows in ((self._encoder, ENCODER_BATCH_ROWS), (self._pairs, self.n_batch)):
+            np.ctypeslib.as_array(batch.n_seq_id, shape=(rows,))[:] = 1
+            for i in range(rows):
                 batch.seq_id[i][0] = 0
-        self._encoder_pos = np.ctypeslib.as_array(self._encoder.pos, shape=(self.n_batch,))
-        np.ctypeslib.as_array(self._encoder.logits, shape=(self.n_batch,))[:] = 1
+        # the encoder is per row and checks no positions (llama.cpp skips their continuity
+        # checks in llama_encode): placeholders, set once
+        np.ctypeslib.as_array(self._encoder.pos, shape=(ENCODER_BATCH_ROWS,))[:] = range(ENCODER_BATCH_ROWS)
+        np.ctypeslib.as_array(self._encoder.logits, shape=(ENCODER_BATCH_ROWS,))[:] = 1
         self._pair_tokens = np.ctypeslib.as_array(self._pairs.token, shape=(self.n_batch,))
         self._pair_pos = np.ctypeslib.as_array(self._pairs.pos, shape=(self.n_batch,))
         self._pair_flags = np.ctypeslib.as_array(self._pairs.logits, shape=(self.n_batch,))
+        # positions as a table: a slice of it is copied into a batch (cheaper than from a range)
+        self._positions = np.arange(target.n_ctx + self.n_batch, dtype=np.int32)
         self.d2t = self._draft_vocabulary()
 
     def _draft_vocabulary(self) -> Optional[np.ndarray]:
@@ -213,53 +232,49 @@ class Eagle3Head(LinkedHead):
         return None if finite.size == self.n_vocab else finite
 
     # -- the encoder and the decoder's catch-up rows ----------------------------------------------
-    def encode(self, features: np.ndarray, out: np.ndarray) -> None:
-        """``out[i] = g`` of ``features[i]`` (rows of ``n_features`` float32, C-contiguous), in
-        chunks of ``n_batch`` rows (llama.cpp's encoder takes one ubatch). The encoder is per row
-        and writes no KV cell; its positions are placeholders that llama.cpp still checks against
-        the head's cache (the next ones after it)."""
-        llama_cpp, batch = self._llama_cpp, self._encoder
-        after = int(llama_cpp.llama_memory_seq_pos_max(self._mem, 0)) + 1
-        for start in range(0, len(features), self.n_batch):
-            rows = features[start:start + self.n_batch]
-            n = len(rows)
-            batch.embd = rows.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-            self._encoder_pos[:n] = range(after, after + n)
-            batch.n_tokens = n
-            rc = llama_cpp.llama_encode(self._ctx, batch)
-            if rc != 0:
-                raise EngineError(f"{self.what}'s llama_encode failed with code {rc} ({n} rows)")
-            out[start:start + n] = self._views.get(self._nextn(self._ctx), (n, self.n_embd))
+    def encode(self, features_at: int, n: int, out: np.ndarray) -> None:
+        """``out[i] = g`` of the feature row i of the ``n`` rows at address ``features_at``
+        (C-contiguous float32 rows of ``n_features``, see :func:`rows_address`), in chunks of
+        :data:`ENCODER_BATCH_ROWS` (llama.cpp's encoder takes one ubatch).
 
-    def decode_pairs(self, tokens: Sequence[int], first: int, rows: np.ndarray) -> None:
-        """Write the head's KV cells ``first ..`` from the pairs (``tokens[i]``, ``rows[i]``), no
-        logits (C-contiguous float32 rows of ``n_embd``), in chunks of ``n_batch``."""
+        The encoder runs in a context of its own (the same weights, no KV cell written): in the
+        head's, every decode after an encode rebuilt its graph and re-planned its buffers, and
+        every encode its own graph; here consecutive encodes of as many rows reuse theirs."""
+        batch, row_bytes, ctx = self._encoder, self.n_features * 4, self._encoder_ctx
+        for start in range(0, n, ENCODER_BATCH_ROWS):
+            rows = min(ENCODER_BATCH_ROWS, n - start)
+            self._encoder_embd.value = features_at + start * row_bytes
+            batch.n_tokens = rows
+            rc = self._llama_cpp.llama_encode(ctx, batch)
+            if rc != 0:
+                raise EngineError(f"{self.what}'s llama_encode failed with code {rc} ({rows} rows)")
+            out[start:start + rows] = self._views.at(self._encoded_at(ctx), (rows, self.n_embd))
+
+    def decode_pairs(self, tokens: Sequence[int], first: int, rows_at: int) -> None:
+        """Write the head's KV cells ``first ..`` from the pairs (``tokens[i]``, row i at address
+        ``rows_at``: C-contiguous float32 rows of ``n_embd``), no logits, in chunks of ``n_batch``."""
+        row_bytes = self.n_embd * 4
         for start in range(0, len(tokens), self.n_batch):
             part = tokens[start:start + self.n_batch]
-            self._decode(part, first + start, rows[start:start + len(part)], outputs=False)
+            self._decode_rows(part, first + start, rows_at + start * row_bytes, outputs=False)
 
     def decode_last(self, tokens: Sequence[int], first: int,
-                    rows: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+                    rows_at: int) -> Tuple[np.ndarray, np.ndarray]:
         """:meth:`decode_pairs` in one decode (at most ``n_batch`` pairs) that returns the last
         pair's (logits, next hidden row), views until the next decode. llama.cpp's eagle3 graph
         selects no output rows (a decode asking logits of some rows gets the first rows' values),
         so every row is asked for: it computes them all anyway, only their copy out is extra."""
-        n = len(tokens)
-        self._decode(tokens, first, rows, outputs=True)
-        logits = self._views.get(self._llama_cpp.llama_get_logits_ith(self._ctx, n - 1), self._logits_shape)
-        pointer = self._next_row(self._ctx, n - 1)
-        if not pointer:
-            raise EngineError(f"{self.what} {self.path} exported no hidden row")
-        return logits, self._views.get(pointer, self._row_shape)
+        self._decode_rows(tokens, first, rows_at, outputs=True)
+        return self._outputs(len(tokens) - 1)
 
-    def _decode(self, tokens: Sequence[int], first: int, rows: np.ndarray, outputs: bool) -> None:
-        llama_cpp, batch, n = self._llama_cpp, self._pairs, len(tokens)
-        batch.embd = rows.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+    def _decode_rows(self, tokens: Sequence[int], first: int, rows_at: int, outputs: bool) -> None:
+        batch, n = self._pairs, len(tokens)
+        self._pairs_embd.value = rows_at
         self._pair_tokens[:n] = tokens
-        self._pair_pos[:n] = range(first, first + n)
+        self._pair_pos[:n] = self._positions[first:first + n]
         self._pair_flags[:n] = outputs
         batch.n_tokens = n
-        rc = llama_cpp.llama_decode(self._ctx, batch)
+        rc = self._llama_decode(self._ctx, batch)
         if rc != 0:
             raise KVCacheError(f"{self.what}'s llama_decode failed with code {rc} at position "
                                f"{first} ({n} rows)")
@@ -278,13 +293,16 @@ class Eagle3Head(LinkedHead):
                     n_embd=self.n_embd, n_draft_vocab=self.n_vocab if self.d2t is None else len(self.d2t))
         return info
 
-    def _free_batches(self) -> None:
+    def _free_extras(self) -> None:
         llama_cpp = self._llama_cpp
+        if self._encoder_ctx:
+            llama_cpp.llama_free(self._encoder_ctx)
+        self._encoder_ctx = None
         if self._encoder is not None:
-            self._encoder.token, self._encoder.embd = self._encoder_tokens, ctypes.POINTER(ctypes.c_float)()
+            self._encoder.token, self._encoder_embd.value = self._encoder_tokens, None
             llama_cpp.llama_batch_free(self._encoder)
         if self._pairs is not None:
-            self._pairs.embd = ctypes.POINTER(ctypes.c_float)()
+            self._pairs_embd.value = None  # the caller's rows: llama_batch_free must skip them
             llama_cpp.llama_batch_free(self._pairs)
         self._encoder = self._pairs = None
 
@@ -295,6 +313,14 @@ def architecture_of(path: str) -> str:
         return architecture(path) or ""
     except (OSError, GGUFHeaderError):
         return ""
+
+
+def rows_address(rows: np.ndarray) -> int:
+    """The address of a C-contiguous float32 array, for the head's batches to point at (the
+    caller keeps the array alive while the head reads it)."""
+    if rows.dtype != np.float32 or not rows.flags.c_contiguous:
+        raise ValueError("the head reads C-contiguous float32 rows")
+    return int(rows.ctypes.data)
 
 
 def check_feature_target(target: LlamaModel) -> None:
@@ -323,7 +349,11 @@ class TargetFeatures:
         _, self._ctx = target.handles
         self._layers, self._n_layer, self._bindings = list(layers), n_layer, bindings
         self._shape = (target.n_batch, n_embd)
-        self._views = BufferViews()
+        self._views = AddressViews()
+        # per feature, the function that returns the address of its rows
+        final_state = address_result(bindings.nextn.llama_get_embeddings_nextn)
+        self._addresses = [bindings.llama_get_embeddings_layer_inp if layer < n_layer else final_state
+                           for layer in self._layers]
         self.enabled = False
 
     def enable(self, enabled: bool) -> None:
@@ -338,14 +368,11 @@ class TargetFeatures:
     def rows(self) -> List[np.ndarray]:
         """One (n_batch, n_embd) view per feature of the last chunk's rows, in the head's order."""
         views = []
-        for layer in self._layers:
-            if layer < self._n_layer:
-                pointer = self._bindings.llama_get_embeddings_layer_inp(self._ctx, layer)
-            else:
-                pointer = self._bindings.nextn.llama_get_embeddings_nextn(self._ctx)
+        for layer, address in zip(self._layers, self._addresses):
+            pointer = address(self._ctx, layer) if layer < self._n_layer else address(self._ctx)
             if not pointer:
                 raise EngineError(f"the target exported no features of layer {layer}")
-            views.append(self._views.get(pointer, self._shape))
+            views.append(self._views.at(pointer, self._shape))
         return views
 
 
@@ -381,6 +408,11 @@ class Eagle3Drafter:
                                        head.bindings)
         self._g = np.empty((target.n_ctx, head.n_embd), dtype=np.float32)
         self._stash = np.empty((STASH_ROWS, head.n_features), dtype=np.float32)
+        # the head reads both by address (row i of g at _g_at + i * _g_row_bytes)
+        self._g_at, self._g_row_bytes = rows_address(self._g), head.n_embd * 4
+        self._stash_at = rows_address(self._stash)
+        width = head.n_embd_target  # the stash's column block of each feature
+        self._stash_blocks = [self._stash[:, k * width:(k + 1) * width] for k in range(N_FEATURES)]
         self._restart(0)
         self._sampler: Optional[Sampler] = None
         self._rng: Optional[np.random.Generator] = None
@@ -412,15 +444,15 @@ class Eagle3Drafter:
             self._f_end = base
             self._g_end = min(self._g_end, base)
             self._kv_end = min(self._kv_end, max(self._start, base - 1))
-        views, width, done = self.features.rows(), self.head.n_embd_target, 0
+        views, done = self.features.rows(), 0
         while done < n:
             held = self._f_end - self._g_end
             if held == STASH_ROWS:
                 self._encode_stash(self._f_end)
                 continue
             take = min(STASH_ROWS - held, n - done)
-            for k, view in enumerate(views):
-                self._stash[held:held + take, k * width:(k + 1) * width] = view[done:done + take]
+            for block, view in zip(self._stash_blocks, views):
+                block[held:held + take] = view[done:done + take]
             self._f_end += take
             done += take
 
@@ -429,7 +461,7 @@ class Eagle3Drafter:
         count = upto - self._g_end
         if count <= 0:
             return
-        self.head.encode(self._stash[:count], self._g[self._g_end:upto])
+        self.head.encode(self._stash_at, count, self._g[self._g_end:upto])
         rest = self._f_end - upto
         if rest:
             self._stash[:rest] = self._stash[count:count + rest]
@@ -479,12 +511,12 @@ class Eagle3Drafter:
         self._encode_stash(position)
         head, seed = self.head, min(self._kv_end, position - 1)
         head.rollback(seed)
-        tokens, rows = context[seed + 1:position + 1], self._g[seed:position]
+        tokens, rows_at = context[seed + 1:position + 1], self._g_at + seed * self._g_row_bytes
         if len(tokens) <= head.n_batch and (len(tokens) - 1) * head.n_vocab <= MERGED_EXTRA_LOGITS:
-            result = head.decode_last(tokens, seed, rows)
+            result = head.decode_last(tokens, seed, rows_at)
         else:
-            head.decode_pairs(tokens[:-1], seed, rows[:-1])
-            result = head.step(tokens[-1], position - 1, rows[-1])
+            head.decode_pairs(tokens[:-1], seed, rows_at)
+            result = head.step(tokens[-1], position - 1, self._g[position - 1])
         self._kv_end = position
         return result
 
@@ -493,6 +525,10 @@ class Eagle3Drafter:
         d2t = self.head.d2t
         if d2t is None:
             return next_draft_token(logits, self._sampler, self._rng, p_min, probs)
+        if self._sampler is None:  # greedy: the copy over d2t is ours to overwrite
+            row = logits[d2t]
+            index = greedy_draft_token(row, p_min, out=row)
+            return None if index is None else int(d2t[index])
         drawn: List[np.ndarray] = []
         index = next_draft_token(logits[d2t], self._sampler, self._rng, p_min, drawn)
         if index is None:
@@ -520,8 +556,8 @@ class Eagle3Drafter:
         features = np.zeros((n, head.n_features), dtype=np.float32)
         rows = np.zeros((n, head.n_embd), dtype=np.float32)
         for _ in range(passes):
-            head.encode(features, rows)
-            head.decode_pairs(list(filler[1:n]), 0, rows[:n - 1])
+            head.encode(rows_address(features), n, rows)
+            head.decode_pairs(list(filler[1:n]), 0, rows_address(rows))
             logits, hidden = head.step(filler[n], n - 1, rows[n - 1])
             head.step(filler[n], n, hidden)
             head.clear()
