@@ -96,9 +96,12 @@ class ConversationCache:
         return True
 
     def _drop_covered(self, tokens: Tuple[int, ...]) -> None:
-        """Snapshots that are a prefix of ``tokens`` (the same conversation, earlier) go: the new
-        one serves every prompt they would."""
-        for key in [k for k in self._snapshots if len(k) <= len(tokens) and tokens[:len(k)] == k]:
+        """Snapshots the new one covers go: those it extends (the same conversation, earlier), and
+        those that leave it less than ``min_gain`` tokens before their end (the conversation's
+        previous turn, whose last reply tokens the template wrote back otherwise). For any prompt
+        such a snapshot would serve at most ``min_gain`` tokens more than the new one, and a
+        restore needs more than that."""
+        for key in [k for k in self._snapshots if len(k) - common_prefix(k, tokens) <= self.min_gain]:
             self._bytes -= self._snapshots.pop(key).size
 
     def best(self, prompt: Sequence[int]) -> Tuple[Optional[Snapshot], int]:
