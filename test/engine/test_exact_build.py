@@ -63,6 +63,7 @@ def test_bit_identical_output_under_the_exact_build(repo_root: Path, venv_python
     # sliding-window ring (greedy, seeded), MTP's greedy and seeded tests, constrained output's
     # greedy and seeded tests, shadow drafting's greedy and seeded tests, EAGLE-3's greedy and
     # seeded tests (in the minimal loop and through the engine); the suffix drafter's greedy, seeded,
-    # constrained greedy and seeded tests and its prompt-reuse test
-    assert counts["tests"] >= 23, (counts, tail)
+    # constrained greedy and seeded tests and its prompt-reuse test; a chat turn in each of the 7
+    # modes a draft model allows
+    assert counts["tests"] >= 30, (counts, tail)
     assert counts["failures"] == counts["errors"] == counts["skipped"] == 0, (counts, tail)
