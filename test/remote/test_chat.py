@@ -94,3 +94,26 @@ def test_streamed_calls_are_put_together_and_validated() -> None:
     assert body["tool_choice"] == "required" and len(body["tools"]) == len(SKILLS)
     assert [m["role"] for m in body["messages"]] == ["system", "user"] and body["stream"] is True
     assert last.stats.time_to_first_token > 0  # the first delta, text or call, counts
+
+
+def test_the_local_fallback_serves_a_chat_turn_when_the_server_is_unreachable(tmp_path: Path) -> None:
+    """remote.fallback local: an unreachable server, and the turn is served by the local engine
+    (the tiny Gemma 4 style model), its call validated as always."""
+    from gemma_spec_ros.engine.config import EngineConfig, ModelConfig
+    from gemma_spec_ros.engine.engine import Engine
+    from gemma_spec_ros.engine.fallback import FallbackEngine
+    from support.chat import planner_conversation
+    from support.servers import free_port
+    from support.tiny_chat_gguf import write_tiny_chat_gguf
+
+    local = Engine(EngineConfig(target=ModelConfig(str(write_tiny_chat_gguf(tmp_path / "chat.gguf")), n_ctx=2048,
+                                                   n_threads=1)), calibrate=False)
+    engine = FallbackEngine(RemoteEngine(RemoteConfig(url=f"http://127.0.0.1:{free_port()}", connect_timeout=0.5,
+                                                      probe_period=0), SpecConfig()), local)
+    try:
+        request = GenerationRequest(conversation=planner_conversation("pick"), max_tokens=160)
+        last = list(engine.generate(request))[-1]
+        assert engine.status()["served by"] == "local"
+        assert last.reply is not None and last.reply.error == "" and last.reply.tool_calls[0].name == "pick"
+    finally:
+        engine.close()
