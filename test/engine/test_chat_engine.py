@@ -185,6 +185,21 @@ def follow_up(conversation: Conversation, last: Step) -> Conversation:
     return replace(conversation, messages=messages)
 
 
+@pytest.mark.parametrize("model", ["gemma4", "gemma3"])
+def test_a_closing_text_turn_reuses_the_call_turns_prompt(files: dict, model: str) -> None:
+    """tool_choice none after a required turn (the agent loop's last turn), with the native
+    template and with the fallback: the prompt still shows the tools, so the text turn reuses
+    every token of the call turn's prompt, and its reply is text."""
+    with chat_engine(files[model], mode="suffix") as served:
+        a1 = planner_conversation("required")
+        first = run(served, chat_request(a1))[-1]
+        closing = replace(follow_up(a1, first), tool_choice="none")
+        second = run(served, chat_request(closing, max_tokens=16))[-1]
+    assert first.reply is not None and first.reply.tool_calls and first.reply.error == ""
+    assert second.reply is not None and second.reply.tool_calls == ()
+    assert second.stats.num_prompt_tokens_reused >= first.stats.num_prompt_tokens
+
+
 def test_the_snapshots_stay_within_their_bound_least_recently_used_out(files: dict) -> None:
     """Room for one and a half snapshots: after three conversations only the last one's is kept."""
     conversations = [Conversation((ChatMessage("user", f"Task {i}: say hi " * 4),), parse_tools(SKILLS_JSON),

@@ -13,26 +13,31 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Mapping, Tuple
 
-from ..chat.conversation import ChatMessage, Conversation
+from ..chat.conversation import TOOL_CHOICES, ChatMessage, Conversation
 from ..chat.reply import AssistantReply, assistant_reply
 from ..chat.syntax import Parsed
 from .http import RemoteError
 
 
 def chat_fields(conversation: Conversation) -> Dict[str, Any]:
-    """The body fields of the turn: ``messages`` and, when tools are offered, ``tools``,
-    ``tool_choice`` and ``parallel_tool_calls``. A named tool is sent as that tool alone with
-    ``required`` (the same turn; llama-server takes only the string values of ``tool_choice``).
+    """The body fields of the turn: ``messages`` and, with tools, ``tools``, ``tool_choice`` and
+    ``parallel_tool_calls``. A named tool is sent as that tool alone with ``required`` (the same
+    turn; llama-server takes only the string values of ``tool_choice``).
 
     >>> from gemma_spec_ros.engine.chat import ChatMessage, Conversation, Tool
     >>> body = chat_fields(Conversation((ChatMessage("user", "Stop."),), (Tool("halt"), Tool("go")), "halt"))
     >>> [t["function"]["name"] for t in body["tools"]], body["tool_choice"], body["parallel_tool_calls"]
     (['halt'], 'required', False)
+    >>> body = chat_fields(Conversation((ChatMessage("user", "Report."),), (Tool("halt"), Tool("go")), "none"))
+    >>> [t["function"]["name"] for t in body["tools"]], body["tool_choice"]
+    (['halt', 'go'], 'none')
     """
     body: Dict[str, Any] = {"messages": [openai_message(m) for m in conversation.messages]}
-    if conversation.offered:
-        body["tools"] = [tool.as_openai() for tool in conversation.offered]
-        body["tool_choice"] = "required" if conversation.must_call else "auto"
+    choice = conversation.tool_choice
+    if conversation.tools:
+        named = choice not in TOOL_CHOICES
+        body["tools"] = [tool.as_openai() for tool in (conversation.offered if named else conversation.tools)]
+        body["tool_choice"] = "required" if named else choice
         body["parallel_tool_calls"] = conversation.parallel_tool_calls
     return body
 
@@ -47,7 +52,7 @@ def conversation_text(conversation: Conversation) -> str:
     """
     lines = [m.content for m in conversation.messages if m.content]
     lines += [f"{c.name} {c.arguments}" for m in conversation.messages for c in m.tool_calls]
-    lines += [json.dumps(tool.as_openai()) for tool in conversation.offered]
+    lines += [json.dumps(tool.as_openai()) for tool in conversation.shown]
     return "\n".join(lines)
 
 
