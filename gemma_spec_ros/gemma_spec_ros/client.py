@@ -1,9 +1,11 @@
 """One blocking ROS client of the gemma_spec node: what ``ros2 lifecycle/param/action/topic`` would do.
 
 Everything goes over the standard interfaces (``~/change_state``, ``~/get_state``,
-``~/set_parameters``, the ``~/generate`` action, ``/diagnostics``, ``/rosout``, ``~/spec_stats``);
-the client node spins on an executor thread of its own. ``gemma-spec-generate``, the soak, the
-bench's ``--via-action`` runner and the node tests all drive the node through this one class.
+``~/set_parameters``, the ``~/generate`` and ``~/generate_chat`` actions, ``/diagnostics``,
+``/rosout``, ``~/spec_stats``); the client node spins on an executor thread of its own.
+``gemma-spec-generate``, the soak, the bench's ``--via-action`` runner, the LangChain chat model
+(:func:`chat_transport`) and the node tests all drive the node through this one class. A goal goes
+to the action of its type (a ``Generate.Goal`` or a ``GenerateChat.Goal``).
 
 Blocking: each call returns when the node has answered, or raises :class:`NoAnswer`. The few hooks
 (``on_feedback``, ``on_accepted`` of :meth:`GenerateClient.send_goal`) run on the executor's
@@ -21,18 +23,20 @@ feedback and cancel work as usual); never found, :meth:`GenerateClient.send_goal
 """
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import time
 import uuid
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import rclpy
 from action_msgs.msg import GoalStatusArray
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
-from gemma_spec_msgs.action import Generate
+from gemma_spec_msgs.action import Generate, GenerateChat
+from gemma_spec_msgs.msg import ChatMessage, ToolCall
 from gemma_spec_msgs.msg import SpecStats as SpecStatsMsg
 from lifecycle_msgs.msg import Transition
 from lifecycle_msgs.srv import ChangeState, GetState
@@ -45,7 +49,7 @@ from rclpy.parameter import Parameter, parameter_value_to_python
 from rclpy.qos import QoSDurabilityPolicy, QoSProfile, QoSReliabilityPolicy
 from unique_identifier_msgs.msg import UUID
 
-from .node import action_name, spec_status_name  # noqa: F401  spec_status_name: for the client's users
+from .node import action_name, chat_action_name, spec_status_name  # noqa: F401  spec_status_name: for users
 
 TRANSITIONS = {"configure": Transition.TRANSITION_CONFIGURE,
                "activate": Transition.TRANSITION_ACTIVATE,
@@ -210,6 +214,7 @@ class GenerateClient:
         self._set_parameters = self.node.create_client(SetParameters,
                                                        f"{self.node_path}/set_parameters")
         self.action = ActionClient(self.node, Generate, action_name(self.node_path))
+        self.chat_action = ActionClient(self.node, GenerateChat, chat_action_name(self.node_path))
         self._lock = threading.Lock()
         # Feedback comes from a subscription of our own, not the ActionClient's feedback callback:
         # rclpy forgets a goal's feedback callback when its result arrives, and the result (a
@@ -217,17 +222,16 @@ class GenerateClient:
         # Keyed by goal id; a run its caller has dropped gets no more feedback. A deep queue: a
         # burst of one-token steps must not be dropped by the client itself.
         self._runs_by_goal: "weakref.WeakValueDictionary[bytes, GoalRun]" = weakref.WeakValueDictionary()
-        self.node.create_subscription(Generate.Impl.FeedbackMessage,
-                                      f"{action_name(self.node_path)}/_action/feedback",
-                                      self._on_feedback_message, QoSProfile(depth=1000))
         # The ids of the goals the server lists as accepted, kept only for goals whose response has
         # not come (see "Lost responses"); the status topic's QoS is the server's (rcl_action's).
         self._listed: Dict[bytes, Any] = {}  # goal id -> its GoalInfo in the server's status
         self._awaiting: Dict[bytes, GoalRun] = {}
-        self.node.create_subscription(GoalStatusArray, f"{action_name(self.node_path)}/_action/status",
-                                      self._on_status, QoSProfile(
-                                          depth=1, reliability=QoSReliabilityPolicy.RELIABLE,
-                                          durability=QoSDurabilityPolicy.TRANSIENT_LOCAL))
+        for action_type, name in ((Generate, action_name(self.node_path)),
+                                  (GenerateChat, chat_action_name(self.node_path))):
+            self.node.create_subscription(action_type.Impl.FeedbackMessage, f"{name}/_action/feedback",
+                                          self._on_feedback_message, QoSProfile(depth=1000))
+            self.node.create_subscription(GoalStatusArray, f"{name}/_action/status", self._on_status, QoSProfile(
+                depth=1, reliability=QoSReliabilityPolicy.RELIABLE, durability=QoSDurabilityPolicy.TRANSIENT_LOCAL))
         self._keep_history = keep_history
         self.diagnostics: List[DiagnosticStatus] = []
         self._latest: Dict[str, DiagnosticStatus] = {}
@@ -250,6 +254,7 @@ class GenerateClient:
         self.executor.shutdown(timeout_sec=2.0)
         self._spinner.join(timeout=5.0)
         self.action.destroy()
+        self.chat_action.destroy()
         self.node.destroy_node()
 
     # -- services ----------------------------------------------------------------------------------
@@ -295,13 +300,25 @@ class GenerateClient:
         return {name: parameter_value_to_python(value) for name, value in zip(names, values)}
 
     # -- the action --------------------------------------------------------------------------------
-    def wait_for_server(self, timeout: float = 30.0) -> bool:
-        """Whether the node's Generate action server is there (DDS discovery) within ``timeout``."""
-        return self.action.wait_for_server(timeout_sec=timeout)
+    def wait_for_server(self, timeout: float = 30.0, chat: bool = False) -> bool:
+        """Whether the node's Generate (``chat``: GenerateChat) action server is there (DDS
+        discovery) within ``timeout``."""
+        return (self.chat_action if chat else self.action).wait_for_server(timeout_sec=timeout)
 
     def send(self, timeout: float = 30.0, **fields: Any) -> GoalRun:
         """Send a Generate goal made of ``fields``; returns once it is accepted or rejected."""
         return self.send_goal(Generate.Goal(**fields), timeout)
+
+    def send_chat(self, timeout: float = 30.0, **fields: Any) -> GoalRun:
+        """Send a GenerateChat goal made of ``fields`` (:func:`chat_goal`: messages as dicts or
+        ChatMessage messages); returns once it is accepted or rejected."""
+        return self.send_goal(chat_goal(fields), timeout)
+
+    def _action_of(self, goal: Any) -> Tuple[ActionClient, Any, str]:
+        """The action client a goal goes to, its action type and its name."""
+        if isinstance(goal, GenerateChat.Goal):
+            return self.chat_action, GenerateChat, chat_action_name(self.node_path)
+        return self.action, Generate, action_name(self.node_path)
 
     def send_goal(self, goal: Generate.Goal, timeout: Optional[float] = 30.0,
                   on_feedback: Optional[Callable[[Any], None]] = None,
@@ -313,8 +330,9 @@ class GenerateClient:
         (an rclpy feedback callback's argument: the text is ``message.feedback.text``), after it
         is appended to the run's ``feedback``; ``on_accepted(run)`` in the goal-response callback
         of an accepted goal, before its result is requested."""
-        if not self.wait_for_server(30.0):
-            raise NoAnswer(f"no action server {action_name(self.node_path)}")
+        action, action_type, name = self._action_of(goal)
+        if not action.wait_for_server(timeout_sec=30.0):
+            raise NoAnswer(f"no action server {name}")
         run = GoalRun()
         who = self.node.get_name()
 
@@ -329,17 +347,17 @@ class GenerateClient:
         run.sent_at = time.monotonic()
         accepted_hook = guarded(on_accepted, who) if on_accepted is not None else None
         try:
-            future = self.action.send_goal_async(goal, goal_uuid=goal_id)
+            future = action.send_goal_async(goal, goal_uuid=goal_id)
             future.add_done_callback(guarded(lambda done: run._on_response(done, accepted_hook), who))
-            self._wait_response(run, goal_id, timeout, accepted_hook)
+            self._wait_response((action, action_type), run, goal_id, timeout, accepted_hook)
         finally:
             with self._lock:
                 self._awaiting.pop(key, None)
                 self._listed.pop(key, None)
         return run
 
-    def _wait_response(self, run: GoalRun, goal_id: UUID, timeout: Optional[float],
-                       on_accepted: Optional[Callable[[GoalRun], None]]) -> None:
+    def _wait_response(self, action: Tuple[ActionClient, Any], run: GoalRun, goal_id: UUID,
+                       timeout: Optional[float], on_accepted: Optional[Callable[[GoalRun], None]]) -> None:
         """Until the goal's response, or its id in the server's status once
         :data:`GOAL_RESPONSE_GRACE` seconds have passed without one (a lost response: see the
         module docstring); :class:`NoAnswer` after ``timeout`` seconds (None: no limit)."""
@@ -356,9 +374,10 @@ class GenerateClient:
             if listed is not None and time.monotonic() - run.sent_at >= GOAL_RESPONSE_GRACE:
                 self.node.get_logger().warning(
                     "no goal response (lost: ros2/rclpy#1123); the server lists the goal as accepted")
-                response = Generate.Impl.SendGoalService.Response(accepted=True, stamp=listed.stamp)
+                client, action_type = action
+                response = action_type.Impl.SendGoalService.Response(accepted=True, stamp=listed.stamp)
                 run.response_lost = True
-                run._responded_with(ClientGoalHandle(self.action, goal_id, response), on_accepted)
+                run._responded_with(ClientGoalHandle(client, goal_id, response), on_accepted)
             elif deadline is not None and time.monotonic() >= deadline:
                 raise NoAnswer(f"timed out after {timeout:.0f} s waiting for the goal response (and "
                                "the server does not list the goal: rejected, or never received)")
@@ -436,6 +455,62 @@ class GenerateClient:
         for topic in ("spec_stats", "spec_stats_rolling"):
             name = f"{self.node_path}/{topic}"
             wait_until(lambda: self.node.count_publishers(name) > 0, timeout, f"a publisher on {name}")
+
+
+def chat_goal(fields: Mapping[str, Any]) -> GenerateChat.Goal:
+    """A GenerateChat goal from plain fields: ``messages`` as dicts (role, content, name,
+    tool_call_id, tool_calls of {id, name, arguments}) or ChatMessage messages; the other fields
+    as the goal's."""
+    fields = dict(fields)
+    messages = [m if isinstance(m, ChatMessage) else ChatMessage(
+        role=m["role"], content=m.get("content") or "", name=m.get("name") or "",
+        tool_call_id=m.get("tool_call_id") or "",
+        tool_calls=[ToolCall(id=c.get("id") or "", name=c["name"], arguments=c.get("arguments") or "{}")
+                    for c in m.get("tool_calls") or ()]) for m in fields.pop("messages", ())]
+    return GenerateChat.Goal(messages=messages, **fields)
+
+
+def chat_result_fields(result: GenerateChat.Result) -> Dict[str, Any]:
+    """A GenerateChat result as plain fields (what :func:`chat_transport` returns)."""
+    message = result.message
+    return {"message": {"role": message.role, "content": message.content,
+                        "tool_calls": [{"id": c.id, "name": c.name, "arguments": c.arguments}
+                                       for c in message.tool_calls]},
+            "finish_reason": result.finish_reason, "error": result.error, "spec_mode": result.spec_mode,
+            "prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+            "prompt_tokens_reused": result.stats.num_prompt_tokens_reused}
+
+
+class TurnRefused(RuntimeError):
+    """The node rejected a chat turn (its log and /diagnostics' "last rejection" say why)."""
+
+
+class ChatTransport:
+    """goal fields -> result fields, over the GenerateChat action of the node at ``node_path``
+    (rclpy initialised if it is not): each call sends one turn and waits for its result (at most
+    ``timeout`` seconds). TurnRefused if the node rejects the goal, NoAnswer if it does not answer."""
+
+    def __init__(self, node_path: str, timeout: float = 300.0) -> None:
+        if not rclpy.ok():
+            rclpy.init()
+        self.node_path, self.timeout = node_path, timeout
+        self.client = GenerateClient(node_path, name=f"gemma_spec_chat_{uuid.uuid4().hex[:8]}", keep_history=False)
+
+    def __call__(self, fields: Mapping[str, Any]) -> Dict[str, Any]:
+        run = self.client.send_goal(chat_goal(fields), self.timeout)
+        if not run.accepted:
+            raise TurnRefused(f"{chat_action_name(self.node_path)} rejected the turn (the node's log and "
+                              "/diagnostics 'last rejection' say why)")
+        return chat_result_fields(run.wait_result(self.timeout, resend_after=min(self.timeout, 10.0)))
+
+    def close(self) -> None:
+        self.client.close()
+
+
+@functools.lru_cache(maxsize=None)
+def chat_transport(node_path: str, timeout: float = 300.0) -> ChatTransport:
+    """The process's one :class:`ChatTransport` to the node at ``node_path`` with ``timeout``."""
+    return ChatTransport(node_path, timeout)
 
 
 def key_values(status: DiagnosticStatus) -> Dict[str, str]:

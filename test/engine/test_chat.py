@@ -101,6 +101,14 @@ def test_an_openai_style_json_chat_becomes_a_conversation() -> None:
 
 
 # -- the template --------------------------------------------------------------------------------------
+def test_every_tool_choice_shows_the_same_tools(gemma4: ChatModel) -> None:
+    """The template shows every tool whatever tool_choice says (the grammar holds the reply to it):
+    a conversation's prompt keeps its prefix when the choice changes from turn to turn."""
+    texts = {choice: prepare_turn(planner_conversation(choice), gemma4.template, gemma4.vocab).text
+             for choice in ("auto", "required", "pick", "none")}
+    assert len(set(texts.values())) == 1 and "declaration:say{" in texts["pick"]
+
+
 def test_gemma4_style_template_gets_tools_calls_and_tool_responses_natively(gemma4: ChatModel) -> None:
     """Tools declared in the system turn, the earlier call in Gemma 4's own syntax, its result as a
     tool response inside the model's turn; the prompt's tokens are what llama.cpp's special-token
@@ -166,7 +174,9 @@ def test_gemma3_style_template_gets_the_fallback(gemma3: ChatModel) -> None:
             'Now pick it up.<end_of_turn>\n<start_of_turn>model\n') in turn.text
     assert list(turn.tokens) == gemma3.plain(turn.text[len("<s>"):])
     none = prepare_turn(planner_conversation("none"), gemma3.template, gemma3.vocab)
-    assert "You can call the tools below" not in none.text and none.constraint is None
+    assert none.constraint is None and none.syntax is None  # a text reply
+    for other in ("required", "move_to", "auto"):  # every turn shows the same tools: one prefix
+        assert prepare_turn(planner_conversation(other), gemma3.template, gemma3.vocab).text == none.text
 
 
 @pytest.mark.parametrize("source, reason", [

@@ -22,7 +22,7 @@ from gemma_spec_ros.engine.stats import SpecStats
 from gemma_spec_ros.engine.config import SpecConfig
 from gemma_spec_ros.node import diagnostics, goals, messages
 from gemma_spec_ros.node.messages import GoalRejected, request_from_goal
-from gemma_spec_ros.node.parameters import (PARAMETERS, check_values, defaults, engine_config_from,
+from gemma_spec_ros.node.parameters import (PARAMETERS, PARAMETERS_BY_NAME, check_values, defaults, engine_config_from,
                                             render_markdown)
 from gemma_spec_ros.tools import serve
 from support.node import config_values
@@ -38,6 +38,7 @@ limits.max_tokens queue.max_depth queue.max_running
 limits.max_prompt_bytes limits.max_stop_strings limits.max_stop_length limits.max_grammar_bytes generation.grammar generation.json_schema queue.result_timeout lookup.dynamic_max_ngrams lookup.save_period
 feedback.min_period diagnostics.period diagnostics.hardware_id
 suffix.history_path suffix.history_max_tokens suffix.save_period
+chat.template_path chat.conversation_cache_mb
 backend remote.url remote.model remote.api_key_env remote.connect_timeout remote.read_timeout
 remote.probe_period remote.n_ctx remote.fallback
 """.split()
@@ -53,6 +54,22 @@ def test_parameter_table_has_the_documented_names_and_descriptors() -> None:
             assert spec.value_range[0] <= spec.default <= spec.value_range[1], spec.name
             assert descriptor.integer_range or descriptor.floating_point_range
     assert check_values(defaults(), configured=False) == ""
+
+
+def test_chat_parameters_are_configure_time_and_reach_the_engine_config(tmp_path: Path) -> None:
+    """chat.* is read by configure (the template is loaded with the models); the snapshot bound is
+    given in MiB; a template file that does not exist fails configure before any model loads."""
+    from gemma_spec_ros.engine.errors import ModelLoadError
+    from gemma_spec_ros.node.engine_factory import check_files, plan_engine
+
+    assert all(PARAMETERS_BY_NAME[name].configure_time for name in ("chat.template_path", "chat.conversation_cache_mb"))
+    values = {**defaults(), "chat.template_path": str(tmp_path / "missing.jinja"), "chat.conversation_cache_mb": 64}
+    config = engine_config_from(values)
+    assert config.chat.conversation_cache_bytes == 64 << 20 and config.chat.template_path.endswith("missing.jinja")
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")  # what check_files reads of a model before any load
+    with pytest.raises(ModelLoadError, match="chat template file not found: .*missing.jinja"):
+        check_files(plan_engine({**values, "target.model_path": str(model), "lookup.cache_dir": str(tmp_path)}))
 
 
 def test_docs_parameters_md_is_generated_from_the_table(repo_root: Path) -> None:

@@ -200,7 +200,7 @@ def test_finished_goals_are_not_retained_for_15_minutes(serve: Any) -> None:
     assert client.transition("configure") and client.transition("activate")
     run = client.send(prompt="ab ab", max_tokens=2, temperature=0.0)
     assert run.accepted and run.wait_result().finish_reason in ("stop", "length")
-    server = served.node._goals._action_server
+    server = served.node._goals._action_servers["generate"]
     wait_until(lambda: not server._goal_handles, 30, "the finished goal's handle to expire")
 
 
@@ -240,7 +240,7 @@ def test_the_result_reaches_its_client_when_the_executor_sends_it_late(serve: An
     0.8 s late (no real component delays one executor task on demand); the server now outlives the
     send, since close() waits for the send itself."""
     served, running = a_long_goal_running(serve, embedded_model_path)
-    server = served.node._goals._action_server
+    server = served.node._goals._action_servers["generate"]
     destroy = server.destroy
     events = []
 
@@ -345,11 +345,12 @@ def test_queue_positions_published_from_two_threads_never_end_stale(serve: Any) 
     """N13 (second review): the executor (a goal queued) and the dispatcher (a goal started) both
     published queue positions without ordering: a position computed before a goal left the queue
     could be published after the new one and stay. Now one publication at a time."""
+    from gemma_spec_ros.node.goal_kinds import GENERATE
     from gemma_spec_ros.node.goals import Job, JobQueue
     node = serve().node
     published: list = []
     jobs = JobQueue()
-    running, slow, last = (Job(_SlowFeedbackHandle(name, published, delay), None)
+    running, slow, last = (Job(_SlowFeedbackHandle(name, published, delay), None, kind=GENERATE)
                            for name, delay in (("running", 0), ("slow", 0.3), ("last", 0)))
     for job in (running, slow, last):
         jobs.push(job)

@@ -26,6 +26,7 @@ from gemma_spec_ros.node.messages import request_from_goal
 from gemma_spec_ros.node.parameters import defaults, engine_config_from
 from gemma_spec_ros.tools import generate
 from gemma_spec_ros.tools.generate import EXIT_OK, EXIT_REJECTED, EXIT_UNAVAILABLE
+from support.chat import embedded_template_file
 from support.engine import collect
 from support.node import bin_path, serving, yaml_parameters
 
@@ -41,8 +42,9 @@ def overrides(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
     """Command-line overrides of config/embedded.yaml: small context, fixed K (not adaptive, so the
     drafts do not depend on timing), a dynamic n-gram cache file in a temporary folder."""
     folder = tmp_path_factory.mktemp("serve")
-    return {"target.n_ctx": 512, "spec.adaptive": False, "spec.draft_max": 3,
-            "lookup.dynamic_path": str(folder / "dynamic.bin"), "lookup.cache_dir": str(folder)}
+    return {"target.n_ctx": 1024, "spec.adaptive": False, "spec.draft_max": 3,
+            "lookup.dynamic_path": str(folder / "dynamic.bin"), "lookup.cache_dir": str(folder),
+            "chat.template_path": str(embedded_template_file(folder))}
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +152,41 @@ def test_generate_cli_cancels_its_goal_when_it_gives_up_waiting(client: Generate
     assert out.returncode == EXIT_UNAVAILABLE and "goal cancelled" in out.stderr, out.stderr
     client.wait_status(status, lambda s: int(key_values(s)["requests cancelled"]) == cancelled + 1,
                        timeout=15)
+
+
+@pytest.mark.timeout(300)
+def test_generate_cli_sends_a_chat_turn_from_a_file(client: GenerateClient, venv_python: Path,
+                                                    repo_root: Path, tmp_path: Path) -> None:
+    """``--chat FILE.json`` (the embedded model with the agent suite's template as
+    chat.template_path): the assistant's message comes back as one JSON object of OpenAI's shape,
+    its call validated; appended to the file's messages with the call's result it makes the next
+    turn, a text answer; a file the node would refuse is not sent, and says why."""
+    from gemma_spec_dev.bench.agent_suite import SKILLS, SYSTEM
+
+    chat = {"messages": [{"role": "system", "content": SYSTEM},
+                         {"role": "user", "content": "Bring a cup from the kitchen counter to the sofa."}],
+            "tools": SKILLS, "tool_choice": "required"}
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps(chat))
+    base = [bin_path(venv_python, "gemma-spec-generate"), "--chat", str(path), "--max-tokens", "64",
+            "--node", NODE, "--timeout", "200"]
+    out = subprocess.run(base + ["--spec-mode", "suffix"], cwd=repo_root, capture_output=True, text=True, timeout=240)
+    assert out.returncode == EXIT_OK, out.stderr
+    message = json.loads(out.stdout)
+    call = message["tool_calls"][0]
+    assert message["role"] == "assistant" and call["type"] == "function"
+    assert call["function"]["name"] in {tool["function"]["name"] for tool in SKILLS}
+    assert "finish_reason: tool_calls" in out.stderr and "status: SUCCEEDED" in out.stderr
+    chat["messages"] += [message, {"role": "tool", "tool_call_id": call["id"], "content": '{"ok": true}'}]
+    chat["tool_choice"] = "none"
+    path.write_text(json.dumps(chat))
+    out = subprocess.run(base + ["--stream"], cwd=repo_root, capture_output=True, text=True, timeout=240)
+    assert out.returncode == EXIT_OK, out.stderr
+    answer = json.loads(out.stdout)
+    assert "tool_calls" not in answer and answer["content"] and answer["content"] in out.stderr
+    path.write_text(json.dumps({"messages": [{"role": "robot", "content": "hi"}]}))
+    bad = subprocess.run(base, cwd=repo_root, capture_output=True, text=True, timeout=100)
+    assert bad.returncode == EXIT_REJECTED and "not sent: unknown role 'robot'" in bad.stderr, bad.stderr
 
 
 def test_generate_cli_streams_feedback_before_the_result(capsys: pytest.CaptureFixture) -> None:

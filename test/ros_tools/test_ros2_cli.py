@@ -22,7 +22,8 @@ import pytest
 import yaml
 
 from gemma_spec_ros.engine.drafters import learned_cache
-from support.ros2_cli import NODE, VENV, Background, launch, params_file, ros2, send_goal, wait_state
+from support.chat import embedded_template_file
+from support.ros2_cli import NODE, VENV, Background, launch, params_file, ros2, send_chat_goal, send_goal, wait_state
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -43,9 +44,11 @@ def own_domain(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, embedded_model_path: Path) -> Iterator[Path]:
-    """`ros2 launch gemma_spec_ros orin.launch.py params_file:=<embedded config>`, active; its tmp dir."""
+    """`ros2 launch gemma_spec_ros orin.launch.py params_file:=<embedded config>`, active; its tmp dir.
+    The embedded base model has no chat template: chat.template_path gives it the agent suite's."""
     tmp = tmp_path_factory.mktemp("launch")
-    proc = launch(tmp, params_file(tmp, embedded_model_path))
+    proc = launch(tmp, params_file(tmp, embedded_model_path, **{
+        "chat.template_path": str(embedded_template_file(tmp)), "target.n_ctx": 1024}))
     try:
         wait_state("active")
         yield tmp
@@ -105,6 +108,32 @@ def test_send_goal_with_a_json_schema_returns_json_that_validates(served: Path) 
     refused.proc.wait(60)
     out = refused.output
     refused.close()
+    assert "Goal was rejected" in out, out
+
+
+@pytest.mark.timeout(300)
+def test_send_goal_generate_chat_returns_a_typed_tool_call(served: Path) -> None:
+    """A chat turn from the command line: GenerateChat with the agent suite's skills as tools and
+    tool_choice required; the result's message carries one call whose arguments follow the
+    skill's schema, finish_reason tool_calls, SUCCEEDED. A turn with an unknown role is rejected."""
+    from gemma_spec_dev.bench.agent_suite import SKILLS
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in SKILLS}
+    goal = {"messages": [{"role": "user", "content": "Put the apple from the kitchen table into the fridge."}],
+            "tools": json.dumps(SKILLS), "tool_choice": "required", "max_tokens": 64, "temperature": 0.0,
+            "spec_mode": "suffix"}
+    sent = send_chat_goal(served, goal)
+    sent.proc.wait(200)
+    out = sent.output
+    sent.close()
+    assert "Goal accepted" in out and "Goal finished with status: SUCCEEDED" in out, out
+    result = printed_result(out)
+    assert result["finish_reason"] == "tool_calls" and result["error"] == "", result
+    (call,) = result["message"]["tool_calls"]
+    jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
+    bad = send_chat_goal(served, {**goal, "messages": [{"role": "robot", "content": "hi"}]}, name="bad_chat")
+    bad.proc.wait(60)
+    out = bad.output
+    bad.close()
     assert "Goal was rejected" in out, out
 
 

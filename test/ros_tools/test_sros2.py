@@ -1,7 +1,8 @@
 """The SROS2 policy (gemma_spec_ros/config/sros2/policy.xml) against the node as it runs.
 
-1. Always: every topic, service and action that the running node (configured, active, after a goal)
-   and a planner create, read from the live ROS graph, is granted to their enclave by the policy.
+1. Always: every topic, service and action that the running node (configured, active, after a goal
+   and a chat turn) and a planner create, read from the live ROS graph, is granted to their enclave
+   by the policy (the embedded model chats in the template file given as chat.template_path).
    A new entity without a policy line fails here (a test mutates the policy to show it).
 2. Where sros2 and DDS-Security plugins are installed (scripts/install_sros2.sh: sros2 and Cyclone
    DDS's plugins; the Fast DDS of the Jazzy wheels has none): a keystore, enclaves and permissions
@@ -25,6 +26,7 @@ from action_msgs.msg import GoalStatus
 from gemma_spec_ros.client import wait_until
 from gemma_spec_ros.node import NODE_NAME
 from support import action_planner
+from support.chat import embedded_template_file
 from support.node import READY, ServedNode
 from support.sros2_policy import enclave_grants, flattened, settled_entities, ungranted
 
@@ -48,15 +50,19 @@ def served(node_client: Callable[..., ServedNode], tmp_path_factory: pytest.Temp
     return node_client(NODE_NAME, {
         "target.model_path": str(embedded_model_path), "target.n_ctx": 512,
         "lookup.dynamic_path": str(folder / "dynamic.bin"), "lookup.cache_dir": str(folder),
+        "chat.template_path": str(embedded_template_file(folder)),
     })
 
 
 @pytest.fixture(scope="module")
 def planner(served: ServedNode) -> Iterator[rclpy.node.Node]:
-    """A planner node that has sent one goal and got its result."""
+    """A planner node that has sent one goal and one chat turn, and got their results; it keeps
+    both action clients, so the graph shows them."""
     node = rclpy.create_node(action_planner.NAME)
-    status, text = action_planner.generate(node, f"/{NODE_NAME}", PROMPT, 8)
+    status, text = action_planner.generate(node, f"/{NODE_NAME}", PROMPT, 8, keep=True)
     assert status == GoalStatus.STATUS_SUCCEEDED and text
+    status, call = action_planner.chat(node, f"/{NODE_NAME}", "Go to the dock.", 48, keep=True)
+    assert status == GoalStatus.STATUS_SUCCEEDED and call.startswith("navigate ")
     yield node
     node.destroy_node()
 
@@ -69,7 +75,7 @@ def graph(served: ServedNode, planner: rclpy.node.Node) -> Dict[str, Dict[str, s
 
 def test_the_node_creates_what_it_serves(graph: Dict[str, Dict[str, set]]) -> None:
     node = graph[NODE_NAME]
-    assert node["execute"] == {f"/{NODE_NAME}/generate"}
+    assert node["execute"] == {f"/{NODE_NAME}/generate", f"/{NODE_NAME}/generate_chat"}
     assert {f"/{NODE_NAME}/change_state", f"/{NODE_NAME}/set_parameters"} <= node["reply"]
     assert {"/diagnostics", "/rosout", f"/{NODE_NAME}/spec_stats", f"/{NODE_NAME}/transition_event"} <= node["publish"]
 
@@ -80,7 +86,7 @@ def test_the_policy_grants_the_node_every_entity_it_created(graph: Dict[str, Dic
 
 def test_the_policy_grants_the_planner_every_entity_it_created(graph: Dict[str, Dict[str, set]]) -> None:
     planner = graph[action_planner.NAME]
-    assert planner["call"] == {f"/{NODE_NAME}/generate"}
+    assert planner["call"] == {f"/{NODE_NAME}/generate", f"/{NODE_NAME}/generate_chat"}
     assert ungranted(planner, enclave_grants(POLICY, PLANNER_ENCLAVE)) == []
 
 
@@ -88,7 +94,16 @@ def test_the_planner_may_neither_reconfigure_nor_drive_the_node() -> None:
     grants = enclave_grants(POLICY, PLANNER_ENCLAVE)
     for service in ("change_state", "set_parameters", "get_parameters"):
         assert not grants.allows("request", f"/{NODE_NAME}/{service}")
-    assert not grants.allows("execute", f"/{NODE_NAME}/generate")
+    for action in ("generate", "generate_chat"):
+        assert not grants.allows("execute", f"/{NODE_NAME}/{action}")
+
+
+def test_the_operator_may_drive_the_node_but_sends_no_goals() -> None:
+    """The operator's tools get the lifecycle and parameters, and neither action (as a planner's)."""
+    grants = enclave_grants(POLICY, OPERATOR_ENCLAVE)
+    assert grants.allows("request", f"/{NODE_NAME}/change_state")
+    for action in ("generate", "generate_chat"):
+        assert not grants.allows("call", f"/{NODE_NAME}/{action}")
 
 
 def test_an_entity_without_its_policy_line_fails_the_check(graph: Dict[str, Dict[str, set]], tmp_path: Path) -> None:
@@ -142,17 +157,22 @@ def as_enclave(env: Dict[str, str], enclave: str) -> Dict[str, str]:
     return {**env, "ROS_SECURITY_ENCLAVE_OVERRIDE": enclave}
 
 
+def chat_params(folder: Path, model: Path) -> Path:
+    """The ros2 CLI tests' params file, with the chat template the embedded model chats in."""
+    from support.ros2_cli import params_file
+    return params_file(folder, model, **{"chat.template_path": str(embedded_template_file(folder))})
+
+
 @pytest.fixture(scope="module")
 def secure_node(secure_env: Dict[str, str], tmp_path_factory: pytest.TempPathFactory,
                 embedded_model_path: Path) -> Iterator[subprocess.Popen]:
     """gemma-spec-serve in the node's enclave under Enforce, configured and active."""
-    from support.ros2_cli import params_file
     folder = tmp_path_factory.mktemp("secure_node")
     log = folder / "serve.log"
     with open(log, "w") as out:
         process = subprocess.Popen(
             [str(Path(sys.prefix) / "bin" / "gemma-spec-serve"), "--params-file",
-             str(params_file(folder, embedded_model_path)), "--ros-args", "--enclave", NODE_ENCLAVE],
+             str(chat_params(folder, embedded_model_path)), "--ros-args", "--enclave", NODE_ENCLAVE],
             env=secure_env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_until(lambda: READY in log.read_text() or process.poll() is not None, 300, "the secured node")
@@ -171,6 +191,10 @@ def test_under_enforce_the_node_serves_a_planners_goal(secure_env: Dict[str, str
                as_enclave(secure_env, PLANNER_ENCLAVE))
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["status"] == GoalStatus.STATUS_SUCCEEDED and result["text"]
+    done = run([sys.executable, action_planner.__file__, f"/{NODE_NAME}", "Go to the dock.", "48", "--chat"],
+               as_enclave(secure_env, PLANNER_ENCLAVE))
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["status"] == GoalStatus.STATUS_SUCCEEDED and result["text"].startswith("navigate ")
 
 
 @pytest.mark.timeout(600)
@@ -225,12 +249,12 @@ def test_under_enforce_the_launch_file_runs_the_node_in_its_enclave(
     own node runs as /robot/launch, the node it starts as /robot/gemma_spec (the launch file's
     ``ROS_SECURITY_ENCLAVE_OVERRIDE``), and the node serves a planner's goal. The module's secured
     node is stopped first: the launched one has the same name."""
-    from support.ros2_cli import Background, params_file
+    from support.ros2_cli import Background
     secure_node.kill()
     secure_node.wait()
     ros2 = str(Path(sys.prefix) / "bin" / "ros2")
     launched = Background([ros2, "launch", "gemma_spec_ros", "orin.launch.py",
-                           f"params_file:={params_file(tmp_path, embedded_model_path)}", "respawn:=false",
+                           f"params_file:={chat_params(tmp_path, embedded_model_path)}", "respawn:=false",
                            f"enclave:={NODE_ENCLAVE}"], tmp_path / "launch.log", env=as_enclave(secure_env, LAUNCH_ENCLAVE))
     try:
         launched.wait_for("active: accepting goals", 300)

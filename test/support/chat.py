@@ -1,6 +1,7 @@
-"""Chat fixtures shared by the chat tests: the planner's skills as tools, conversations, and a
-greedy constrained decode of a turn on a real model (the engine's loop does this for requests; the
-chat layer's own tests drive the model directly)."""
+"""Chat fixtures shared by the chat tests: the planner's skills as tools, conversations, a greedy
+constrained decode of a turn on a real model (the engine's loop serves turns: test_chat_engine.py;
+the chat layer's own tests drive the model directly), and the template file given to the embedded
+base model, which has none of its own."""
 from __future__ import annotations
 
 import json
@@ -110,6 +111,17 @@ def decode_turn(backend: Any, vocab: Any, grammar_vocab: GrammarVocab, turn: Cha
             break
         rows = backend.decode([token], [0])
     return Decoded(tokens, streamed + stream.flush(), ended, stream)
+
+
+def embedded_template_file(folder: Path) -> Path:
+    """A chat template file for the embedded Gemma 3 270M base model (it has no
+    tokenizer.chat_template): the agent suite's (Gemma 3 turns, calls as JSON in <tool_call> tags),
+    for the node's chat.template_path."""
+    from gemma_spec_dev.bench.agent_suite import TEMPLATE  # noqa: WPS433
+
+    path = Path(folder) / "embedded-chat-template.jinja"
+    path.write_text(TEMPLATE)
+    return path
 
 
 def control_count(tokens: Sequence[int], token: int) -> int:

@@ -144,3 +144,11 @@ def send_goal(tmp: Path, max_tokens: int, name: str = "goal", env: Optional[Dict
     return Background([str(VENV / "bin" / "ros2"), "action", "send_goal", "--feedback",
                        f"{NODE}/generate", "gemma_spec_msgs/action/Generate",
                        goal_yaml(max_tokens, **fields)], tmp / f"{name}.log", env)
+
+
+def send_chat_goal(tmp: Path, goal: Dict[str, object], name: str = "chat") -> Background:
+    """`ros2 action send_goal --feedback <node>/generate_chat gemma_spec_msgs/action/GenerateChat` with
+    ``goal`` (its fields, as YAML)."""
+    return Background([str(VENV / "bin" / "ros2"), "action", "send_goal", "--feedback",
+                       f"{NODE}/generate_chat", "gemma_spec_msgs/action/GenerateChat",
+                       yaml.safe_dump(goal, default_flow_style=True, width=10_000).strip()], tmp / f"{name}.log")

@@ -1,12 +1,16 @@
-"""The LangChain chat model's side of the wire (gemma_spec_dev.langchain_chat): LangChain messages
-and tools -> GenerateChat goal fields -> the chat layer on a real tiny model -> result fields ->
-AIMessage with tool calls, in a tool-calling loop. The loop against the real node, over ROS, is in
-test/node/test_chat_action.py; here the transport is the chat layer itself, run in-process."""
+"""The LangChain chat model (gemma_spec_dev.langchain_chat): LangChain messages and tools ->
+GenerateChat goal fields -> a served turn -> result fields -> AIMessage with tool calls, in a
+tool-calling loop, twice: against the real node over ROS (its default transport: a GenerateChat
+client, rclpy over loopback, the engine's loop), and with the chat layer run in-process as the
+transport. Model: the tiny random-weight GGUF with a Gemma 4 style template (native calls).
+
+langchain-core is an optional extra of the package; scripts/setup.sh installs it, so this runs in
+CI (it skips, saying so, only in a venv made without it)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict, Iterator, Literal
+from typing import Any, Callable, Dict, Iterator, Literal
 
 import pytest
 
@@ -17,8 +21,11 @@ from langchain_core.tools import tool  # noqa: E402
 
 from gemma_spec_dev.langchain_chat import GemmaSpecChat, chat_message, goal_fields  # noqa: E402
 from gemma_spec_ros.engine.chat import conversation_from_json, prepare_turn  # noqa: E402
+from gemma_spec_ros.node.parameters import defaults  # noqa: E402
 from support.chat import ChatModel  # noqa: E402
 from support.tiny_chat_gguf import write_tiny_chat_gguf  # noqa: E402
+
+NODE = "gemma_spec_langchain"
 
 
 # Literal arguments: a random-weight model writing a free string would not stop within the budget.
@@ -85,11 +92,10 @@ def test_langchain_messages_become_goal_fields() -> None:
     assert chat_message(HumanMessage("hi", name="op"))["name"] == "op"
 
 
-def test_a_tool_calling_loop(turns: InProcessTurns) -> None:
+def tool_calling_loop(model: GemmaSpecChat) -> list:
     """bind_tools with LangChain tools, three turns: each reply's calls are LangChain tool calls of
     the bound tools with their arguments; their results go back as ToolMessages; the last turn
-    (tool_choice none) answers in text."""
-    model = GemmaSpecChat(transport=turns, max_tokens=120)
+    (tool_choice none) answers in text. The conversation, for the caller's checks."""
     tools = {"move_to": move_to, "say": say}
     agent = model.bind_tools(list(tools.values()), tool_choice="any")
     history = [SystemMessage("You plan for a robot."), HumanMessage("Go to the dock, then say hi.")]
@@ -103,5 +109,35 @@ def test_a_tool_calling_loop(turns: InProcessTurns) -> None:
         assert reply.response_metadata["finish_reason"] == "tool_calls"
     final = model.bind_tools(list(tools.values()), tool_choice="none").invoke(history)
     assert final.tool_calls == [] and final.response_metadata["finish_reason"] in ("stop", "length")
+    return history + [final]
+
+
+def test_a_tool_calling_loop_in_process(turns: InProcessTurns) -> None:
+    tool_calling_loop(GemmaSpecChat(transport=turns, max_tokens=120))
     sent = turns.goals[-1]["messages"]
     assert [m["role"] for m in sent][:4] == ["system", "user", "assistant", "tool"]
+
+
+@pytest.fixture(scope="module")
+def node_path(node_client: Callable[..., Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A node serving the tiny Gemma 4 style model, active; the LangChain model's own ROS transport
+    to it is closed at the end."""
+    from gemma_spec_ros.client import chat_transport
+
+    folder = tmp_path_factory.mktemp("lc_node")
+    overrides = {"target.model_path": str(write_tiny_chat_gguf(folder / "chat.gguf")), "target.n_ctx": 2048,
+                 "target.n_threads": 1, "lookup.cache_dir": str(folder), "spec.mode": "suffix"}
+    node_client(NODE, {k: v for k, v in overrides.items() if v != defaults()[k]})
+    yield f"/{NODE}"
+    chat_transport(f"/{NODE}", 120.0).close()
+    chat_transport.cache_clear()
+
+
+@pytest.mark.timeout(300)
+def test_a_tool_calling_loop_against_the_served_node(node_path: str) -> None:
+    """The same loop against the node: GemmaSpecChat(node=...) with no transport of its own sends
+    each turn as a GenerateChat goal; the later turns reuse the conversation's KV on the node."""
+    history = tool_calling_loop(GemmaSpecChat(node=node_path, max_tokens=120, timeout=120.0))
+    replies = [m for m in history if isinstance(m, AIMessage)]
+    assert len(replies) == 3 and all(m.response_metadata["spec_mode"].startswith("suffix") for m in replies)
+    assert replies[-1].response_metadata["prompt_tokens_reused"] > 0

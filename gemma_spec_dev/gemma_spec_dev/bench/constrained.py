@@ -118,12 +118,17 @@ def run_one(engine: Any, request: GenerationRequest, schema: Optional[Mapping[st
             "problem": validate(text, schema) if schema is not None else ""}
 
 
-def summarize(records: Sequence[Mapping[str, Any]]) -> Dict[str, Dict[str, Any]]:
-    by_runner: Dict[str, List[Mapping[str, Any]]] = {}
+def by_runner(records: Sequence[Mapping[str, Any]]) -> Dict[str, List[Mapping[str, Any]]]:
+    """The records of each runner, runners in the order they first appear."""
+    grouped: Dict[str, List[Mapping[str, Any]]] = {}
     for record in records:
-        by_runner.setdefault(record["runner"], []).append(record)
+        grouped.setdefault(record["runner"], []).append(record)
+    return grouped
+
+
+def summarize(records: Sequence[Mapping[str, Any]]) -> Dict[str, Dict[str, Any]]:
     out = {}
-    for runner, rows in by_runner.items():
+    for runner, rows in by_runner(records).items():
         rates = [r["tokens_per_s"] for r in rows if r["tokens_per_s"] and not math.isnan(r["tokens_per_s"])]
         taus = [r["tau"] for r in rows if not math.isnan(r["tau"])]
         constrained = rows[0]["constrained"]

@@ -171,6 +171,24 @@ MAX_RUNNING = 4
 
 
 @dataclass(frozen=True)
+class ChatConfig:
+    """Chat turns (engine/chat/): the template that renders them, and the conversations' KV kept
+    between turns (engine/conversations.py)."""
+
+    #: a Jinja chat template file used instead of the model's own (``tokenizer.chat_template``), e.g.
+    #: for a base model without one; '' = the model's own
+    template_path: str = ""
+    #: host memory for snapshots of recent conversations' KV (a follow-up turn after another
+    #: conversation's evaluates only its new tokens); least recently used out first; 0 = none kept
+    conversation_cache_bytes: int = 256 << 20
+
+    def __post_init__(self) -> None:
+        if self.conversation_cache_bytes < 0:
+            raise ValueError(f"conversation_cache_bytes={self.conversation_cache_bytes}: must be >= 0 "
+                             "(0 = keep no conversation's KV)")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything needed to build an :class:`~gemma_spec_ros.engine.engine.Engine`."""
 
@@ -179,6 +197,7 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     lookup: LookupConfig = field(default_factory=LookupConfig)
     suffix: SuffixConfig = field(default_factory=SuffixConfig)
+    chat: ChatConfig = field(default_factory=ChatConfig)
     #: requests served at once, each in its own sequence of the target, their steps in one pass
     #: (engine/slots.py); 1 = one at a time, as the loop in engine.py runs them
     max_running: int = 1

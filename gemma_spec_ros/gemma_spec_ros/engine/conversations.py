@@ -4,9 +4,10 @@ One planner talking to the node needs nothing of this: the target's KV cache sti
 turn (prompt + reply), and prompt reuse keeps the common prefix. Several planners (or a planner with
 several conversations) take turns, and each turn would find another conversation's KV. So when a
 turn ends, the sequence's state is copied out (llama.cpp's ``llama_state_seq_get_data``: the KV
-cells of sequence 0, ~9.4 KiB a token for Gemma 3 270M) and kept under its tokens; when a turn
+cells of the request's sequence, ~9.4 KiB a token for Gemma 3 270M) and kept under its tokens; when a turn
 starts, the snapshot whose tokens share the longest prefix with the new prompt is copied back in
-(``llama_state_seq_set_data``) if it shares more than what the cache holds now. The store keeps at
+(``llama_state_seq_set_data``, into whichever sequence the turn runs in: several requests at once
+each have one) if it shares more than what the sequence holds now. The store keeps at
 most ``max_bytes`` of snapshots and drops the least recently used first.
 
 Why snapshots, not a KV sequence per conversation: llama.cpp's sequences share one cache of n_ctx
@@ -47,7 +48,10 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class ConversationCache:
-    """Snapshots of sequence 0's KV by the tokens they hold, at most ``max_bytes``, LRU.
+    """Snapshots of a sequence's KV by the tokens they hold, at most ``max_bytes``, LRU.
+
+    A backend is the target (its sequence 0) or one sequence of it (llama/model.py SequenceView):
+    ``seq``, ``kv_tokens`` (settable), ``clear()`` and ``handles``.
 
     ``min_gain``: a snapshot is restored only if it shares at least this many more tokens with the
     prompt than the cache's own content does (a copy is not free). Thread-safe; the backend is used
@@ -78,11 +82,12 @@ class ConversationCache:
         import llama_cpp  # noqa: WPS433
 
         _, ctx = backend.handles
-        size = int(llama_cpp.llama_state_seq_get_size(ctx, 0))
+        seq = backend.seq
+        size = int(llama_cpp.llama_state_seq_get_size(ctx, seq))
         if size > self.max_bytes:
             return False
         data = (ctypes.c_uint8 * size)()
-        written = int(llama_cpp.llama_state_seq_get_data(ctx, data, size, 0))
+        written = int(llama_cpp.llama_state_seq_get_data(ctx, data, size, seq))
         if written <= 0:
             return False
         with self._lock:
@@ -96,9 +101,12 @@ class ConversationCache:
         return True
 
     def _drop_covered(self, tokens: Tuple[int, ...]) -> None:
-        """Snapshots that are a prefix of ``tokens`` (the same conversation, earlier) go: the new
-        one serves every prompt they would."""
-        for key in [k for k in self._snapshots if len(k) <= len(tokens) and tokens[:len(k)] == k]:
+        """Snapshots the new one covers go: those it extends (the same conversation, earlier), and
+        those that leave it less than ``min_gain`` tokens before their end (the conversation's
+        previous turn, whose last reply tokens the template wrote back otherwise). For any prompt
+        such a snapshot would serve at most ``min_gain`` tokens more than the new one, and a
+        restore needs more than that."""
+        for key in [k for k in self._snapshots if len(k) - common_prefix(k, tokens) <= self.min_gain]:
             self._bytes -= self._snapshots.pop(key).size
 
     def best(self, prompt: Sequence[int]) -> Tuple[Optional[Snapshot], int]:
@@ -122,7 +130,7 @@ class ConversationCache:
 
         _, ctx = backend.handles
         backend.clear()
-        if int(llama_cpp.llama_state_seq_set_data(ctx, snapshot.data, snapshot.size, 0)) <= 0:
+        if int(llama_cpp.llama_state_seq_set_data(ctx, snapshot.data, snapshot.size, backend.seq)) <= 0:
             backend.clear()  # nothing trustworthy is left: evaluate the prompt afresh
             return 0
         backend.kv_tokens = list(snapshot.tokens)

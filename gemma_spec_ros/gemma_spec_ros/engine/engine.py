@@ -8,7 +8,8 @@ Public API (the node and the bench use only this):
     engine.check_spec(spec) -> str           # '' if usable, else the reason (e.g. no draft model)
     engine.update_spec(spec)                 # thread-safe; raises ValueError(reason); next step uses it
     engine.count_prompt_tokens(request)      # tokens of the (templated) prompt; thread-safe, ~ms
-    engine.count_prompt(request)             # the same as a CountedPrompt, with the tokens
+    engine.count_prompt(request)             # the same as a CountedPrompt, with the tokens (and a
+                                             # chat turn prepared: template, constraint, syntax)
     engine.check_request(request[, n_prompt_tokens])  # raises PromptTooLongError if prompt +
                                              # max_tokens > n_ctx, ValueError if its spec_mode cannot
                                              # be used here or its grammar / json_schema does not
@@ -20,6 +21,7 @@ Public API (the node and the bench use only this):
         step.spec_mode, step.draft_max       # what was in effect at this step
         step.finish_reason                   # None until the last step: stop | length | timeout |
                                              # cancelled (request.time_budget; the cancel event)
+        step.reply                           # a chat turn's last step: the assistant message
     # generate() raises EngineError (e.g. PromptTooLongError, KVCacheError) on failure; the engine
     # stays usable for the next request. One generate() at a time (the node serialises).
     engine.rolling_stats()                   # SpecStats over all requests so far (a copy)
@@ -40,7 +42,10 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .config import EngineConfig, SpecConfig
+from .chat.template import ChatTemplate, ChatVocab
+from .chat.turn import ChatTurn, model_template, prepare_turn, template_file
+from .config import EngineConfig, SpecConfig, expand_path
+from .conversations import ConversationCache
 from .detokenize import TextAssembler
 from .drafters.base import Drafter
 from .drafters.lookup import LookupDrafter
@@ -122,6 +127,11 @@ class Engine:
         self._grammar_vocab: Optional[GrammarVocab] = None  # made by the first constrained request
         self._scheduler: Optional[SlotScheduler] = None  # several requests at once (slots.py)
         n_slots = config.max_running
+        # chat turns: the template (a file's, loaded now: a bad file fails the load; else the
+        # model's own, read at the first turn) and recent conversations' KV (conversations.py)
+        self._chat_template: Optional[ChatTemplate] = None
+        self._chat_vocab: Optional[ChatVocab] = None
+        self.conversations = ConversationCache(config.chat.conversation_cache_bytes)
         # A window-sized sliding-window cache (LlamaModel): the target rolls back only the
         # rejected tokens of its last pass, and prompt reuse checks the window. Safe only while
         # every verify pass is one llama.cpp batch: with a smaller n_batch, the full cache. The
@@ -146,6 +156,8 @@ class Engine:
             suffix = config.suffix  # its history learns in every mode; it drafts in its modes' steps
             tag = self.target.vocab_tag() if suffix.history_path else ""
             self._add_drafter(SuffixDrafter(suffix, vocab_tag=tag, request_room=config.target.n_ctx))
+            if config.chat.template_path:
+                self._chat_template = template_file(expand_path(config.chat.template_path))
         except BaseException:
             self.close()
             raise
@@ -231,10 +243,14 @@ class Engine:
         return len(drafting.drafter.dynamic_cache) if drafting is not None else 0
 
     def status(self) -> Dict[str, Any]:
-        """Key-values for /diagnostics: the backend, the learned lookup cache's size, and with
-        several requests at once how many run and how full the passes are."""
+        """Key-values for /diagnostics: the backend, the learned lookup cache's size, the
+        conversations kept, and with several requests at once how many run and how full the
+        passes are."""
         values: Dict[str, Any] = {"backend": "local", "served by": "local",
-                                  "dynamic cache n-grams": self.dynamic_ngrams()}
+                                  "dynamic cache n-grams": self.dynamic_ngrams(),
+                                  "conversations kept": len(self.conversations),
+                                  "conversations MiB": round(self.conversations.bytes / (1 << 20), 1),
+                                  "conversations restored": self.conversations.restored}
         scheduler = self._scheduler
         if scheduler is not None:
             counts = scheduler.counts
@@ -264,6 +280,8 @@ class Engine:
         with self._vocab_lock:
             if self._freed:
                 raise EngineError("the engine is closed")
+            if request.conversation is not None:
+                return list(self._chat_turn(request).tokens)
             if request.use_chat_template:  # turns come from the template, never from the content
                 return self.target.chat_tokens(request.prompt, request.system_prompt)
             return self.target.tokenize(request.plain_prompt, add_special=True, parse_special=False)
@@ -272,8 +290,25 @@ class Engine:
         return len(self.prompt_tokens(request))
 
     def count_prompt(self, request: GenerationRequest) -> CountedPrompt:
+        if request.conversation is not None:
+            with self._vocab_lock:
+                if self._freed:
+                    raise EngineError("the engine is closed")
+                turn = self._chat_turn(request)
+            return CountedPrompt(len(turn.tokens), turn.tokens, turn)
         tokens = self.prompt_tokens(request)
         return CountedPrompt(len(tokens), tuple(tokens))
+
+    def _chat_turn(self, request: GenerationRequest) -> ChatTurn:
+        """The chat request's turn prepared: the conversation in the chat template, tokenized, and
+        the reply's constraint compiled (ValueError / TemplateError with the reason: a refusal).
+        Under the vocabulary lock (the caller's thread: a goal callback)."""
+        if self._chat_template is None:
+            self._chat_template = model_template(self.target)
+        if self._chat_vocab is None:
+            self._chat_vocab = ChatVocab(self.target)
+        return prepare_turn(request.conversation, self._chat_template, self._chat_vocab,
+                            request.grammar, request.json_schema)
 
     def check_request(self, request: GenerationRequest, n_prompt_tokens: Optional[int] = None) -> None:
         """Raise PromptTooLongError or ValueError (see the module docstring); ``n_prompt_tokens``
@@ -290,11 +325,13 @@ class Engine:
         # cached by text, so that generate() does not compile it again)
         compiled_constraint(request.grammar, request.json_schema)
 
-    def _start_grammar(self, request: GenerationRequest) -> Optional[Grammar]:
-        """The request's grammar state (None without a constraint). Runs in the generation thread
-        (the models are freed only under its lock): the first constrained request builds
-        llguidance's tokenizer of the vocabulary (~2-4 s for 262,144 tokens, once per engine)."""
-        constraint = compiled_constraint(request.grammar, request.json_schema)
+    def _start_grammar(self, request: GenerationRequest, turn: Optional[ChatTurn] = None) -> Optional[Grammar]:
+        """The request's grammar state (None without a constraint; a chat turn's is the turn's).
+        Runs in the generation thread (the models are freed only under its lock): the first
+        constrained request builds llguidance's tokenizer of the vocabulary (~2-4 s for 262,144
+        tokens, once per engine)."""
+        constraint = turn.constraint if turn is not None else compiled_constraint(request.grammar,
+                                                                                  request.json_schema)
         if constraint is None:
             return None
         if self._grammar_vocab is None:
@@ -335,19 +372,18 @@ class Engine:
     def _stop_requested(self, cancel: Optional[threading.Event]) -> bool:
         return self._closing.is_set() or (cancel is not None and cancel.is_set())
 
-    def _checked_prompt(self, request: GenerationRequest, counted: Optional[CountedPrompt]) -> List[int]:
-        """The request's prompt tokens: ``counted``'s (the caller checked the request), else
-        tokenized and checked here."""
-        if counted is not None and counted.tokens is not None:
-            return list(counted.tokens)
-        prompt = self.prompt_tokens(request)
-        self.check_request(request, len(prompt))
-        return prompt
+    def _checked_prompt(self, request: GenerationRequest, counted: Optional[CountedPrompt]) -> CountedPrompt:
+        """The request's counted prompt: ``counted`` (the caller checked the request), else counted
+        and checked here (a chat request's carries its turn)."""
+        if counted is None or counted.tokens is None or (request.conversation is not None and counted.turn is None):
+            counted = self.count_prompt(request)
+            self.check_request(request, counted.n_tokens)
+        return counted
 
     def _generate(self, request: GenerationRequest, cancel: Optional[threading.Event],
                   counted: Optional[CountedPrompt]) -> Iterator[Step]:
-        prompt = self._checked_prompt(request, counted)
-        state = self._start(request, prompt, cancel)
+        counted = self._checked_prompt(request, counted)
+        state = self._start(request, list(counted.tokens), cancel, counted.turn)
         try:
             try:
                 first = self._prompt_pass(state, cancel)
@@ -370,23 +406,27 @@ class Engine:
             self._end(state)
 
     def _start(self, request: GenerationRequest, prompt: List[int], cancel: Optional[threading.Event],
-               kv: Any = None, drafters: Optional[Dict[str, Drafting]] = None) -> RequestState:
-        """A request's state: its sampler and seed stream, its text, its stats, its grammar; the KV
-        sequence it decodes in and its drafters (the target's only sequence and the engine's
-        drafters, unless a slot of several requests at once gives its own: engine/slots.py)."""
+               turn: Optional[ChatTurn] = None, kv: Any = None,
+               drafters: Optional[Dict[str, Drafting]] = None) -> RequestState:
+        """A request's state: its sampler and seed stream, its text (a chat turn's: the message's,
+        read by the turn's reply stream), its stats, its grammar; the KV sequence it decodes in
+        and its drafters (the target's only sequence and the engine's drafters, unless a slot of
+        several requests at once gives its own: engine/slots.py)."""
         sampler = Sampler(request.sampling)
         verification = self._spec.verification
         kv = self.target if kv is None else kv
         drafters = self.drafters if drafters is None else drafters
         ends = Ends(is_eog=self.target.is_eog, context_full=lambda: kv.n_past + 1 >= self.n_ctx,
                     stop_requested=lambda: self._stop_requested(cancel))
+        text = (turn.stream(self._chat_vocab, request.stop) if turn is not None
+                else TextAssembler(self.target, request.stop))
         state = RequestState(request, sampler, make_rng(request.sampling.seed),
-                             SpecStats(num_prompt_tokens=len(prompt)), TextAssembler(self.target, request.stop),
+                             SpecStats(num_prompt_tokens=len(prompt)), text,
                              prompt, ends, DraftHindsight({n: d.policy for n, d in drafters.items()}),
                              verification, verification == "rejection" and not sampler.greedy,
-                             kv=kv, drafters=drafters)
+                             kv=kv, drafters=drafters, turn=turn)
         state.stats.plain_token_time = self.costs.plain_token_time
-        state.grammar = self._start_grammar(request)  # after state.started: its time counts
+        state.grammar = self._start_grammar(request, turn)  # after state.started: its time counts
         return state
 
     @staticmethod
@@ -412,7 +452,7 @@ class Engine:
     def _prompt_rest(self, state: RequestState) -> List[int]:
         """The prompt tokens left to decode once the KV cells the request's sequence already holds
         are kept (:meth:`_keep_prompt_prefix`); the drafters learn that a target pass follows."""
-        reused = self._keep_prompt_prefix(state.kv, state.prompt, state.request.reuse_prompt)
+        reused = self._keep_prompt_prefix(state.kv, state.prompt, state.request.reuse_prompt, state.turn is not None)
         state.stats.num_prompt_tokens_reused = reused
         self._before_target_pass(state, state.mode(self._spec))
         return state.prompt[reused:]
@@ -429,10 +469,11 @@ class Engine:
         state.context, state.pending = list(state.prompt), first
         return first
 
-    @staticmethod
-    def _keep_prompt_prefix(kv: Any, prompt: Sequence[int], reuse: bool) -> int:
+    def _keep_prompt_prefix(self, kv: Any, prompt: Sequence[int], reuse: bool, chat: bool = False) -> int:
         """Prompt tokens whose KV cells the previous request left in ``kv`` (its common prefix with
-        ``prompt``, less the last token, whose logits are needed); the rest is rolled back.
+        ``prompt``, less the last token, whose logits are needed); the rest is rolled back. A chat
+        turn first gets its conversation's KV back if another request ran since its last turn
+        (:class:`~.conversations.ConversationCache`, when a kept snapshot shares more).
 
         With ``reuse`` False the cache is emptied and the whole prompt evaluated in one batch: the
         same shapes whatever ran before (quantized logits depend slightly on batch shapes, so with
@@ -441,6 +482,8 @@ class Engine:
         if not reuse:
             kv.clear()
             return 0
+        if chat:
+            self.conversations.restore_for(kv, prompt)
         return kv.reuse_prefix(prompt, keep_last=1)
 
     def _speculative_step(self, state: RequestState) -> Tuple[Proposal, Tuple[int, ...]]:
@@ -521,6 +564,9 @@ class Engine:
             fault = drafter.take_fault()
             if fault:
                 self._faults.append(fault)
+        if state.turn is not None and state.request.reuse_prompt:
+            # the conversation's KV (a failed request cleared the cache: nothing is kept then)
+            self.conversations.save(state.kv)
 
     # -- calibration and teardown ---------------------------------------------------------------
     def calibrate(self, sizes: Sequence[int] = (), context_len: int = 64, repeats: int = 2,
@@ -556,6 +602,8 @@ class Engine:
         with self._vocab_lock:  # waits for a tokenization in flight; refuses later ones
             self._freed = True
         self._grammar_vocab = None  # its tokenizer calls into the vocabulary freed below
+        self._chat_vocab = None
+        self.conversations.clear()
         drafters, self.drafters = list(self.drafters.values()), {}
         errors: List[BaseException] = []
         for drafting in reversed(drafters):  # the n-gram caches first, then the draft model

@@ -1,20 +1,32 @@
-"""One generation as the engine sees it: the request, its counted prompt, the steps it yields."""
+"""One generation as the engine sees it: the request, its counted prompt, the steps it yields.
+
+A request is a prompt (text, optionally in the model's chat template), or a chat turn: a
+``conversation`` (engine/chat/: messages, tools, tool_choice) whose next assistant message the
+engine generates. Both go through the same loop; a chat turn's counted prompt carries the turn as
+the engine prepared it (its tokens, its compiled constraint, its call syntax), and its last step
+the assistant message read from the reply.
+"""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Optional, Tuple
 
 from .config import SamplingParams
 from .modes import check_mode_name
 from .stats import SpecStats
+
+if TYPE_CHECKING:  # the chat layer is imported where a chat turn is served (it needs numpy, jinja2)
+    from .chat.conversation import Conversation
+    from .chat.reply import AssistantReply
+    from .chat.turn import ChatTurn
 
 
 @dataclass(frozen=True)
 class GenerationRequest:
     """One generation. ``spec_mode`` None means the engine's current mode."""
 
-    prompt: str
+    prompt: str = ""  # required unless conversation is set
     max_tokens: int = 128
     sampling: SamplingParams = field(default_factory=SamplingParams)
     system_prompt: str = ""
@@ -32,9 +44,17 @@ class GenerationRequest:
     #: ``root``), or a JSON Schema (text); at most one of the two
     grammar: str = ""
     json_schema: str = ""
+    #: a chat turn: the conversation whose next assistant message to generate (prompt,
+    #: system_prompt and use_chat_template stay empty: the messages are the prompt, in the chat
+    #: template); grammar / json_schema only where no tools are offered
+    conversation: Optional["Conversation"] = None
 
     def __post_init__(self) -> None:
-        if not self.prompt:
+        if self.conversation is not None:
+            if self.prompt or self.system_prompt or self.use_chat_template:
+                raise ValueError("a chat turn carries its messages in conversation: prompt, system_prompt "
+                                 "and use_chat_template stay empty")
+        elif not self.prompt:
             raise ValueError("prompt is empty")
         if self.grammar and self.json_schema:
             raise ValueError("grammar and json_schema are both set: give at most one of the two")
@@ -71,6 +91,9 @@ class CountedPrompt:
 
     n_tokens: int
     tokens: Optional[Tuple[int, ...]] = None
+    #: a chat turn as this engine prepared it (engine/chat/turn.py: its tokens are ``tokens``, with
+    #: the reply's compiled constraint and call syntax); None for a prompt, or from a remote engine
+    turn: Optional["ChatTurn"] = None
 
 
 @dataclass(frozen=True)
@@ -86,3 +109,6 @@ class Step:
     #: on the last step, what the finish reason alone does not say (e.g. max_tokens ran out before
     #: the request's grammar was complete: the text is not a whole match); else ''
     detail: str = ""
+    #: on the last step of a chat turn, the assistant message read from the reply (its text and
+    #: its validated tool calls); else None. The steps' ``text`` is that message's text, streamed
+    reply: Optional["AssistantReply"] = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -20,6 +20,10 @@ from .policy.hindsight import DraftHindsight
 from .request import GenerationRequest, Step
 from .sampling import Sampler
 from .stats import SpecStats
+
+if TYPE_CHECKING:
+    from .chat.reply import ReplyStream
+    from .chat.turn import ChatTurn
 
 #: Step.detail when max_tokens ends a constrained request early.
 GRAMMAR_INCOMPLETE = ("max_tokens ran out before the grammar was complete: the text is not a whole "
@@ -44,7 +48,7 @@ class RequestState:
     sampler: Sampler
     rng: np.random.Generator
     stats: SpecStats
-    text: TextAssembler
+    text: Union[TextAssembler, "ReplyStream"]  # a chat turn's: its reply stream (the message's text)
     prompt: List[int]
     ends: Ends
     hindsight: DraftHindsight  # whole drafts before their cut (policy/hindsight.py)
@@ -62,6 +66,7 @@ class RequestState:
     kv: Any = None
     #: the drafters (with their policies) this request drafts with: the engine's, or a slot's own
     drafters: Dict[str, Any] = field(default_factory=dict)
+    turn: Optional["ChatTurn"] = None  # a chat request's turn: its last step carries the reply
 
     def mode(self, spec: SpecConfig) -> str:
         """The mode of a step: the request's own, else the engine's at this step."""
@@ -107,13 +112,15 @@ class RequestState:
              new_text: str = "") -> Step:
         """The Step of these emitted tokens and their text (none: a request stopped between two
         passes); on the last one (``finish`` set) the text held back for a stop string is let out."""
-        stats, label, detail = self.stats, self.mode_label(spec, self.source), ""
+        stats, label, detail, reply = self.stats, self.mode_label(spec, self.source), "", None
         if finish is not None:
             new_text += self.text.flush()
             if finish == "length" and self.grammar is not None and not self.grammar.complete():
                 detail = GRAMMAR_INCOMPLETE
+            if self.turn is not None:  # the assistant message: text, calls parsed and validated
+                reply = self.text.reply(self.turn.conversation, finish)
         stats.num_generated_tokens = len(self.generated)
         stats.spec_mode, stats.draft_max, stats.verification = label, spec.draft_max, self.verification
         if self.grammar is not None:
             stats.num_grammar_masks, stats.grammar_time = self.grammar.masks, self.grammar.seconds
-        return Step(tuple(emitted), new_text, stats.snapshot(), label, spec.draft_max, finish, detail)
+        return Step(tuple(emitted), new_text, stats.snapshot(), label, spec.draft_max, finish, detail, reply)

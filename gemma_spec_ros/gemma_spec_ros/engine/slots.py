@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Deque, Dict, Iterator, List, Optional, Tu
 from .conversations import common_prefix
 from .errors import EngineError
 from .policy.length import PassShare
-from .request import GenerationRequest, Step
+from .request import CountedPrompt, GenerationRequest, Step
 from .request_state import RequestState
 from .verify import verify_exact
 
@@ -67,6 +67,7 @@ class _Ticket:
     request: GenerationRequest
     prompt: List[int]
     cancel: Optional[threading.Event]
+    turn: Any = None  # a chat request's turn (CountedPrompt.turn)
     left: threading.Event = field(default_factory=threading.Event)  # the reader stopped reading
     out: "queue.SimpleQueue[Any]" = field(default_factory=queue.SimpleQueue)
 
@@ -137,11 +138,11 @@ class SlotScheduler:
         """Requests in a slot now (their prompt or their steps)."""
         return sum(1 for slot in self._slots if slot.ticket is not None)
 
-    def generate(self, request: GenerationRequest, prompt: List[int],
+    def generate(self, request: GenerationRequest, prompt: CountedPrompt,
                  cancel: Optional[threading.Event]) -> Iterator[Step]:
         """The request's Steps as its rounds make them; raises what its step raised. ``prompt``:
-        its tokens, checked. A reader that stops reading ends the request at the next round."""
-        ticket = _Ticket(request, prompt, cancel)
+        its counted prompt, checked. A reader that stops reading ends the request at the next round."""
+        ticket = _Ticket(request, list(prompt.tokens), cancel, prompt.turn)
         with self._cond:
             if self._engine._closing.is_set():  # noqa: SLF001  the engine's own flag
                 raise EngineError("the engine is closed")
@@ -227,8 +228,8 @@ class SlotScheduler:
         assert ticket is not None
         engine = self._engine
         try:
-            state = engine._start(ticket.request, ticket.prompt, ticket.stop, kv=slot.kv,  # noqa: SLF001
-                                  drafters=slot.drafters)
+            state = engine._start(ticket.request, ticket.prompt, ticket.stop, ticket.turn,  # noqa: SLF001
+                                  kv=slot.kv, drafters=slot.drafters)
         except BaseException as exc:  # noqa: BLE001  e.g. a grammar that does not compile
             self._release(slot, exc)
             return

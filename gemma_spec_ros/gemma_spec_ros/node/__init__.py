@@ -1,4 +1,4 @@
-"""rclpy layer: lifecycle node, Generate action server, parameters, diagnostics."""
+"""rclpy layer: lifecycle node, Generate and GenerateChat action servers, parameters, diagnostics."""
 
 #: Default name of the gemma_spec node (kept here so that clients need not import the engine).
 NODE_NAME = "gemma_spec"
@@ -13,6 +13,11 @@ SHUTDOWN_BOUND = 20.0
 def action_name(node_path: str) -> str:
     """The Generate action of the node at ``node_path`` (e.g. "/gemma_spec" -> "/gemma_spec/generate")."""
     return f"{node_path.rstrip('/')}/generate"
+
+
+def chat_action_name(node_path: str) -> str:
+    """The GenerateChat action of the node at ``node_path`` ("/gemma_spec" -> "/gemma_spec/generate_chat")."""
+    return f"{node_path.rstrip('/')}/generate_chat"
 
 
 def spec_status_name(node_name: str) -> str:

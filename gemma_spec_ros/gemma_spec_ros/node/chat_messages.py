@@ -1,9 +1,14 @@
 """The GenerateChat action's messages <-> the chat layer's types: pure mapping, no rclpy node.
 
-In: a goal's messages and tools -> :class:`~gemma_spec_ros.engine.chat.Conversation`
-(:func:`conversation_from_goal`, after the size checks of :func:`check_chat_bounds`); refusals
-name the message they are about. Out: an :class:`~gemma_spec_ros.engine.chat.AssistantReply` and
-the last step -> the result (:func:`chat_result`), a step -> feedback (:func:`chat_feedback`).
+In: a goal -> a chat request (:func:`chat_request_from_goal`: the size checks of
+:func:`check_chat_bounds`, the messages and tools -> a
+:class:`~gemma_spec_ros.engine.chat.Conversation` by :func:`conversation_from_goal`, whose
+refusals name the message they are about, and the sampling fields as Generate's). Out: an
+:class:`~gemma_spec_ros.engine.chat.AssistantReply` and the last step -> the result
+(:func:`chat_result`), a step -> feedback (:func:`chat_feedback`).
+
+A chat goal's ``grammar`` / ``json_schema`` are its own: the node's ``generation.grammar`` /
+``generation.json_schema`` defaults constrain Generate goals only (a tool call has its own grammar).
 """
 from __future__ import annotations
 
@@ -15,8 +20,17 @@ from gemma_spec_msgs.msg import ChatMessage as ChatMessageMsg
 from gemma_spec_msgs.msg import ToolCall as ToolCallMsg
 
 from ..engine.chat import AssistantReply, ChatMessage, Conversation, ToolCall, parse_tools
-from ..engine.request import Step
-from .messages import GoalRejected, result
+from ..engine.request import GenerationRequest, Step
+from .messages import GoalRejected, check_stop_and_grammar_bounds, request_with, result
+
+
+def chat_request_from_goal(goal: Any, values: Mapping[str, Any]) -> GenerationRequest:
+    """A GenerateChat goal + the node's parameter values -> a chat request, or GoalRejected with
+    the reason (sizes first, before anything is parsed)."""
+    check_chat_bounds(goal, values)
+    check_stop_and_grammar_bounds(goal, values)
+    return request_with(goal, values, conversation=conversation_from_goal(goal), grammar=goal.grammar,
+                        json_schema=goal.json_schema)
 
 
 def check_chat_bounds(goal: Any, values: Mapping[str, Any]) -> None:
@@ -79,6 +93,11 @@ def chat_feedback(step: Step, text: str) -> GenerateChat.Feedback:
         tokens_per_second=step.stats.tokens_per_second, spec_mode=step.spec_mode, draft_max=step.draft_max)
 
 
+def chat_result_of(text: str, finish_reason: str, error: str, last: Optional[Step], stamp: Time) -> GenerateChat.Result:
+    """The result of a turn that ended at ``last`` (its reply, if the engine read one)."""
+    return chat_result(last.reply if last is not None else None, text, finish_reason, error, last, stamp)
+
+
 def chat_result(reply: Optional[AssistantReply], text: str, finish_reason: str, error: str,
                 last: Optional[Step], stamp: Time) -> GenerateChat.Result:
     """The goal's result: the assistant's message (the reply, or the streamed ``text`` when the turn
@@ -93,4 +112,5 @@ def chat_result(reply: Optional[AssistantReply], text: str, finish_reason: str, 
                                spec_mode=plain.spec_mode, stats=plain.stats, error=plain.error)
 
 
-__all__ = ["chat_feedback", "chat_result", "check_chat_bounds", "conversation_from_goal", "message_msg"]
+__all__ = ["chat_feedback", "chat_request_from_goal", "chat_result", "chat_result_of", "check_chat_bounds",
+           "conversation_from_goal", "message_msg"]

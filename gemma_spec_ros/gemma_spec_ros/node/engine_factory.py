@@ -77,8 +77,8 @@ def check_files(plan: EnginePlan) -> List[str]:
     cache folder must fail configure at once, not after that load. Raises an EngineError naming the
     file: a model that is not a readable GGUF, a static cache that does not exist, a learned-cache
     folder that cannot be made, or a file at ``lookup.dynamic_path`` or ``suffix.history_path``
-    this node did not write (it is never overwritten). What needs the loaded target (the files'
-    vocabulary, a corrupt record) is checked when it loads.
+    this node did not write (it is never overwritten), a chat template file that does not exist.
+    What needs the loaded target (the files' vocabulary, a corrupt record) is checked when it loads.
     """
     if not plan.loads_models:
         return []
@@ -86,6 +86,9 @@ def check_files(plan: EnginePlan) -> List[str]:
     for model in (config.target, config.draft):
         if model is not None:
             check_model_file(model.resolved_path)
+    template = expand_path(config.chat.template_path)
+    if template and not os.path.isfile(template):
+        raise ModelLoadError(f"chat template file not found: {template} (chat.template_path)")
     lookup = config.lookup
     static = expand_path(lookup.static_path)
     if static and not os.path.isfile(static):

@@ -1,4 +1,10 @@
-"""``GoalServer``: the node's ``~/generate`` action server, from a goal's arrival to its result.
+"""``GoalServer``: the node's action servers, ``~/generate`` and ``~/generate_chat``, from a goal's
+arrival to its result.
+
+Both actions share everything here: one queue, one dispatcher, the priorities, preemption, time
+budgets, cancel and the lifecycle. What differs between them is a
+:class:`~gemma_spec_ros.node.goal_kinds.GoalKind` (goal -> checked request, step -> feedback, end
+-> result), bound to each action server's callbacks.
 
 One goal's trip, on three threads:
 
@@ -10,8 +16,8 @@ One goal's trip, on three threads:
    goals at once decode in one pass: engine/slots.py), so waiting goals hold no executor thread;
 4. execute callback (an executor task): the engine's steps as feedback, then the result.
 
-The action server sits in its own mutually exclusive callback group, so that "is the queue full?"
-and "enqueue" of one goal cannot interleave with another goal's. A cancel still reaches a running
+The action servers sit in one mutually exclusive callback group, so that "is the queue full?"
+and "enqueue" of one goal cannot interleave with another goal's, of either action. A cancel still reaches a running
 goal although that group is exclusive: rclpy runs ``execute`` as a separate executor task outside
 the group, so the group is free while a goal generates.
 
@@ -41,10 +47,10 @@ import math
 import threading
 import time
 from dataclasses import replace
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from functools import partial
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from builtin_interfaces.msg import Time
-from gemma_spec_msgs.action import Generate
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
 from rclpy.action.server import ServerGoalHandle
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
@@ -55,9 +61,9 @@ from ..engine.api import GenerationEngine
 from ..engine.stats import SpecStats
 from ..engine.request import CountedPrompt, GenerationRequest, Step
 from ..engine.errors import EngineError
-from . import messages
+from .goal_kinds import GOAL_KINDS, GoalKind
 from .goals import Job, JobQueue, LogBudget, check_fits
-from .messages import GoalRejected, check_input_bounds, clip, request_from_goal
+from .messages import GoalRejected, clip
 
 #: Seconds a transition waits for the running goal to stop (it stops at its next step).
 STOP_TIMEOUT = 30.0
@@ -83,12 +89,14 @@ CANCEL_POLL = 0.01
 #: then costs one report per pause, not a busy loop).
 DISPATCH_RETRY = 1.0
 
-#: A goal ended: its result, seconds since it was accepted, the engine's stats (None: no step made).
-Ended = Callable[[Generate.Result, float, Optional[SpecStats]], None]
+#: A goal ended: its result (either action's), seconds since it was accepted, the engine's stats
+#: (None: no step made).
+Ended = Callable[[Any, float, Optional[SpecStats]], None]
 
 
 class GoalServer:
-    """Serves Generate goals over one engine between :meth:`open` and :meth:`close`.
+    """Serves the goals of ``kinds`` (Generate and GenerateChat) over one engine between
+    :meth:`open` and :meth:`close`.
 
     The node hands in what the goals need of it: ``values`` (the current parameter values),
     ``state`` (its lifecycle state, for the "not active" rejection), ``report_fault`` (an internal
@@ -98,19 +106,22 @@ class GoalServer:
 
     def __init__(self, node: LifecycleNode, *, values: Callable[[], Dict[str, Any]],
                  state: Callable[[], str], report_fault: Callable[[str], None],
-                 rejected: Callable[[str], None], ended: Ended) -> None:
+                 rejected: Callable[[str], None], ended: Ended,
+                 kinds: Sequence[GoalKind] = GOAL_KINDS) -> None:
         self._node = node
+        self._kinds = tuple(kinds)
         self._values, self._state, self._report_fault = values, state, report_fault
         self._rejected, self._ended = rejected, ended
         self._group = MutuallyExclusiveCallbackGroup()
         self._engine: Optional[GenerationEngine] = None
         self._jobs: Optional[JobQueue] = None
         self._dispatcher: Optional[threading.Thread] = None
-        self._action_server: Optional[ActionServer] = None
+        self._action_servers: Dict[str, ActionServer] = {}  # by the kind's name
+        self._deliveries: List[ResultDelivery] = []
         self._accepting = False
         self._stop_reason = ""  # why goals stopped being accepted (deactivate, cleanup, ...)
         # the goal the goal callback accepted last, with its request and prompt (see rclpy timing)
-        self._checked: Optional[Tuple[Generate.Goal, GenerationRequest, CountedPrompt]] = None
+        self._checked: Optional[Tuple[Any, GenerationRequest, CountedPrompt]] = None
         self._orphans: Dict[bytes, str] = {}  # accepted goals that could not be queued -> why
         self._rejection_log = LogBudget()  # a client sending bad goals in a loop must not fill the disk
         # queue-position feedback comes from the executor (a goal queued) and the dispatcher (a
@@ -119,20 +130,22 @@ class GoalServer:
 
     # -- the node's transitions --------------------------------------------------------------------
     def open(self, engine: GenerationEngine, result_timeout: float) -> None:
-        """Create the action server over ``engine`` (configure); goals are refused until
+        """Create the action servers over ``engine`` (configure); goals are refused until
         :meth:`activate`."""
         self._engine = engine
         self._jobs = JobQueue(engine.max_running)
         self._dispatcher = threading.Thread(target=self._dispatch, name="gemma_spec_dispatch",
                                             daemon=True)
         self._dispatcher.start()
-        self._action_server = ActionServer(
-            self._node, Generate, "~/generate", execute_callback=self._execute,
-            goal_callback=self._on_goal, handle_accepted_callback=self._on_accepted,
-            cancel_callback=self._on_cancel, callback_group=self._group,
-            result_timeout=max(1, round(result_timeout)),
-            feedback_pub_qos_profile=QoSProfile(depth=FEEDBACK_DEPTH))
-        self._delivery = ResultDelivery(self._action_server)
+        for kind in self._kinds:
+            server = ActionServer(
+                self._node, kind.action, f"~/{kind.name}", execute_callback=partial(self._execute, kind),
+                goal_callback=partial(self._on_goal, kind), handle_accepted_callback=partial(self._on_accepted, kind),
+                cancel_callback=self._on_cancel, callback_group=self._group,
+                result_timeout=max(1, round(result_timeout)),
+                feedback_pub_qos_profile=QoSProfile(depth=FEEDBACK_DEPTH))
+            self._action_servers[kind.name] = server
+            self._deliveries.append(ResultDelivery(server))
 
     def activate(self) -> None:
         """Accept goals from now on."""
@@ -155,16 +168,18 @@ class GoalServer:
     def close(self, reason: str, stop_timeout: float = STOP_TIMEOUT) -> None:
         """:meth:`stop`, then end the dispatcher and destroy the action server (cleanup).
         Waits at most ``stop_timeout`` + :data:`DISPATCHER_JOIN` + :data:`RESULT_GRACE` seconds."""
-        open_goals = self._delivery.watch() if self._action_server is not None else []
+        open_goals = [delivery.watch() for delivery in self._deliveries]
         self.stop(reason, stop_timeout)
         if self._jobs is not None:
             self._jobs.close()
         if self._dispatcher is not None:  # it ends once the queue is closed (it starts no goal)
             self._dispatcher.join(timeout=DISPATCHER_JOIN)
-        if self._action_server is not None:
-            self._delivery.wait_sent(open_goals, RESULT_GRACE)
-            self._action_server.destroy()
-        self._engine = self._jobs = self._dispatcher = self._action_server = None
+        deadline = time.monotonic() + RESULT_GRACE  # one grace for all the servers' results
+        for server, delivery, goals in zip(self._action_servers.values(), self._deliveries, open_goals):
+            delivery.wait_sent(goals, max(0.0, deadline - time.monotonic()))
+            server.destroy()
+        self._action_servers, self._deliveries = {}, []
+        self._engine = self._jobs = self._dispatcher = None
 
     # -- what diagnostics shows ---------------------------------------------------------------------
     def depth(self) -> int:
@@ -190,11 +205,11 @@ class GoalServer:
         return "running" if dispatcher.is_alive() else "stopped"
 
     # -- goal, accepted and cancel callbacks (executor) ---------------------------------------------
-    def _on_goal(self, goal: Generate.Goal) -> GoalResponse:
+    def _on_goal(self, kind: GoalKind, goal: Any) -> GoalResponse:
         """Accept or reject a goal without blocking; a rejection's reason is logged and kept."""
         self._checked = None
         try:
-            request, prompt = self._check_goal(goal)
+            request, prompt = self._check_goal(kind, goal)
         except Exception as exc:  # noqa: BLE001  any failure to validate a goal is a rejection
             reason = str(exc)
             if not isinstance(exc, GoalRejected):
@@ -209,42 +224,41 @@ class GoalServer:
         self._checked = (goal, request, prompt)
         return GoalResponse.ACCEPT
 
-    def _check_goal(self, goal: Generate.Goal) -> Tuple[GenerationRequest, CountedPrompt]:
+    def _check_goal(self, kind: GoalKind, goal: Any) -> Tuple[GenerationRequest, CountedPrompt]:
         engine, jobs = self._engine, self._jobs
         if not self._accepting or engine is None or jobs is None:
             raise GoalRejected(f"the node is {self._state()}, not active")
         values = self._values()
-        check_input_bounds(goal, values)
-        request = request_from_goal(goal, values)
+        request = kind.request(goal, values)
         max_depth = values["queue.max_depth"]
         if jobs.busy() and jobs.depth() >= max_depth:
             raise GoalRejected(f"queue full: {jobs.depth()} goals waiting (queue.max_depth={max_depth})")
         return request, check_fits(engine, request, values["limits.max_prompt_tokens"])
 
-    def _on_accepted(self, goal_handle: ServerGoalHandle) -> None:
+    def _on_accepted(self, kind: GoalKind, goal_handle: ServerGoalHandle) -> None:
         """Queue an accepted goal; if that fails, the goal still ends (ABORTED with the reason)."""
         try:
-            self._queue_accepted(goal_handle)
+            self._queue_accepted(kind, goal_handle)
         except Exception as exc:  # noqa: BLE001
             reason = f"internal error while queueing the goal: {exc!r}"
             self._report_fault(reason)
             self._orphans[bytes(goal_handle.goal_id.uuid)] = reason
             try:
-                goal_handle.execute(self._execute)
+                goal_handle.execute(partial(self._execute, kind))
             except Exception as again:  # noqa: BLE001
                 self._report_fault(f"cannot end the goal: {again!r}")
 
-    def _queue_accepted(self, goal_handle: ServerGoalHandle) -> None:
+    def _queue_accepted(self, kind: GoalKind, goal_handle: ServerGoalHandle) -> None:
         """Queue an accepted goal with the request its goal check made; the dispatcher starts it."""
         checked, self._checked = self._checked, None
         jobs = self._jobs
         if jobs is None:  # cleaned up between accept and here
-            goal_handle.execute(self._execute)
+            goal_handle.execute(partial(self._execute, kind))
             return
         goal = goal_handle.request
         if checked is None or checked[0] is not goal:
             raise RuntimeError("the accepted goal is not the one the goal callback checked")
-        job = Job(goal_handle, checked[1], checked[2], priority=goal.priority, preempt=goal.preempt)
+        job = Job(goal_handle, checked[1], checked[2], priority=goal.priority, preempt=goal.preempt, kind=kind)
         if not self._accepting:  # a transition stopped goals after this one passed the goal callback
             job.drop_reason = self._stop_reason
         jobs.push(job)
@@ -257,7 +271,7 @@ class GoalServer:
                 if position != job.queue_position:
                     job.queue_position = position
                     try:
-                        job.goal_handle.publish_feedback(messages.queue_feedback(position))
+                        job.goal_handle.publish_feedback(job.kind.queue_feedback(position))
                     except Exception as exc:  # noqa: BLE001  the goal ended meanwhile
                         self._node.get_logger().debug(f"queue position feedback skipped: {exc!r}")
 
@@ -306,27 +320,26 @@ class GoalServer:
             goal_handle.execute()
 
     # -- the execute callback (an executor task) ----------------------------------------------------
-    def _execute(self, goal_handle: ServerGoalHandle) -> Generate.Result:
+    def _execute(self, kind: GoalKind, goal_handle: ServerGoalHandle) -> Any:
         """Run the goal if it is the running one, else end it unstarted."""
         jobs = self._jobs
         job = jobs.get(bytes(goal_handle.goal_id.uuid)) if jobs is not None else None
         if job is None:
             error = self._orphans.pop(bytes(goal_handle.goal_id.uuid), "the node was cleaned up")
-            result = Generate.Result(finish_reason="cancelled", error=error)
+            result = kind.unstarted("cancelled", error)
             self._end_goal(goal_handle, result)
             return result
         try:
             unstopped = not (job.drop_reason or job.cancel.is_set())
             if unstopped and job.budget_spent():  # ran out while waiting (ended at once, out of turn)
-                result = Generate.Result(
-                    finish_reason="timeout",
-                    error=f"time_budget of {job.request.time_budget:g} s ran out while waiting")
+                result = kind.unstarted(
+                    "timeout", f"time_budget of {job.request.time_budget:g} s ran out while waiting")
                 stats = None
             elif jobs.is_running(job) and job.request is not None:
-                result, stats = self._generate(job, job.request)
+                result, stats = self._generate(kind, job, job.request)
             else:
                 reason = job.drop_reason or "cancelled before it started"
-                result, stats = Generate.Result(finish_reason="cancelled", error=reason), None
+                result, stats = kind.unstarted("cancelled", reason), None
             if job.client_cancelled and result.finish_reason in ("cancelled", "preempted"):
                 self._await_canceling(goal_handle)
             self._end_goal(goal_handle, result)
@@ -335,11 +348,11 @@ class GoalServer:
         finally:
             jobs.finished(job)
 
-    def _generate(self, job: Job, request: GenerationRequest) -> Tuple[Generate.Result, Optional[SpecStats]]:
+    def _generate(self, kind: GoalKind, job: Job, request: GenerationRequest) -> Tuple[Any, Optional[SpecStats]]:
         """Stream one request through the engine; never raises."""
         engine = self._engine
         if engine is None:
-            return self._failed([], None, "the node was cleaned up"), None
+            return self._failed(kind, [], None, "the node was cleaned up"), None
         goal_handle = job.goal_handle
         min_period = self._values()["feedback.min_period"]
         queue_wait = time.monotonic() - job.accepted_at
@@ -357,29 +370,29 @@ class GoalServer:
                     job.cancel.set()
                 now = time.monotonic()
                 if step.finish_reason is not None or now - last_feedback >= min_period:
-                    goal_handle.publish_feedback(messages.step_feedback(step, "".join(unsent)))
+                    goal_handle.publish_feedback(kind.feedback(step, "".join(unsent)))
                     unsent.clear()
                     last_feedback = now
         except EngineError as exc:
-            return self._failed(parts, step, str(exc)), None
+            return self._failed(kind, parts, step, str(exc)), None
         except Exception as exc:  # noqa: BLE001  a bug in one request must not stop the node
             self._node.get_logger().error(f"unexpected error in the engine: {exc!r}")
-            return self._failed(parts, step, f"internal error: {exc!r}"), None
+            return self._failed(kind, parts, step, f"internal error: {exc!r}"), None
         finally:  # a failed cache save or deferred close is the node's fault, not this goal's
             for fault in engine.take_faults():
                 self._report_fault(fault)
         if step is None:
-            return self._failed(parts, step, "the engine produced no step"), None
+            return self._failed(kind, parts, step, "the engine produced no step"), None
         step.stats.queue_wait = queue_wait
         finish_reason, error = job.outcome(step)
         try:
-            return messages.result("".join(parts), finish_reason, error, step, self._stamp()), step.stats
+            return kind.result("".join(parts), finish_reason, error, step, self._stamp()), step.stats
         except Exception as exc:  # noqa: BLE001  stats the message cannot carry: the text still goes back
-            return self._failed(parts, None, f"internal error: the result cannot be built: {exc!r}"), None
+            return self._failed(kind, parts, None, f"internal error: the result cannot be built: {exc!r}"), None
 
-    def _failed(self, parts: List[str], step: Optional[Step], error: str) -> Generate.Result:
+    def _failed(self, kind: GoalKind, parts: List[str], step: Optional[Step], error: str) -> Any:
         self._node.get_logger().error(f"request failed: {error}")
-        return messages.result("".join(parts), "error", error, step, self._stamp())
+        return kind.result("".join(parts), "error", error, step, self._stamp())
 
     def _stamp(self) -> Time:
         return self._node.get_clock().now().to_msg()
@@ -391,10 +404,10 @@ class GoalServer:
         while not goal_handle.is_cancel_requested and time.monotonic() < deadline:
             time.sleep(0.002)
 
-    def _end_goal(self, goal_handle: ServerGoalHandle, result: Generate.Result) -> None:
+    def _end_goal(self, goal_handle: ServerGoalHandle, result: Any) -> None:
         """Set the goal's terminal state from the result's finish_reason."""
         try:
-            if result.finish_reason in ("stop", "length"):
+            if result.finish_reason in ("stop", "length", "tool_calls"):
                 goal_handle.succeed()
             elif result.finish_reason in ("cancelled", "preempted") and goal_handle.is_cancel_requested:
                 goal_handle.canceled()

@@ -1,4 +1,5 @@
-"""Goals of the Generate action once they are requests: the engine's checks, and the queue.
+"""Goals (of either action, Generate or GenerateChat) once they are requests: the engine's checks,
+and the queue.
 
 Nothing here blocks or touches the model except :func:`check_fits`, which asks the engine to count
 prompt tokens (thread-safe, about a millisecond). No rclpy: a goal handle is only held and asked
@@ -11,7 +12,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Deque, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from ..engine.api import GenerationEngine
 from ..engine.request import CountedPrompt, GenerationRequest, Step
@@ -111,6 +112,7 @@ class Job:
     preempted_by: str = ""  # set: stopped by an urgent goal (finish_reason preempted)
     queue_position: int = 0  # the last queue position sent in feedback (0 = none sent yet)
     client_cancelled: bool = False  # its client's cancel was accepted (rclpy marks it CANCELING next)
+    kind: Any = None  # the GoalKind (node/goal_kinds.py) of the action it came by
 
     @property
     def key(self) -> bytes:

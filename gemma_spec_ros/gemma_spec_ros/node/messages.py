@@ -40,6 +40,12 @@ def check_input_bounds(goal: Any, values: Mapping[str, Any]) -> None:
     if size > max_bytes:
         raise GoalRejected(f"prompt + system prompt of {size} bytes exceed "
                            f"limits.max_prompt_bytes={max_bytes}")
+    check_stop_and_grammar_bounds(goal, values)
+
+
+def check_stop_and_grammar_bounds(goal: Any, values: Mapping[str, Any]) -> None:
+    """GoalRejected if the goal's stop strings, grammar or json_schema exceed their ``limits.*``
+    (the fields Generate and GenerateChat goals share)."""
     max_stops, max_length = values["limits.max_stop_strings"], values["limits.max_stop_length"]
     if len(goal.stop) > max_stops:
         raise GoalRejected(f"{len(goal.stop)} stop strings: more than limits.max_stop_strings={max_stops}")
@@ -79,6 +85,18 @@ def request_from_goal(goal: Any, values: Mapping[str, Any]) -> GenerationRequest
     """
     if not goal.prompt:
         raise GoalRejected("prompt is empty")
+    grammar, json_schema = goal.grammar, goal.json_schema
+    if not grammar and not json_schema:
+        grammar, json_schema = values["generation.grammar"], values["generation.json_schema"]
+    return request_with(goal, values, prompt=goal.prompt, system_prompt=goal.system_prompt,
+                        use_chat_template=bool(goal.use_chat_template), grammar=grammar,
+                        json_schema=json_schema)
+
+
+def request_with(goal: Any, values: Mapping[str, Any], **content: Any) -> GenerationRequest:
+    """The request of a goal's sampling, stop, spec_mode and budget fields (their conventions: see
+    :func:`request_from_goal`) with ``content``, what the request generates from (a prompt, or a
+    chat turn's conversation) and its constraint; GoalRejected with the reason."""
     if not math.isfinite(goal.temperature) or (goal.temperature < 0 and goal.temperature != -1):
         raise GoalRejected(f"temperature={goal.temperature}: must be finite and >= 0, "
                            "or -1 for the node's generation.temperature")
@@ -95,9 +113,6 @@ def request_from_goal(goal: Any, values: Mapping[str, Any]) -> GenerationRequest
     if not math.isfinite(goal.time_budget) or goal.time_budget < 0:
         raise GoalRejected(f"time_budget={goal.time_budget}: must be >= 0 seconds "
                            "(0 = the node's generation.time_budget)")
-    grammar, json_schema = goal.grammar, goal.json_schema
-    if not grammar and not json_schema:
-        grammar, json_schema = values["generation.grammar"], values["generation.json_schema"]
     max_tokens = goal.max_tokens or values["generation.max_tokens"]
     if max_tokens > values["limits.max_tokens"]:
         raise GoalRejected(f"max_tokens={max_tokens} exceeds limits.max_tokens={values['limits.max_tokens']}")
@@ -107,14 +122,11 @@ def request_from_goal(goal: Any, values: Mapping[str, Any]) -> GenerationRequest
         sampling = SamplingParams(temperature=float(temperature), top_k=int(top_k),
                                   top_p=float(goal.top_p or values["generation.top_p"]),
                                   seed=int(values["generation.seed"] if goal.seed == -1 else goal.seed))
-        return GenerationRequest(prompt=goal.prompt, max_tokens=int(max_tokens), sampling=sampling,
-                                 system_prompt=goal.system_prompt,
-                                 use_chat_template=bool(goal.use_chat_template),
+        return GenerationRequest(max_tokens=int(max_tokens), sampling=sampling,
                                  stop=tuple(goal.stop), spec_mode=goal.spec_mode or None,
                                  time_budget=min(float(goal.time_budget or values["generation.time_budget"]),
                                                  MAX_TIME_BUDGET),
-                                 reuse_prompt=bool(values["generation.prompt_cache"]),
-                                 grammar=grammar, json_schema=json_schema)
+                                 reuse_prompt=bool(values["generation.prompt_cache"]), **content)
     except ValueError as exc:
         raise GoalRejected(str(exc)) from exc
 

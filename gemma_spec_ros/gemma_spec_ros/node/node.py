@@ -1,4 +1,4 @@
-"""``GemmaSpecNode``: the lifecycle node serving the Generate action over the engine.
+"""``GemmaSpecNode``: the lifecycle node serving the Generate and GenerateChat actions over the engine.
 
 Thin by design: the engine does the work, :class:`~gemma_spec_ros.node.goal_server.GoalServer`
 runs the goals; this module holds the parameters, the transitions and the diagnostics.
@@ -11,7 +11,7 @@ for is answered ``success: false``, never an exception that would stop the execu
 - configure: parameters -> every model and cache path checked (the learned cache's folder created
   inside ``lookup.cache_dir`` if missing), then the engine
   (:mod:`~gemma_spec_ros.node.engine_factory`: the local models, or the inference server at
-  ``remote.url``); the ``~/generate`` action server and the stats publishers. A missing/corrupt
+  ``remote.url``); the ``~/generate`` and ``~/generate_chat`` action servers and the stats publishers. A missing/corrupt
   file, an out-of-memory load or a vocabulary mismatch returns FAILURE with the reason (naming the
   files) logged and shown in diagnostics (ERROR); the node stays unconfigured and configures again
   once the parameter is fixed. An unreachable server is logged and shown in diagnostics, not a
@@ -77,7 +77,8 @@ _FAILURE = TransitionCallbackReturn.FAILURE
 
 
 class GemmaSpecNode(LifecycleNodeMixin, Node):
-    """Lifecycle node serving ``~/generate`` (gemma_spec_msgs/action/Generate) with speculation.
+    """Lifecycle node serving ``~/generate`` (gemma_spec_msgs/action/Generate) and ``~/generate_chat``
+    (gemma_spec_msgs/action/GenerateChat: chat turns with tool calls) with speculation.
 
     Topics: ``/diagnostics`` (DiagnosticArray), ``~/spec_stats`` (SpecStats of each finished
     request), ``~/spec_stats_rolling`` (the engine's lifetime SpecStats every diagnostics.period).
@@ -258,7 +259,7 @@ class GemmaSpecNode(LifecycleNodeMixin, Node):
         """Accept goals from now on."""
         self._goals.activate()
         self._state = "active"
-        self.get_logger().info("active: accepting goals on ~/generate")
+        self.get_logger().info("active: accepting goals on ~/generate and ~/generate_chat")
         return super().on_activate(state)
 
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:

@@ -8,7 +8,7 @@ checks it is in sync).
 Two kinds of parameter:
 
 - **configure-time** (``backend``, ``remote.*``, ``target.*``, ``draft.*``, ``lookup.*``, ``suffix.*``,
-  ``queue.max_running``): read
+  ``chat.*``, ``queue.max_running``): read
   by the configure transition to load the models (or reach the inference server). They are *not*
   ``read_only``: an operator fixing a wrong model path expects
   ``ros2 param set`` to work while the node is unconfigured. The node's set-parameters callback
@@ -32,8 +32,8 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from ..engine.grammar.matcher import MAX_GRAMMAR_BYTES, compiled_constraint
 from ..engine.modes import SPEC_MODES
-from ..engine.config import (MAX_RUNNING, VERIFICATIONS, EngineConfig, LookupConfig, ModelConfig, SamplingParams,
-                             SpecConfig, SuffixConfig, expand_path)
+from ..engine.config import (MAX_RUNNING, VERIFICATIONS, ChatConfig, EngineConfig, LookupConfig, ModelConfig,
+                             SamplingParams, SpecConfig, SuffixConfig, expand_path)
 from ..engine.remote.config import RemoteConfig
 
 ParamValue = Union[str, int, float, bool]
@@ -44,7 +44,7 @@ EMBEDDED_MODEL_PATH = "~/.cache/gemma_spec_ros/models/gemma-3-270m-q4_k_m.gguf"
 CACHE_DIR = "~/.cache/gemma_spec_ros"
 #: Prefixes of the parameters that only change while the node is unconfigured.
 CONFIGURE_TIME_PREFIXES: Tuple[str, ...] = (
-    "target.", "draft.", "lookup.", "suffix.", "backend", "remote.", "queue.max_running")
+    "target.", "draft.", "lookup.", "suffix.", "backend", "remote.", "chat.", "queue.max_running")
 #: Where generation runs: this process (llama.cpp in-process) or an OpenAI-compatible server.
 BACKENDS: Tuple[str, ...] = ("local", "remote")
 #: What serves when the remote server is unreachable.
@@ -59,6 +59,7 @@ _SPEC = SpecConfig()
 _LOOKUP = LookupConfig()
 _SUFFIX = SuffixConfig()
 _SAMPLING = SamplingParams()
+_CHAT = ChatConfig()
 _REMOTE = RemoteConfig(url="http://127.0.0.1:8080")
 
 
@@ -231,6 +232,13 @@ PARAMETERS: Tuple[ParamSpec, ...] = (
     ParamSpec("suffix.save_period", _SUFFIX.save_period,
               "seconds between atomic saves of the suffix history while serving; 0 = only at "
               "cleanup/shutdown", (0.0, 86_400.0)),
+    ParamSpec("chat.template_path", _CHAT.template_path,
+              "Jinja chat template file for ~/generate_chat turns instead of the model's own "
+              "(tokenizer.chat_template), e.g. for a base model without one; '' = the model's own"),
+    ParamSpec("chat.conversation_cache_mb", _CHAT.conversation_cache_bytes >> 20,
+              "host memory (MiB) for recent conversations' KV: a follow-up turn after another "
+              "conversation's evaluates only its new tokens; least recently used out first; 0 = none",
+              (0, 1 << 20)),
     ParamSpec("generation.max_tokens", 128,
               "tokens generated when a goal's max_tokens is 0; <= limits.max_tokens", (1, 1 << 20)),
     ParamSpec("generation.temperature", _SAMPLING.temperature,
@@ -371,8 +379,10 @@ def engine_config_from(values: Mapping[str, Any]) -> EngineConfig:
                           cache_dir=values["lookup.cache_dir"],
                           history_max_tokens=values["suffix.history_max_tokens"],
                           save_period=values["suffix.save_period"])
+    chat = ChatConfig(template_path=values["chat.template_path"],
+                      conversation_cache_bytes=values["chat.conversation_cache_mb"] << 20)
     return EngineConfig(target=target, draft=draft, spec=spec_config_from(values), lookup=lookup,
-                        suffix=suffix, max_running=values["queue.max_running"])
+                        suffix=suffix, chat=chat, max_running=values["queue.max_running"])
 
 
 def history_path(path: str, cache_dir: str) -> str:
@@ -438,7 +448,8 @@ def render_markdown() -> str:
         "Generated from `gemma_spec_ros/node/parameters.py` by",
         "`python -m gemma_spec_ros.node.parameters --write docs/parameters.md`; do not edit by hand.",
         "",
-        "Configure-time parameters (`backend`, `remote.*`, `target.*`, `draft.*`, `lookup.*`, `suffix.*`) are read",
+        "Configure-time parameters (`backend`, `remote.*`, `target.*`, `draft.*`, `lookup.*`, `suffix.*`,",
+        "`chat.*`) are read",
         "by the configure transition. They can be set (`ros2 param set`) only while the node is",
         "unconfigured: in any other state the node refuses the change with a reason, since the loaded",
         "models would no longer match.",

@@ -4,24 +4,32 @@ Like ``ros2 action send_goal --feedback /gemma_spec/generate ...``: with ``--str
 printed as feedback arrives; otherwise once, from the result. The text goes to stdout, the goal's
 status and the request's speculative-decoding stats to stderr. Ctrl-C cancels the goal.
 
+``gemma-spec-generate --chat FILE.json``: one chat turn (a GenerateChat goal on ``~/generate_chat``)
+of the conversation in FILE, OpenAI's shape: ``{"messages": [...], "tools": [...], "tool_choice":
+..., "parallel_tool_calls": ...}``. The conversation is checked here first (a refusal says why), the
+assistant's message is printed to stdout as one JSON object in the same shape (append it to
+``messages`` for the next turn), streamed text (``--stream``), status and stats to stderr.
+
 Exit status: 0 succeeded, 1 no action server / timed out, 2 rejected, 3 aborted, 4 cancelled.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import threading
 import time
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import rclpy
 from action_msgs.msg import GoalStatus
-from gemma_spec_msgs.action import Generate
+from gemma_spec_msgs.action import Generate, GenerateChat
 from rclpy.signals import SignalHandlerOptions
 from rclpy.utilities import remove_ros_args
 
-from ..client import GenerateClient, NoAnswer, action_name
+from ..client import GenerateClient, NoAnswer, action_name, chat_action_name, chat_goal
+from ..engine.chat.conversation import Conversation, conversation_from_json
 from ..node import NODE_NAME
 
 EXIT_OK, EXIT_UNAVAILABLE, EXIT_REJECTED, EXIT_ABORTED, EXIT_CANCELLED = range(5)
@@ -33,7 +41,7 @@ _STATUS_NAMES = {GoalStatus.STATUS_SUCCEEDED: "SUCCEEDED", GoalStatus.STATUS_ABO
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="gemma-spec-generate", description=__doc__.split("\n")[0])
-    parser.add_argument("prompt")
+    parser.add_argument("prompt", nargs="?", default="", help="the prompt (not with --chat)")
     parser.add_argument("--spec-mode", default="", help="off|draft|lookup|draft+lookup|auto "
                         "(default: the node's spec.mode)")
     parser.add_argument("--stream", action="store_true", help="print text as feedback arrives")
@@ -44,8 +52,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=0, help="0 = no limit; -1 = the node's generation.top_k")
     parser.add_argument("--seed", type=int, default=-1, help="-1 = random")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--system", default="", help="system prompt (with --chat)")
-    parser.add_argument("--chat", action="store_true", help="wrap in the model's chat template")
+    parser.add_argument("--system", default="", help="system prompt (with --chat-template)")
+    parser.add_argument("--chat-template", action="store_true", help="wrap the prompt in the model's chat template")
+    parser.add_argument("--chat", metavar="FILE.json", default="",
+                        help="send one chat turn of the conversation in FILE (OpenAI's messages, tools, "
+                             "tool_choice, parallel_tool_calls) to <node>/generate_chat")
     parser.add_argument("--time-budget", type=float, default=0.0,
                         help="seconds until the goal ends with finish_reason timeout and its text "
                              "so far; 0 = the node's generation.time_budget")
@@ -62,17 +73,54 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="node name or full path; the action is <node>/generate")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds to wait for the server and for the result")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if bool(args.chat) == bool(args.prompt):
+        parser.error("give a prompt, or --chat FILE.json (not both)")
+    return args
 
 
-def goal_from_args(args: argparse.Namespace) -> Generate.Goal:
-    """The goal the arguments describe; OSError if a --grammar / --json-schema file cannot be read."""
+def goal_from_args(args: argparse.Namespace) -> Any:
+    """The goal the arguments describe (a GenerateChat goal with --chat); OSError if a file cannot
+    be read, ValueError (with the reason) if the --chat file is not a valid conversation."""
+    settings = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                    top_k=args.top_k, seed=args.seed, stop=list(args.stop), spec_mode=args.spec_mode,
+                    time_budget=args.time_budget, priority=args.priority, preempt=args.preempt,
+                    grammar=_read(args.grammar), json_schema=_read(args.json_schema))
+    if args.chat:
+        return chat_goal({**chat_fields(read_conversation(args.chat)), **settings})
     return Generate.Goal(prompt=args.prompt, system_prompt=args.system,
-                         use_chat_template=args.chat, max_tokens=args.max_tokens,
-                         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                         seed=args.seed, stop=list(args.stop), spec_mode=args.spec_mode,
-                         time_budget=args.time_budget, priority=args.priority, preempt=args.preempt,
-                         grammar=_read(args.grammar), json_schema=_read(args.json_schema))
+                         use_chat_template=args.chat_template, **settings)
+
+
+def read_conversation(path: str) -> Conversation:
+    """The conversation in a --chat file, checked as the node checks it (ValueError: why not)."""
+    try:
+        data = json.loads(_read(path))
+    except ValueError as exc:
+        raise ValueError(f"{path} is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected an object with \"messages\"")
+    return conversation_from_json(data)
+
+
+def chat_fields(conversation: Conversation) -> Dict[str, Any]:
+    """A conversation as GenerateChat goal fields."""
+    messages = [{"role": m.role, "content": m.content, "name": m.name, "tool_call_id": m.tool_call_id,
+                 "tool_calls": [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in m.tool_calls]}
+                for m in conversation.messages]
+    tools = json.dumps([tool.as_openai() for tool in conversation.tools]) if conversation.tools else ""
+    return {"messages": messages, "tools": tools, "tool_choice": conversation.tool_choice,
+            "parallel_tool_calls": conversation.parallel_tool_calls}
+
+
+def message_json(result: GenerateChat.Result) -> str:
+    """The result's assistant message as OpenAI writes one (for the next turn's ``messages``)."""
+    message = result.message
+    entry: Dict[str, Any] = {"role": "assistant", "content": message.content or None}
+    if message.tool_calls:
+        entry["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                               for c in message.tool_calls]
+    return json.dumps(entry, ensure_ascii=False)
 
 
 def _read(path: str) -> str:
@@ -109,8 +157,9 @@ class _Printer:
     the client's executor thread, the result on the main thread: a lock keeps them in that order,
     and feedback after the result is not printed."""
 
-    def __init__(self, stream: bool) -> None:
+    def __init__(self, stream: bool, out: Any = None) -> None:
         self.stream = stream
+        self.out = out if out is not None else sys.stdout  # where streamed text goes
         self.printed: List[str] = []
         self._lock = threading.Lock()
         self._done = False
@@ -123,8 +172,8 @@ class _Printer:
                 print(f"waiting: queue position {message.feedback.queue_position}", file=sys.stderr)
             if self.stream and message.feedback.text:
                 self.printed.append(message.feedback.text)
-                sys.stdout.write(message.feedback.text)
-                sys.stdout.flush()
+                self.out.write(message.feedback.text)
+                self.out.flush()
 
     def result(self, text: str) -> None:
         with self._lock:
@@ -137,15 +186,20 @@ class _Printer:
 
 def send(client: GenerateClient, args: argparse.Namespace) -> int:
     """Send the goal, print, and return the exit status."""
-    if not client.wait_for_server(args.timeout):
-        print(f"no action server {action_name(args.node)} (is the node active?)", file=sys.stderr)
+    chat = bool(args.chat)
+    if not client.wait_for_server(args.timeout, chat=chat):
+        name = chat_action_name(args.node) if chat else action_name(args.node)
+        print(f"no action server {name} (is the node active?)", file=sys.stderr)
         return EXIT_UNAVAILABLE
     try:
         goal = goal_from_args(args)
     except OSError as exc:
         print(f"cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
         return EXIT_REJECTED
-    printer = _Printer(args.stream)
+    except ValueError as exc:
+        print(f"not sent: {exc}", file=sys.stderr)
+        return EXIT_REJECTED
+    printer = _Printer(args.stream, sys.stderr if chat else None)
     deadline = time.monotonic() + args.timeout
     try:
         run = client.send_goal(goal, timeout=args.timeout, on_feedback=printer.feedback)
@@ -167,7 +221,12 @@ def send(client: GenerateClient, args: argparse.Namespace) -> int:
     if result is None:
         print("timed out waiting for the result (goal cancelled)", file=sys.stderr)
         return EXIT_UNAVAILABLE
-    printer.result(result.text)
+    if chat:
+        if args.stream:
+            print(file=sys.stderr)
+        print(message_json(result))
+    else:
+        printer.result(result.text)
     print(f"status: {_STATUS_NAMES.get(run.status, run.status)}", file=sys.stderr)
     print(format_stats(result), file=sys.stderr)
     return _EXIT_BY_STATUS.get(run.status, EXIT_ABORTED)

@@ -176,9 +176,9 @@ def _tool(entry: Any, index: int) -> Tool:
 class Conversation:
     """The messages so far and what the next (assistant) turn may do.
 
-    ``tool_choice``: ``auto`` (text or calls), ``none`` (text; the tools are not shown),
-    ``required`` (one call at least) or a tool's name (a call of that tool). ``parallel_tool_calls``:
-    several calls in one turn allowed, else at most one.
+    ``tool_choice``: ``auto`` (text or calls), ``none`` (text; the tools are still shown: see
+    :attr:`shown`), ``required`` (one call at least) or a tool's name (a call of that tool).
+    ``parallel_tool_calls``: several calls in one turn allowed, else at most one.
     """
 
     messages: Tuple[ChatMessage, ...]
@@ -200,8 +200,15 @@ class Conversation:
         _check_tool_messages(self.messages)
 
     @property
+    def shown(self) -> Tuple[Tool, ...]:
+        """The tools the template shows the model: every tool given, whatever ``tool_choice`` says,
+        so that a conversation's prompt keeps its prefix from turn to turn (its KV is reused); the
+        turn's grammar holds the reply to ``tool_choice``."""
+        return self.tools
+
+    @property
     def offered(self) -> Tuple[Tool, ...]:
-        """The tools the model is shown and may call this turn (none with tool_choice none)."""
+        """The tools the reply may call this turn (none with tool_choice none)."""
         if self.tool_choice == "none":
             return ()
         if self.tool_choice in TOOL_CHOICES:

@@ -127,13 +127,16 @@ class ReplyStream:
 def assistant_reply(conversation: Conversation, parsed: Parsed, ended: str = "stop") -> AssistantReply:
     """The message of a parsed reply: its text and the calls that validate; ``error`` says why a
     call was left out, that max_tokens cut one (``ended`` length), or that a turn which had to
-    call a tool called none."""
+    call a tool and stopped called none. A turn cut otherwise (cancelled, timeout) keeps the whole
+    calls read before the cut, and its finish reason says why the rest is missing."""
     calls, errors = validated(conversation, parsed)
-    if parsed.error:
-        errors.insert(0, f"max_tokens ran out inside a tool call ({parsed.error})" if ended == "length"
-                      else parsed.error)
-    if conversation.must_call and not calls and not errors:
-        errors.append(f"tool_choice {conversation.tool_choice} but the reply calls no tool")
+    if parsed.error and ended == "length":
+        errors.insert(0, f"max_tokens ran out inside a tool call ({parsed.error})")
+    elif parsed.error and ended == "stop":  # else the turn was cut (cancelled, timeout): its finish says so
+        errors.insert(0, parsed.error)
+    if conversation.must_call and not calls and not errors and ended in ("stop", "length"):
+        errors.append(f"tool_choice {conversation.tool_choice} but the reply calls no tool"
+                      + (" (max_tokens ran out first)" if ended == "length" else ""))
     return AssistantReply(parsed.content, calls, "; ".join(errors))
 
 

@@ -69,7 +69,7 @@ class CallSyntax:
     def parse(self, pieces: Sequence[Piece]) -> Parsed:
         raise NotImplementedError
 
-    def describe(self, tools: Sequence[Any], must_call: bool, parallel: bool) -> str:
+    def describe(self, tools: Sequence[Any], parallel: bool) -> str:
         """A system message telling the model the tools and how to call them (fallback only)."""
         raise NotImplementedError(f"the {self.name} syntax is written by its template")
 
@@ -132,7 +132,7 @@ class TaggedJsonCalls(CallSyntax):
                 return Parsed(_joined(content), tuple(calls), f"a tool call does not parse: {exc}")
             at = end + len(self.closer)
 
-    def describe(self, tools: Sequence[Any], must_call: bool, parallel: bool) -> str:
+    def describe(self, tools: Sequence[Any], parallel: bool) -> str:
         lines = ["You can call the tools below. Each line is one tool: its name, what it does, and "
                  "the JSON Schema of its arguments."]
         lines += [json.dumps({"name": t.name, "description": t.description,
@@ -141,8 +141,7 @@ class TaggedJsonCalls(CallSyntax):
                   self.write("<the tool's name>", {}).replace("{}", "{<its arguments as JSON>}")]
         if parallel:
             lines.append("To call several tools, write one such block per call, one after the other.")
-        lines.append("You must call a tool now." if must_call else
-                     "If no tool is needed, answer in plain text.")
+        lines.append("If no tool is needed, answer in plain text.")
         return "\n".join(lines)
 
     def describe_result(self, name: str, content: str) -> str:

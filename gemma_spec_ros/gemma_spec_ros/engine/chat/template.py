@@ -179,7 +179,7 @@ class ChatTemplate:
         view = TemplateView({}, {}, Slots())
         native = self.native_syntax is not None
         messages = conversation.messages if native else fallback_messages(conversation, self.call_syntax)
-        tools = conversation.offered if native else ()
+        tools = conversation.shown if native else ()
         for key, shape in (("slotted", view.slots.put), ("real", _as_is)):
             unslotted = view.unslotted if key == "slotted" else []
             rendered = [_message_dict(m, i, shape, unslotted) for i, m in enumerate(messages)]
@@ -286,10 +286,9 @@ def fallback_messages(conversation: Conversation, syntax: CallSyntax) -> Tuple[C
     message (:meth:`CallSyntax.describe`), calls written into the assistant's text, tool results
     as user messages, and consecutive messages of one role joined by a blank line."""
     messages: List[ChatMessage] = []
-    tools = conversation.offered
-    if tools:
-        messages.append(ChatMessage("system", syntax.describe(tools, conversation.must_call,
-                                                              conversation.parallel_tool_calls)))
+    tools = conversation.shown
+    if tools:  # the same text every turn (the grammar holds the reply to tool_choice): a stable prefix
+        messages.append(ChatMessage("system", syntax.describe(tools, conversation.parallel_tool_calls)))
     for message in conversation.messages:
         if message.role == "tool":
             messages.append(ChatMessage("user", syntax.describe_result(

@@ -54,19 +54,36 @@ def model_template(backend: Any) -> ChatTemplate:
     return ChatTemplate(source.decode("utf-8", "replace"), f"the chat template of {backend.path}")
 
 
+def template_file(path: str) -> ChatTemplate:
+    """The chat template in the file at ``path`` (a Jinja template, as ``tokenizer.chat_template``
+    holds one); TemplateError if it cannot be read or does not compile."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TemplateError(f"cannot read the chat template file {path}: {exc}") from None
+    return ChatTemplate(source, f"the chat template file {path}")
+
+
 def prepare_turn(conversation: Conversation, template: ChatTemplate, vocab: ChatVocab,
                  grammar: str = "", json_schema: str = "") -> ChatTurn:
     """The turn's tokens, syntax and constraint; TemplateError / ValueError with the reason."""
+    check_constraint(conversation, grammar, json_schema)
     tools = conversation.offered
-    if tools and (grammar or json_schema):
-        raise ValueError("grammar / json_schema constrain a reply without tools: send them with no tools "
-                         "or with tool_choice none (the tools' own grammar constrains a reply with calls)")
     tokens, text = template.prompt_tokens(conversation, vocab)
     if not tools:
         return ChatTurn(conversation, tuple(tokens), text, None, compiled_constraint(grammar, json_schema))
     syntax = template.call_syntax
     lark = syntax.grammar(tools, conversation.must_call, conversation.parallel_tool_calls, vocab.control_id)
     return ChatTurn(conversation, tuple(tokens), text, syntax, compiled_lark(lark))
+
+
+def check_constraint(conversation: Conversation, grammar: str, json_schema: str) -> None:
+    """ValueError if a grammar or schema comes with tools offered (the tools' grammar is the reply's);
+    the rule of every engine, the remote one too."""
+    if conversation.offered and (grammar or json_schema):
+        raise ValueError("grammar / json_schema constrain a reply without tools: send them with no tools "
+                         "or with tool_choice none (the tools' own grammar constrains a reply with calls)")
 
 
 @functools.lru_cache(maxsize=32)
@@ -87,4 +104,4 @@ def compiled_lark(lark: str) -> Constraint:
     return Constraint("tools", grammar)
 
 
-__all__ = ["ChatTurn", "compiled_lark", "model_template", "prepare_turn"]
+__all__ = ["ChatTurn", "check_constraint", "compiled_lark", "model_template", "prepare_turn", "template_file"]

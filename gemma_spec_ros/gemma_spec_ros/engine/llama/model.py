@@ -101,6 +101,9 @@ class LlamaModel:
     (quantized weights on the fast build, where logits already depend on batch shapes).
     """
 
+    #: the sequence the one-sequence API (decode, rollback, kv_tokens, ...) speaks of by default
+    seq = 0
+
     #: Called after each decoded chunk with (position of its first token, its rows asked for
     #: logits, whether it is the decode's last chunk), before the next chunk overwrites llama.cpp's
     #: outputs: an MTP drafter keeps the target's hidden rows there (engine/drafters/mtp.py). None = nothing
@@ -410,6 +413,10 @@ class LlamaModel:
     def kv_tokens(self, tokens: List[int]) -> None:  # a restored snapshot (engine/conversations.py)
         self._seq_tokens[0] = tokens
 
+    def set_tokens(self, seq: int, tokens: List[int]) -> None:
+        """What sequence ``seq``'s cells now hold (a snapshot restored into it: engine/conversations.py)."""
+        self._seq_tokens[seq] = list(tokens)
+
     @property
     def n_past(self) -> int:
         return len(self._seq_tokens[0])
@@ -653,6 +660,14 @@ class SequenceView:
     @property
     def kv_tokens(self) -> List[int]:
         return self.model.tokens_of(self.seq)
+
+    @kv_tokens.setter
+    def kv_tokens(self, tokens: List[int]) -> None:
+        self.model.set_tokens(self.seq, tokens)
+
+    @property
+    def handles(self) -> Tuple[object, object]:
+        return self.model.handles
 
     @property
     def n_past(self) -> int:

@@ -13,30 +13,47 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Mapping, Tuple
 
-from ..chat.conversation import ChatMessage, Conversation
+from ..chat.conversation import TOOL_CHOICES, ChatMessage, Conversation
 from ..chat.reply import AssistantReply, assistant_reply
 from ..chat.syntax import Parsed
 from .http import RemoteError
 
 
 def chat_fields(conversation: Conversation) -> Dict[str, Any]:
-    """The body fields of the turn: ``messages`` and, when tools are offered, ``tools``,
-    ``tool_choice`` (OpenAI's ``{"type": "function", ...}`` object for one tool) and
-    ``parallel_tool_calls``.
+    """The body fields of the turn: ``messages`` and, with tools, ``tools``, ``tool_choice`` and
+    ``parallel_tool_calls``. A named tool is sent as that tool alone with ``required`` (the same
+    turn; llama-server takes only the string values of ``tool_choice``).
 
     >>> from gemma_spec_ros.engine.chat import ChatMessage, Conversation, Tool
-    >>> body = chat_fields(Conversation((ChatMessage("user", "Stop."),), (Tool("halt"),), "halt"))
-    >>> body["tool_choice"], body["parallel_tool_calls"]
-    ({'type': 'function', 'function': {'name': 'halt'}}, False)
+    >>> body = chat_fields(Conversation((ChatMessage("user", "Stop."),), (Tool("halt"), Tool("go")), "halt"))
+    >>> [t["function"]["name"] for t in body["tools"]], body["tool_choice"], body["parallel_tool_calls"]
+    (['halt'], 'required', False)
+    >>> body = chat_fields(Conversation((ChatMessage("user", "Report."),), (Tool("halt"), Tool("go")), "none"))
+    >>> [t["function"]["name"] for t in body["tools"]], body["tool_choice"]
+    (['halt', 'go'], 'none')
     """
     body: Dict[str, Any] = {"messages": [openai_message(m) for m in conversation.messages]}
-    if conversation.tools and conversation.tool_choice != "none":
-        choice = conversation.tool_choice
-        body["tools"] = [tool.as_openai() for tool in conversation.tools]
-        body["tool_choice"] = choice if choice in ("auto", "required") else \
-            {"type": "function", "function": {"name": choice}}
+    choice = conversation.tool_choice
+    if conversation.tools:
+        named = choice not in TOOL_CHOICES
+        body["tools"] = [tool.as_openai() for tool in (conversation.offered if named else conversation.tools)]
+        body["tool_choice"] = "required" if named else choice
         body["parallel_tool_calls"] = conversation.parallel_tool_calls
     return body
+
+
+def conversation_text(conversation: Conversation) -> str:
+    """The clients' text of a turn, for counting its tokens (a lower bound of the templated
+    prompt's): every message's content and calls, and the tools offered, one per line.
+
+    >>> from gemma_spec_ros.engine.chat import ChatMessage, Conversation
+    >>> conversation_text(Conversation((ChatMessage("system", "Plan."), ChatMessage("user", "Go."))))
+    'Plan.\\nGo.'
+    """
+    lines = [m.content for m in conversation.messages if m.content]
+    lines += [f"{c.name} {c.arguments}" for m in conversation.messages for c in m.tool_calls]
+    lines += [json.dumps(tool.as_openai()) for tool in conversation.shown]
+    return "\n".join(lines)
 
 
 def openai_message(message: ChatMessage) -> Dict[str, Any]:
@@ -62,7 +79,9 @@ class ToolCallDeltas:
     >>> calls = ToolCallDeltas()
     >>> calls.add({"choices": [{"delta": {"tool_calls": [{"index": 0, "id": "a", "function": {
     ...     "name": "go", "arguments": '{"to": '}}]}}]})
+    True
     >>> calls.add({"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": '"dock"}'}}]}}]})
+    True
     >>> calls.parsed("")
     Parsed(content='', calls=(('go', {'to': 'dock'}),), error='')
     """
@@ -70,13 +89,13 @@ class ToolCallDeltas:
     def __init__(self) -> None:
         self._calls: Dict[int, Dict[str, str]] = {}
 
-    def add(self, chunk: Mapping[str, Any]) -> None:
-        """Take one chunk's tool-call fragments (a chunk without any is fine)."""
+    def add(self, chunk: Mapping[str, Any]) -> bool:
+        """Take one chunk's tool-call fragments (a chunk without any is fine); whether it had any."""
         choices = chunk.get("choices") or []
         delta = choices[0].get("delta") if choices and isinstance(choices[0], dict) else None
         fragments = delta.get("tool_calls") if isinstance(delta, dict) else None
         if not fragments:
-            return
+            return False
         if not isinstance(fragments, list):
             raise RemoteError(f"the server sent tool_calls that are not a list: {str(fragments)[:200]!r}")
         for fragment in fragments:
@@ -87,6 +106,7 @@ class ToolCallDeltas:
             call = self._calls.setdefault(index, {"name": "", "arguments": ""})
             call["name"] += function.get("name") or ""
             call["arguments"] += function.get("arguments") or ""
+        return True
 
     def parsed(self, content: str) -> Parsed:
         """The calls put together (in index order) with the streamed text; ``error`` names the first
@@ -110,4 +130,4 @@ class ToolCallDeltas:
         return assistant_reply(conversation, self.parsed(content), ended)
 
 
-__all__ = ["ToolCallDeltas", "chat_fields", "openai_message"]
+__all__ = ["ToolCallDeltas", "chat_fields", "conversation_text", "openai_message"]

@@ -10,9 +10,11 @@ from dataclasses import replace
 from functools import partial
 from typing import Any, Dict, Iterator, List, Mapping, Optional
 
+from ..chat.turn import check_constraint
 from ..stats import SpecStats
 from ..request import CountedPrompt, GenerationRequest, Step
 from ..errors import PromptTooLongError
+from .chat import ToolCallDeltas, conversation_text
 from .config import RemoteConfig
 from ..config import SpecConfig
 from .http import HttpClient, RemoteError, ServerUnreachableError
@@ -127,7 +129,7 @@ class RemoteEngine:
     def count_prompt_tokens(self, request: GenerationRequest) -> int:
         """An estimate of the prompt's tokens, without a round trip to the server: it runs in the
         node's goal callback, where cancels wait behind it. :meth:`generate` counts exactly."""
-        count = -(-len(request.plain_prompt.encode("utf-8")) // ESTIMATE_BYTES_PER_TOKEN) + 1
+        count = -(-len(_prompt_text(request).encode("utf-8")) // ESTIMATE_BYTES_PER_TOKEN) + 1
         return count + _template_tokens(request)
 
     def count_prompt(self, request: GenerationRequest) -> CountedPrompt:
@@ -136,8 +138,11 @@ class RemoteEngine:
 
     def check_request(self, request: GenerationRequest, n_prompt_tokens: Optional[int] = None) -> None:
         """PromptTooLongError when the server's n_ctx is known and exceeded; ValueError for a
-        spec_mode (the server decides) or a json_schema that is not a JSON object."""
+        spec_mode (the server decides), a json_schema that is not a JSON object, or a chat turn with
+        a grammar beside its tools."""
         parse_json_schema(request.json_schema)
+        if request.conversation is not None:
+            check_constraint(request.conversation, request.grammar, request.json_schema)
         n_ctx = self.n_ctx
         if n_ctx > 0:
             n_prompt = self.count_prompt_tokens(request) if n_prompt_tokens is None else n_prompt_tokens
@@ -181,7 +186,7 @@ class RemoteEngine:
                     self.server.mark(False, math.nan, str(exc))
                     raise
                 self._note_served()
-                yield from self._steps(stream, before, n_prompt, cancel)
+                yield from self._steps(stream, before, n_prompt, cancel, request)
         except RemoteError:  # unreachable, an HTTP error, a broken stream: it may be another server now
             self.server.forget_identity()
             raise
@@ -206,7 +211,7 @@ class RemoteEngine:
         llama_cpp.server's tokenizer is asked only while this engine does not stream. The call
         ends within connect_timeout and the request's budget, or at its cancel."""
         timeout = min(self.config.connect_timeout, max(0.01, budget_ends - time.monotonic()))
-        counted = self.server.count_tokens(request.plain_prompt, timeout, cancel)
+        counted = self.server.count_tokens(_prompt_text(request), timeout, cancel)
         if counted is None:
             return 0
         n_prompt = counted + _template_tokens(request)
@@ -217,9 +222,12 @@ class RemoteEngine:
         return n_prompt
 
     def _steps(self, stream: Stream, before: Optional[Counters], n_prompt: int,
-               cancel: threading.Event) -> Iterator[Step]:
-        """The stream's chunks as Steps, then the last Step with the finish reason and the stats."""
+               cancel: threading.Event, request: GenerationRequest) -> Iterator[Step]:
+        """The stream's chunks as Steps, then the last Step with the finish reason and the stats (a
+        chat turn's with its reply: the streamed text and the server's calls, validated)."""
         stats = SpecStats(spec_mode=REMOTE_MODE, verification="server", num_prompt_tokens=n_prompt)
+        calls = ToolCallDeltas() if request.conversation is not None else None
+        content: List[str] = []
         chunks = 0
         first_at = last_at = math.nan
         finish: Optional[str] = None
@@ -231,7 +239,10 @@ class RemoteEngine:
                 timings = chunk.get("timings") or timings
                 text, reason = choice(chunk)
                 finish = reason or finish
-                if text:
+                called = calls is not None and calls.add(chunk)  # a call's fragment is output too
+                if calls is not None:
+                    content.append(text)
+                if text or called:
                     last_at = time.perf_counter()
                     chunks += 1
                     if chunks == 1:
@@ -245,7 +256,10 @@ class RemoteEngine:
             fill_stats(stats, chunks, first_at, last_at, usage, timings)
             if ended not in ("cancelled", "timeout"):  # a cut stream's counters are not attributable
                 self._tau.attribute(stats, before, timings)
-            yield Step((), "", stats.snapshot(), REMOTE_MODE, 0, ended)
+            reply = None
+            if calls is not None and request.conversation is not None:
+                reply = calls.reply(request.conversation, "".join(content), ended)
+            yield Step((), "", stats.snapshot(), REMOTE_MODE, 0, ended, reply=reply)
         finally:
             stream.close()
             with self._state_lock:
@@ -298,7 +312,14 @@ class RemoteEngine:
 
 def _template_tokens(request: GenerationRequest) -> int:
     """Estimated chat-template markup tokens (the server applies its own template)."""
-    return CHAT_TEMPLATE_TOKENS if request.use_chat_template else 0
+    return CHAT_TEMPLATE_TOKENS if request.use_chat_template or request.conversation is not None else 0
+
+
+def _prompt_text(request: GenerationRequest) -> str:
+    """The text the server's tokenizer counts: the plain prompt, or a chat turn's messages and tools."""
+    if request.conversation is not None:
+        return conversation_text(request.conversation)
+    return request.plain_prompt
 
 
 __all__ = ["CHAT_TEMPLATE_TOKENS", "ESTIMATE_BYTES_PER_TOKEN", "REMOTE_MODE", "RemoteEngine"]

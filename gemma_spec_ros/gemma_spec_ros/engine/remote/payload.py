@@ -1,7 +1,8 @@
 """The body of a streamed completion request, per kind of server.
 
 A request without the chat template goes to ``POST /v1/completions`` with its plain prompt; with it,
-to ``/v1/chat/completions`` with the messages (the server applies its own template). Both stream
+to ``/v1/chat/completions`` with the messages (the server applies its own template); a chat turn
+too, with its conversation's messages and tools (:func:`~.chat.chat_fields`). All stream
 (``stream: true``) and ask for the usage in the last chunk.
 
 Constrained output (``GenerationRequest.grammar`` / ``.json_schema``), as each server takes it:
@@ -22,6 +23,7 @@ import json
 from typing import Any, Dict, Optional, Tuple
 
 from ..request import GenerationRequest
+from .chat import chat_fields
 from .http import RemoteError
 from .server import KIND_LLAMA_CPP_PYTHON, KIND_LLAMA_SERVER, KIND_VLLM, LLAMA_CPP_KINDS
 
@@ -100,6 +102,9 @@ def completion_request(request: GenerationRequest, kind: str, model: str) -> Tup
     if model:
         body["model"] = model
     body.update(constraint_fields(request, kind))
+    if request.conversation is not None:
+        body.update(chat_fields(request.conversation))
+        return CHAT_COMPLETIONS_PATH, body
     if request.use_chat_template:
         messages = [{"role": "user", "content": request.prompt}]
         if request.system_prompt:

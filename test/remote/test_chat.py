@@ -1,0 +1,119 @@
+"""Chat turns on the remote backend: the turn's request to /v1/chat/completions (messages, tools,
+tool_choice), the server's streamed calls put together and validated as the local engine's are.
+
+Servers: llama.cpp's real llama-server on the embedded model with the agent suite's template given
+as its chat template (the model has none): the request it gets and what a base model answers (text
+before any call, which llama-server's grammar allows even with ``tool_choice`` required); and a
+scripted stream (:class:`support.servers.ScriptedStreamServer`, a fake) for the calls themselves,
+because no model here makes llama-server emit a call on demand: fragments of two calls, one whose
+arguments fail its schema.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Iterator, List
+
+import pytest
+
+from gemma_spec_dev.bench.agent_suite import SKILLS, SYSTEM, TASKS, TEMPLATE
+from gemma_spec_ros.engine.chat import conversation_from_json
+from gemma_spec_ros.engine.config import SamplingParams, SpecConfig
+from gemma_spec_ros.engine.remote import RemoteConfig, RemoteEngine
+from gemma_spec_ros.engine.request import GenerationRequest, Step
+from support.servers import LLAMA_SERVER, SSE_CHUNKED_HEAD, ScriptedStreamServer, Server, chunk, llama_server
+
+
+def turn(choice: str, max_tokens: int = 24) -> GenerationRequest:
+    conversation = conversation_from_json({"messages": [{"role": "system", "content": SYSTEM},
+                                                        {"role": "user", "content": TASKS[0]}],
+                                           "tools": SKILLS, "tool_choice": choice})
+    return GenerationRequest(conversation=conversation, max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, embedded_model_path: Path) -> Iterator[Server]:
+    if not LLAMA_SERVER.is_file():
+        pytest.fail(f"no llama-server at {LLAMA_SERVER}: scripts/build_native_tools.sh builds it")
+    folder = tmp_path_factory.mktemp("remote_chat")
+    template = folder / "agent_suite.jinja"
+    template.write_text(TEMPLATE)
+    srv = llama_server(embedded_model_path, folder, ["--jinja", "--chat-template-file", str(template), "-c", "2048"])
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.timeout(300)
+def test_a_required_turn_on_llama_server_says_when_the_model_called_nothing(server: Server) -> None:
+    """The turn reaches the server as a chat completion with the tools; the base model writes text
+    (llama-server lets text precede a required call) until max_tokens: the text streams, and the
+    reply says that no tool was called."""
+    engine = RemoteEngine(RemoteConfig(url=server.url, probe_period=0), SpecConfig())
+    steps: List[Step] = list(engine.generate(turn("required")))
+    last = steps[-1]
+    assert last.finish_reason == "length" and last.reply is not None
+    assert last.reply.tool_calls == () and "tool_choice required but the reply calls no tool" in last.reply.error
+    assert "".join(s.text for s in steps).strip() == last.reply.content != ""
+    assert last.stats.time_to_first_token > 0 and last.stats.num_prompt_tokens > 200
+
+
+def scripted(chunks: List[Any]) -> Callable[[Callable[[bytes], bool]], None]:
+    """A chat-completion stream of ``chunks`` (JSON objects), then [DONE]."""
+    def script(send: Callable[[bytes], bool]) -> None:
+        send(SSE_CHUNKED_HEAD)
+        for payload in chunks:
+            send(chunk(b"data: " + json.dumps(payload).encode() + b"\n\n"))
+        send(chunk(b"data: [DONE]\n\n") + chunk(b""))
+    return script
+
+
+def call_fragment(index: int, **function: str) -> dict:
+    return {"choices": [{"delta": {"tool_calls": [{"index": index, "id": f"srv{index}", "function": function}]},
+                         "finish_reason": None}]}
+
+
+def test_streamed_calls_are_put_together_and_validated() -> None:
+    """Two calls in fragments (a fake server: see the module docstring): the valid one is in the
+    message with its arguments, the one whose place is not in its enum is left out with the
+    reason; finish_reason tool_calls; the request carried the tools, tool_choice and messages."""
+    chunks = [{"choices": [{"delta": {"content": "On it."}, "finish_reason": None}]},
+              call_fragment(0, name="navigate", arguments='{"place": '),
+              call_fragment(0, arguments='"sink"}'),
+              call_fragment(1, name="navigate", arguments='{"place": "garage"}'),
+              {"choices": [{"delta": {}, "finish_reason": "tool_calls"}], "usage": {"completion_tokens": 20,
+                                                                                   "prompt_tokens": 300}}]
+    with ScriptedStreamServer(scripted(chunks), routes={"POST /v1/chat/completions": scripted(chunks)}) as fake:
+        engine = RemoteEngine(RemoteConfig(url=fake.url, probe_period=0), SpecConfig())
+        last = list(engine.generate(turn("required")))[-1]
+        body = json.loads(fake.bodies("POST /v1/chat/completions")[0])
+    reply = last.reply
+    assert [(c.name, json.loads(c.arguments)) for c in reply.tool_calls] == [("navigate", {"place": "sink"})]
+    assert reply.content == "On it." and "'garage' is not one of" in reply.error
+    assert reply.finish_reason(last.finish_reason) == "tool_calls"
+    assert body["tool_choice"] == "required" and len(body["tools"]) == len(SKILLS)
+    assert [m["role"] for m in body["messages"]] == ["system", "user"] and body["stream"] is True
+    assert last.stats.time_to_first_token > 0  # the first delta, text or call, counts
+
+
+def test_the_local_fallback_serves_a_chat_turn_when_the_server_is_unreachable(tmp_path: Path) -> None:
+    """remote.fallback local: an unreachable server, and the turn is served by the local engine
+    (the tiny Gemma 4 style model), its call validated as always."""
+    from gemma_spec_ros.engine.config import EngineConfig, ModelConfig
+    from gemma_spec_ros.engine.engine import Engine
+    from gemma_spec_ros.engine.fallback import FallbackEngine
+    from support.chat import planner_conversation
+    from support.servers import free_port
+    from support.tiny_chat_gguf import write_tiny_chat_gguf
+
+    local = Engine(EngineConfig(target=ModelConfig(str(write_tiny_chat_gguf(tmp_path / "chat.gguf")), n_ctx=2048,
+                                                   n_threads=1)), calibrate=False)
+    engine = FallbackEngine(RemoteEngine(RemoteConfig(url=f"http://127.0.0.1:{free_port()}", connect_timeout=0.5,
+                                                      probe_period=0), SpecConfig()), local)
+    try:
+        request = GenerationRequest(conversation=planner_conversation("pick"), max_tokens=160)
+        last = list(engine.generate(request))[-1]
+        assert engine.status()["served by"] == "local"
+        assert last.reply is not None and last.reply.error == "" and last.reply.tool_calls[0].name == "pick"
+    finally:
+        engine.close()
