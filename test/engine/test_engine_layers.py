@@ -2,7 +2,8 @@
 stats, ...) imports no room; ``llama/`` (the wrapper over llama.cpp) and ``grammar/`` only the floor;
 ``drafters/`` the wrapper; ``policy/`` the drafters' evidence; ``chat/`` the grammar; ``remote/`` chat;
 the generation loop (``engine.py``, ``propose.py``, ``verify.py``, ...) everything. A drafter that
-reached up into the loop, or a wrapper that knew the cache format, fails here with its line."""
+reached up into the loop, or a wrapper that knew the cache format, fails here with its line. Imports
+under ``if TYPE_CHECKING:`` (types for annotations only, nothing imported at run time) are not counted."""
 from __future__ import annotations
 
 import ast
@@ -29,8 +30,13 @@ def engine_imports(path: Path) -> Iterator[Tuple[int, str]]:
     """(line, engine module relative to engine/) of every engine import in ``path``."""
     here = path.relative_to(ENGINE).with_suffix("").parts
     package = here[:-1]  # an __init__ is in its own folder's package, like any module there
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if not isinstance(node, ast.ImportFrom):
+    tree = ast.parse(path.read_text(), str(path))
+    # imports under ``if TYPE_CHECKING:`` name types for annotations only: nothing runs upward
+    typing_only = {id(inner) for node in ast.walk(tree)
+                   if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+                   for stmt in node.body for inner in ast.walk(stmt)}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom) or id(node) in typing_only:
             continue
         if node.level:
             base = package[:len(package) - (node.level - 1)] if node.level > 1 else package
