@@ -2,11 +2,11 @@
 tool_choice), the server's streamed calls put together and validated as the local engine's are.
 
 Servers: llama.cpp's real llama-server on the embedded model with the agent suite's template given
-as its chat template (the model has none): the request it gets and what a base model answers (text
-before any call, which llama-server's grammar allows even with ``tool_choice`` required); and a
-scripted stream (:class:`support.servers.ScriptedStreamServer`, a fake) for the calls themselves,
-because no model here makes llama-server emit a call on demand: fragments of two calls, one whose
-arguments fail its schema.
+as its chat template (the model has none): a required turn, opened by the template's call tag, is
+a valid call; sent plainly, the base model writes text until max_tokens (llama-server's grammar for
+tagged JSON calls lets text precede a required call); and a scripted stream
+(:class:`support.servers.ScriptedStreamServer`, a fake) for what the real model does not produce on
+demand: fragments of two calls, one whose arguments fail its schema.
 """
 from __future__ import annotations
 
@@ -45,17 +45,32 @@ def server(tmp_path_factory: pytest.TempPathFactory, embedded_model_path: Path) 
 
 
 @pytest.mark.timeout(300)
-def test_a_required_turn_on_llama_server_says_when_the_model_called_nothing(server: Server) -> None:
-    """The turn reaches the server as a chat completion with the tools; the base model writes text
-    (llama-server lets text precede a required call) until max_tokens: the text streams, and the
-    reply says that no tool was called."""
+def test_a_required_turn_on_llama_server_is_a_valid_call(server: Server) -> None:
+    """The turn reaches the server as a chat completion with the tools, the assistant's reply
+    opened by the template's call tag (the server's /props named it): the base model's reply is
+    one call that validates, ended by the closing tag (one call allowed)."""
     engine = RemoteEngine(RemoteConfig(url=server.url, probe_period=0), SpecConfig())
+    steps: List[Step] = list(engine.generate(turn("required", max_tokens=48)))
+    last = steps[-1]
+    assert last.reply is not None and last.reply.error == "", last.reply
+    assert len(last.reply.tool_calls) == 1 and last.reply.tool_calls[0].name in {t["function"]["name"] for t in SKILLS}
+    assert last.reply.finish_reason(last.finish_reason) == "tool_calls"
+    assert last.stats.time_to_first_token > 0 and last.stats.num_prompt_tokens > 200
+
+
+@pytest.mark.timeout(300)
+def test_a_required_turn_sent_plainly_runs_out_in_text(server: Server) -> None:
+    """Why the turn is opened by the tag: without it (a server whose template's call syntax is not
+    known), the base model writes text, which llama-server's grammar lets precede a required call,
+    until max_tokens; the text streams and the reply says that no tool was called."""
+    engine = RemoteEngine(RemoteConfig(url=server.url, probe_period=0), SpecConfig())
+    assert engine.server.call_syntax is not None
+    engine.server.call_syntax = None  # as for a template whose syntax is neither known one
     steps: List[Step] = list(engine.generate(turn("required")))
     last = steps[-1]
     assert last.finish_reason == "length" and last.reply is not None
     assert last.reply.tool_calls == () and "tool_choice required but the reply calls no tool" in last.reply.error
     assert "".join(s.text for s in steps).strip() == last.reply.content != ""
-    assert last.stats.time_to_first_token > 0 and last.stats.num_prompt_tokens > 200
 
 
 def scripted(chunks: List[Any]) -> Callable[[Callable[[bytes], bool]], None]:

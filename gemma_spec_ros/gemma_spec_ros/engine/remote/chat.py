@@ -7,22 +7,34 @@ puts the streamed ``delta.tool_calls`` fragments back together (:class:`ToolCall
 then go through the same validation as the local engine's
 (:func:`~gemma_spec_ros.engine.chat.reply.validated`): a call of a tool not offered, or whose
 arguments do not follow its schema, is left out with the reason, whatever the server let through.
+
+A turn that must call, on a llama-server whose template writes calls as JSON in ``<tool_call>``
+tags: llama.cpp's generic tool grammar for such templates lets the reply open with free text
+before its first call, ``tool_choice`` required or not (its autoparser's rule is "any text up to
+``<tool_call>``, then calls"), and a model that rambles on runs out of tokens without a call. The
+turn is sent with the assistant's reply opened by the call's tag (llama-server continues a final
+assistant message): the server's grammar holds the call from its first token. Without parallel
+calls the closing tag ends the turn (a stop string; the server still parses the call). Gemma 4's
+own syntax needs none of this: llama.cpp's Gemma 4 handler starts a required turn with the call.
 """
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ..chat.conversation import TOOL_CHOICES, ChatMessage, Conversation
 from ..chat.reply import AssistantReply, assistant_reply
-from ..chat.syntax import Parsed
+from ..chat.syntax import TAGGED_JSON_CALLS, CallSyntax, Parsed
 from .http import RemoteError
 
 
-def chat_fields(conversation: Conversation) -> Dict[str, Any]:
+def chat_fields(conversation: Conversation, syntax: Optional[CallSyntax] = None) -> Dict[str, Any]:
     """The body fields of the turn: ``messages`` and, with tools, ``tools``, ``tool_choice`` and
     ``parallel_tool_calls``. A named tool is sent as that tool alone with ``required`` (the same
-    turn; llama-server takes only the string values of ``tool_choice``).
+    turn; llama-server takes only the string values of ``tool_choice``). ``syntax``: the call
+    syntax of the llama-server's template, if known: a turn that must call in tagged JSON is sent
+    opened by the tag, with the closing tag as a stop string when one call is allowed (see the
+    module docstring).
 
     >>> from gemma_spec_ros.engine.chat import ChatMessage, Conversation, Tool
     >>> body = chat_fields(Conversation((ChatMessage("user", "Stop."),), (Tool("halt"), Tool("go")), "halt"))
@@ -31,6 +43,10 @@ def chat_fields(conversation: Conversation) -> Dict[str, Any]:
     >>> body = chat_fields(Conversation((ChatMessage("user", "Report."),), (Tool("halt"), Tool("go")), "none"))
     >>> [t["function"]["name"] for t in body["tools"]], body["tool_choice"]
     (['halt', 'go'], 'none')
+    >>> body = chat_fields(Conversation((ChatMessage("user", "Stop."),), (Tool("halt"),), "required"),
+    ...                    TAGGED_JSON_CALLS)
+    >>> body["messages"][-1], body["stop"]
+    ({'role': 'assistant', 'content': '<tool_call>'}, ['</tool_call>'])
     """
     body: Dict[str, Any] = {"messages": [openai_message(m) for m in conversation.messages]}
     choice = conversation.tool_choice
@@ -39,6 +55,10 @@ def chat_fields(conversation: Conversation) -> Dict[str, Any]:
         body["tools"] = [tool.as_openai() for tool in (conversation.offered if named else conversation.tools)]
         body["tool_choice"] = "required" if named else choice
         body["parallel_tool_calls"] = conversation.parallel_tool_calls
+        if conversation.must_call and syntax is TAGGED_JSON_CALLS:
+            body["messages"].append({"role": "assistant", "content": syntax.opener})
+            if not conversation.parallel_tool_calls:
+                body["stop"] = [syntax.closer]
     return body
 
 

@@ -171,8 +171,10 @@ class RemoteEngine:
         try:
             if request.grammar or request.json_schema:
                 self._check_identified()  # its kind decides the fields
+            elif request.conversation is not None and request.conversation.must_call and not self.server.identified:
+                self.server.probe()  # its template's call syntax decides how the turn opens (chat.py)
             n_prompt = self._count_exactly(request, budget_ends, cancel)
-            path, body = completion_request(request, self.server.kind, self.config.model)
+            path, body = completion_request(request, self.server.kind, self.config.model, self.server.call_syntax)
             with self._lock:
                 before = self._tau.before_request()
                 try:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, Optional, Tuple
 
+from ..chat.syntax import CallSyntax
 from ..request import GenerationRequest
 from .chat import chat_fields
 from .http import RemoteError
@@ -77,8 +78,10 @@ def constraint_fields(request: GenerationRequest, kind: str) -> Dict[str, Any]:
                       "constraint")
 
 
-def completion_request(request: GenerationRequest, kind: str, model: str) -> Tuple[str, Dict[str, Any]]:
-    """(path, body) of the streamed completion for ``request`` on a server of ``kind``.
+def completion_request(request: GenerationRequest, kind: str, model: str,
+                       syntax: Optional[CallSyntax] = None) -> Tuple[str, Dict[str, Any]]:
+    """(path, body) of the streamed completion for ``request`` on a server of ``kind`` (``syntax``:
+    the call syntax of its template, for a chat turn: see :func:`~.chat.chat_fields`).
 
     >>> completion_request(GenerationRequest("Hi", max_tokens=4), KIND_VLLM, "")[1]["prompt"]
     'Hi'
@@ -103,7 +106,11 @@ def completion_request(request: GenerationRequest, kind: str, model: str) -> Tup
         body["model"] = model
     body.update(constraint_fields(request, kind))
     if request.conversation is not None:
-        body.update(chat_fields(request.conversation))
+        fields = chat_fields(request.conversation, syntax if kind == KIND_LLAMA_SERVER else None)
+        stop = list(body.get("stop", [])) + fields.pop("stop", [])
+        body.update(fields)
+        if stop:
+            body["stop"] = stop
         return CHAT_COMPLETIONS_PATH, body
     if request.use_chat_template:
         messages = [{"role": "user", "content": request.prompt}]

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, TypeVar
 
+from ..chat.syntax import CallSyntax, syntax_of_template
 from .config import RemoteConfig
 from .http import HttpClient, RemoteError, server_count
 from .metrics import Counters, TauAttribution, parse_prometheus
@@ -74,6 +75,8 @@ class ServerProbe:
         self.kind = ""  # which server (detected once reachable); '' = not yet known
         self.n_ctx = 0  # as the server reports it; 0 = unknown
         self.model = ""  # the server's model id, '' if it names none
+        #: the call syntax of a llama-server's chat template (None: unknown or neither)
+        self.call_syntax: Optional[CallSyntax] = None
         self.tokenizer = "estimate"  # what counted the last request's prompt
         # kind/n_ctx/model not detected since the server last failed (or ever): detect again
         self._stale = True
@@ -199,7 +202,7 @@ class ServerProbe:
             props, models = self._answer("/props"), self._answer("/v1/models")
         except RemoteError:
             return
-        kind, n_ctx = KIND_OPENAI, 0
+        kind, n_ctx, syntax = KIND_OPENAI, 0, None
         data = models.get("data") if isinstance(models, dict) else None
         entry = data[0] if isinstance(data, list) and data and isinstance(data[0], dict) else {}
         if isinstance(props, dict) and "default_generation_settings" in props:
@@ -207,12 +210,14 @@ class ServerProbe:
             settings = props.get("default_generation_settings")
             settings = settings if isinstance(settings, dict) else {}
             n_ctx = _context_length(settings.get("n_ctx") or props.get("n_ctx"))
+            template = props.get("chat_template")
+            syntax = syntax_of_template(template) if isinstance(template, str) else None
         elif "max_model_len" in entry:
             kind = KIND_VLLM
             n_ctx = _context_length(entry.get("max_model_len"))
         elif self._client.post_json("/extras/tokenize/count", {"input": "a"}, self._config.connect_timeout):
             kind = KIND_LLAMA_CPP_PYTHON
-        self.n_ctx, self.model = n_ctx, str(entry.get("id") or "")[:200]
+        self.n_ctx, self.model, self.call_syntax = n_ctx, str(entry.get("id") or "")[:200], syntax
         self.kind, self._identified_by = kind, fingerprint
         self._stale = False
         self._tau.available = (kind in (KIND_LLAMA_SERVER, KIND_VLLM)
