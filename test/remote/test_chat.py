@@ -56,6 +56,10 @@ def test_a_required_turn_on_llama_server_is_a_valid_call(server: Server) -> None
     assert len(last.reply.tool_calls) == 1 and last.reply.tool_calls[0].name in {t["function"]["name"] for t in SKILLS}
     assert last.reply.finish_reason(last.finish_reason) == "tool_calls"
     assert last.stats.time_to_first_token > 0 and last.stats.num_prompt_tokens > 200
+    again = list(engine.generate(turn("required", max_tokens=48)))[-1]  # the server's cache serves it
+    assert again.reply is not None
+    assert [(c.name, c.arguments) for c in again.reply.tool_calls] == [(c.name, c.arguments) for c in last.reply.tool_calls]
+    assert again.stats.num_prompt_tokens - 2 <= again.stats.num_prompt_tokens_reused < again.stats.num_prompt_tokens
 
 
 @pytest.mark.timeout(300)

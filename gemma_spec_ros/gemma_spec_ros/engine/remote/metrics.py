@@ -79,8 +79,17 @@ def delta(after: Mapping[str, float], before: Mapping[str, float], name: str) ->
 
 def fill_stats(stats: SpecStats, chunks: int, first_at: float, last_at: float,
                usage: Mapping[str, Any], timings: Mapping[str, Any]) -> None:
-    """Counts and rates of a request from what the server reported, else from the chunks.
-    RemoteError if a reported number is not a count or a duration (:func:`~.http.server_count`)."""
+    """Counts and rates of a request from what the server reported, else from the chunks; the
+    prompt tokens the server took from its cache from ``usage.prompt_tokens_details.cached_tokens``
+    (OpenAI's field, llama-server and vLLM send it) or llama-server's ``timings.cache_n``.
+    RemoteError if a reported number is not a count or a duration (:func:`~.http.server_count`).
+
+    >>> stats = SpecStats()
+    >>> fill_stats(stats, 3, 0.0, 0.5, {"completion_tokens": 3, "prompt_tokens": 800,
+    ...                                 "prompt_tokens_details": {"cached_tokens": 768}}, {})
+    >>> stats.num_prompt_tokens, stats.num_prompt_tokens_reused, stats.num_step_tokens
+    (800, 768, 2)
+    """
     usage, timings = _as_mapping(usage, "usage"), _as_mapping(timings, "timings")
     generated = (_count(usage, "completion_tokens", "usage") or _count(timings, "predicted_n", "timings")
                  or chunks)
@@ -90,6 +99,12 @@ def fill_stats(stats: SpecStats, chunks: int, first_at: float, last_at: float,
         prompt = (_count(timings, "prompt_n", "timings") or 0) + (_count(timings, "cache_n", "timings") or 0)
     if prompt is not None:
         stats.num_prompt_tokens = prompt
+    details = _as_mapping(usage.get("prompt_tokens_details") or {}, "usage.prompt_tokens_details")
+    cached = _count(details, "cached_tokens", "usage.prompt_tokens_details")
+    if cached is None:
+        cached = _count(timings, "cache_n", "timings")
+    if cached is not None:
+        stats.num_prompt_tokens_reused = cached
     if "prompt_ms" in timings:
         stats.prompt_time = server_seconds(timings["prompt_ms"], "timings.prompt_ms", 1e-3)
     # Decode rate as local mode defines it: tokens after the first / time after the first.
