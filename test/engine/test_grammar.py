@@ -50,6 +50,30 @@ def engine(embedded_model_path):
         yield engine
 
 
+def test_an_engine_that_prepares_the_grammar_builds_its_tokenizer_at_load(embedded_model_path, monkeypatch):
+    """EngineConfig.prepare_grammar: llguidance's tokenizer of the vocabulary is built while the
+    engine loads, not by the first constrained request (the build holds Python's GIL for about a
+    second and a half: a node's other threads would stall under a goal). When it runs is seen by
+    making the build fail once both engines are loaded (a monkeypatch: nothing real fails there):
+    the prepared engine serves a plan, the other fails on its first constrained request."""
+    from gemma_spec_ros.engine.config import EngineConfig, ModelConfig
+    from gemma_spec_ros.engine.engine import Engine
+
+    def engine(prepare):
+        return Engine(EngineConfig(target=ModelConfig(str(embedded_model_path), n_ctx=2048),
+                                   prepare_grammar=prepare), calibrate=False)
+
+    with engine(True) as prepared, engine(False) as lazy:
+        def build_now(cls, backend):
+            raise RuntimeError("the tokenizer was built by the request")
+        monkeypatch.setattr(GrammarVocab, "of", classmethod(build_now))
+        request = GenerationRequest(PLANNER_PROMPT, max_tokens=24, json_schema=SCHEMA_TEXT)
+        done = collect(prepared, request)
+        assert done.text.startswith("{") and done.steps[-1].finish_reason == "length"
+        with pytest.raises(RuntimeError, match="built by the request"):
+            collect(lazy, request)
+
+
 # -- refusals ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("fields, reason", [
     ({"grammar": 'root ::= "a" | foo'}, "rule 'foo' is used but not defined"),

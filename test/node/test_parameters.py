@@ -30,6 +30,7 @@ from support.node import config_values
 #: The names the rest of the project (launch file, README, configs) relies on.
 EXPECTED_NAMES = """
 target.model_path target.n_gpu_layers target.n_ctx target.n_batch target.n_threads target.flash_attn
+target.prepare_grammar
 draft.model_path draft.n_gpu_layers draft.n_ctx draft.n_threads draft.flash_attn spec.mode spec.draft_max
 spec.draft_min spec.p_min spec.adaptive spec.verification lookup.static_path lookup.dynamic_path
 lookup.cache_dir lookup.ngram_min lookup.ngram_max generation.max_tokens generation.temperature generation.top_p
@@ -88,13 +89,15 @@ def test_shipped_configs_give_valid_engine_configs(repo_root: Path) -> None:
     # the suffix history lies in the folder the node owns, beside the learned n-gram cache
     assert embedded.suffix.history_path == "~/.cache/gemma_spec_ros/suffix-history.bin"
     assert embedded.suffix.cache_dir == embedded.lookup.cache_dir
+    # the grammar tokenizer is built at configure, not under the first plan (its build stalls the node)
+    assert embedded.prepare_grammar and not engine_config_from(defaults()).prepare_grammar
 
     orin = engine_config_from(config_values(repo_root, "orin.yaml"))
     assert orin.target.path == "/opt/models/gemma-3-4b-it-q4_0.gguf"
     assert orin.draft is not None and orin.draft.path == "/opt/models/gemma-3-1b-it-q4_0.gguf"
     assert orin.spec.mode == "draft" and orin.target.flash_attn
     assert orin.target.n_gpu_layers == orin.draft.n_gpu_layers == -1
-    assert orin.draft.n_ctx == orin.target.n_ctx == 4096
+    assert orin.draft.n_ctx == orin.target.n_ctx == 4096 and orin.prepare_grammar
 
 
 @pytest.mark.parametrize("target, draft, expected", [

@@ -7,9 +7,9 @@ Runners (each plays every task of the suite; the tasks' turns are interleaved, t
 in a rotating order):
 
 - ``<mode>`` for each mode of ``--modes``: an Engine of its own (the embedded model, the suite's
-  template as chat.template_path, the node's defaults: adaptive K, prompt reuse, conversation
-  snapshots), so that its learned caches and snapshots hold its own turns only, as a node serving
-  these planners would;
+  template as chat.template_path, the shipped profiles' settings: adaptive K, prompt reuse,
+  conversation snapshots, the grammar tokenizer built at load), so that its learned caches and
+  snapshots hold its own turns only, as a node serving these planners would;
 - ``<mode>/no-reuse`` for each mode of ``--no-reuse-modes``: the same with prompt reuse off, every
   turn's prompt evaluated whole (the reference of the conversation-reuse figure);
 - ``llama-server/<spec-type>`` for each of ``--server-settings``: llama.cpp's server on the same
@@ -277,7 +277,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def local_player(mode: str, reuse: bool, args: argparse.Namespace, template: Path) -> Player:
     """A runner on an Engine of its own (see the module docstring)."""
     config = EngineConfig(target=ModelConfig(args.model, n_ctx=args.n_ctx, n_threads=args.threads),
-                          spec=SpecConfig(mode=mode),
+                          spec=SpecConfig(mode=mode), prepare_grammar=True,  # as the shipped profiles
                           chat=ChatConfig(template_path=str(template), conversation_cache_bytes=SNAPSHOT_BYTES))
     return Player(mode if reuse else f"{mode}/no-reuse", Engine(config), mode, reuse)
 

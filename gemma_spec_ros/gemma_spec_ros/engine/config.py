@@ -203,6 +203,11 @@ class EngineConfig:
     max_running: int = 1
     #: prompt tokens a starting request adds to a pass that also carries other requests' steps
     prompt_chunk: int = 64
+    #: build the grammar engine's tokenizer of the target's vocabulary at load rather than at the
+    #: first constrained request or chat turn: llguidance takes ~2.6 s for Gemma's 262,144 tokens on
+    #: a 2-core CPU and holds Python's GIL for ~1.6 s of it, so every other thread of the process
+    #: (a node's executor: goal responses, feedback, /diagnostics) stops meanwhile
+    prepare_grammar: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_running <= MAX_RUNNING:

@@ -124,7 +124,8 @@ class Engine:
         self._rolling = SpecStats()
         self.costs = CostModel()
         self.drafters: Dict[str, Drafting] = {}
-        self._grammar_vocab: Optional[GrammarVocab] = None  # made by the first constrained request
+        # made at load (config.prepare_grammar) or by the first constrained request
+        self._grammar_vocab: Optional[GrammarVocab] = None
         self._scheduler: Optional[SlotScheduler] = None  # several requests at once (slots.py)
         n_slots = config.max_running
         # chat turns: the template (a file's, loaded now: a bad file fails the load; else the
@@ -158,6 +159,8 @@ class Engine:
             self._add_drafter(SuffixDrafter(suffix, vocab_tag=tag, request_room=config.target.n_ctx))
             if config.chat.template_path:
                 self._chat_template = template_file(expand_path(config.chat.template_path))
+            if config.prepare_grammar:
+                self._grammar_vocab = GrammarVocab.of(self.target)
         except BaseException:
             self.close()
             raise
@@ -329,7 +332,7 @@ class Engine:
         """The request's grammar state (None without a constraint; a chat turn's is the turn's).
         Runs in the generation thread (the models are freed only under its lock): the first
         constrained request builds llguidance's tokenizer of the vocabulary (~2-4 s for 262,144
-        tokens, once per engine)."""
+        tokens, once per engine) unless the engine built it at load (config.prepare_grammar)."""
         constraint = turn.constraint if turn is not None else compiled_constraint(request.grammar,
                                                                                   request.json_schema)
         if constraint is None:
