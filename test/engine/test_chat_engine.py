@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Iterator, List, Optional
@@ -197,6 +198,11 @@ def test_turns_served_at_once_keep_their_conversations_in_any_sequence(files: di
         a1 = planner_conversation("required")
         first, _ = together(served, [a1, conversation_b()])
         together(served, others)
+        # a request's last step reaches its reader before its slot is released (its snapshot is
+        # saved after it): wait for both, so that the long turn finds its own sequence free
+        deadline = time.monotonic() + 30
+        while not served.status()["requests running"].startswith("0 ") and time.monotonic() < deadline:
+            time.sleep(0.01)
         restored = served.conversations.restored
         started, done = threading.Event(), threading.Event()
 
@@ -217,7 +223,9 @@ def test_turns_served_at_once_keep_their_conversations_in_any_sequence(files: di
             done.set()
             holding.join(timeout=120)
         assert second.reply is not None and second.reply.error == ""
-        assert served.conversations.restored == restored + 1
+        # A's snapshot was restored (the long turn may have restored its own too: when the two
+        # others ran one after the other, the second may have taken the first's sequence)
+        assert served.conversations.restored >= restored + 1
         assert second.stats.num_prompt_tokens_reused >= first.stats.num_prompt_tokens
 
 
