@@ -35,11 +35,10 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..llama.model import LlamaModel
+from ..llama.model import BufferViews, LlamaModel, address_result
 from .draft_model import greedy_draft_token, next_draft_token
 from ..llama.gguf import GGUFHeaderError, architecture
-from .linked_head import (AddressViews, LinkedHead, address_result, linked_context, nextn_bindings,
-                          pointer_field)
+from .linked_head import LinkedHead, linked_context, nextn_bindings, pointer_field
 from ..llama.process import load_llama_cpp
 from ..sampling import Sampler
 from .base import Draft
@@ -107,7 +106,7 @@ class Eagle3Bindings:
         floats = ctypes.POINTER(ctypes.c_float)
         types = {
             "llama_set_embeddings_layer_inp": ([ctx, ctypes.c_uint32, ctypes.c_bool], None),
-            # an address (int), not a float pointer: views are found by it (AddressViews.at)
+            # an address (int), not a float pointer: views are found by it (BufferViews.at)
             "llama_get_embeddings_layer_inp": ([ctx, ctypes.c_uint32], ctypes.c_void_p),
             "llama_model_target_layer_ids": ([model], ctypes.POINTER(ctypes.c_int32)),
             "llama_model_target_layer_ids_n": ([model], ctypes.c_uint32),
@@ -349,7 +348,7 @@ class TargetFeatures:
         _, self._ctx = target.handles
         self._layers, self._n_layer, self._bindings = list(layers), n_layer, bindings
         self._shape = (target.n_batch, n_embd)
-        self._views = AddressViews()
+        self._views = BufferViews()
         # per feature, the function that returns the address of its rows
         final_state = address_result(bindings.nextn.llama_get_embeddings_nextn)
         self._addresses = [bindings.llama_get_embeddings_layer_inp if layer < n_layer else final_state
@@ -487,17 +486,20 @@ class Eagle3Drafter:
         logits, hidden = self._seed(context, position)
         for offset, forced in enumerate(context[position + 1:]):
             logits, hidden = self.head.step(forced, position + offset, hidden)
-        first = len(context) - 1  # the position of the first drafted token's head cell
+        position = len(context) - 1  # the head cell of the first drafted token
         tokens: List[int] = []
         probs: List[np.ndarray] = []
+        draft_token = self._greedy_token if self._sampler is None else self._draft_token
+        step, is_eog, p_min = self.head.step, self.target.is_eog, spec.p_min
         while True:
-            token = self._draft_token(logits, spec.p_min, probs)
+            token = draft_token(logits, p_min, probs)
             if token is None:
                 break
             tokens.append(token)
-            if len(tokens) >= max_tokens or self.target.is_eog(token):
+            if len(tokens) >= max_tokens or is_eog(token):
                 break
-            logits, hidden = self.head.step(token, first + len(tokens) - 1, hidden)
+            logits, hidden = step(token, position, hidden)
+            position += 1
         if len(tokens) < spec.draft_min or not tokens:
             return Draft()
         return Draft(tuple(tokens), tuple(probs) if self._sampler is not None else None, self.name)
@@ -520,15 +522,22 @@ class Eagle3Drafter:
         self._kv_end = position
         return result
 
+    def _greedy_token(self, logits: np.ndarray, p_min: float, probs: List[np.ndarray]) -> Optional[int]:
+        """:meth:`_draft_token` of a greedy request (the step loop's own path: it runs per token)."""
+        d2t = self.head.d2t
+        if d2t is None:
+            return greedy_draft_token(logits, p_min)
+        row = logits[d2t]  # a copy: ours to overwrite
+        index = greedy_draft_token(row, p_min, out=row)
+        return None if index is None else int(d2t[index])
+
     def _draft_token(self, logits: np.ndarray, p_min: float, probs: List[np.ndarray]) -> Optional[int]:
         """The next draft token from the head's logits, over its draft vocabulary only."""
+        if self._sampler is None:
+            return self._greedy_token(logits, p_min, probs)
         d2t = self.head.d2t
         if d2t is None:
             return next_draft_token(logits, self._sampler, self._rng, p_min, probs)
-        if self._sampler is None:  # greedy: the copy over d2t is ours to overwrite
-            row = logits[d2t]
-            index = greedy_draft_token(row, p_min, out=row)
-            return None if index is None else int(d2t[index])
         drawn: List[np.ndarray] = []
         index = next_draft_token(logits[d2t], self._sampler, self._rng, p_min, drawn)
         if index is None:

@@ -13,28 +13,14 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Callable, Optional, Tuple, Type
+from typing import Optional, Tuple, Type
 
 import numpy as np
 
-from ..llama.model import BufferViews, LlamaModel
+from ..llama.model import BufferViews, LlamaModel, address_result
 from ..llama.process import init_backend, load_llama_cpp
 from ..errors import EngineError, ModelLoadError
 from ..config import ModelConfig
-
-
-class AddressViews(BufferViews):
-    """:class:`BufferViews` that also finds a buffer by its address (an int, None for NULL), as a
-    ctypes function with a ``c_void_p`` result returns it (:func:`address_result`): no
-    ``ctypes.cast`` per call (~3 us), which weighs beside a ~0.1 ms step of a small head."""
-
-    def at(self, address: Optional[int], shape: Tuple[int, ...]) -> np.ndarray:
-        view = self._views.get((address, shape))
-        if view is None:
-            if not address:
-                raise ValueError("a NULL buffer from llama.cpp")
-            view = self.get(ctypes.cast(address, ctypes.POINTER(ctypes.c_float)), shape)
-        return view
 
 
 class LinkedHead:
@@ -75,7 +61,7 @@ class LinkedHead:
                                      f"the target's (n_ctx={target.n_ctx}; not enough memory?)")
             self.n_batch = int(llama_cpp.llama_n_batch(self._ctx))
             self._mem = llama_cpp.llama_get_memory(self._ctx)
-            self._views = AddressViews()
+            self._views = BufferViews()
             self._init_step_batch()
             self._after_context(target, target_ctx)
         except BaseException:
@@ -109,6 +95,8 @@ class LinkedHead:
         self._llama_decode = self._llama_cpp.llama_decode
         self._logits_at = address_result(self._llama_cpp.llama_get_logits_ith)
         self._next_row_at = address_result(nextn_bindings().llama_get_embeddings_nextn_ith)
+        self._last_outputs: Tuple[Optional[int], Optional[int], Tuple[np.ndarray, np.ndarray]] = (
+            None, None, (np.empty(0, np.float32), np.empty(0, np.float32)))
 
     def step(self, token: int, position: int, row: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """(logits, next hidden row) after feeding ``token`` at ``position`` with the embedding
@@ -116,7 +104,7 @@ class LinkedHead:
 
         A draft step of a small head costs ~0.1 ms in llama.cpp, so what Python adds around it
         weighs: the batch's arrays are bound once, and the outputs are found by address
-        (:func:`address_result`, :meth:`AddressViews.at`)."""
+        (:func:`~..llama.model.address_result`, :meth:`BufferViews.at`)."""
         self._row_in[:] = row
         self._step_token[0] = token
         self._step_pos[0] = position
@@ -127,12 +115,18 @@ class LinkedHead:
 
     def _outputs(self, index: int) -> Tuple[np.ndarray, np.ndarray]:
         """(logits, next hidden row) of output row ``index`` of the last decode: views of
-        llama.cpp's buffers, cached by address."""
-        logits = self._views.at(self._logits_at(self._ctx, index), self._logits_shape)
-        hidden = self._next_row_at(self._ctx, index)
-        if not hidden:
+        llama.cpp's buffers, cached by address (the last pair of addresses first: llama.cpp moves
+        its output buffers only when it reallocates them)."""
+        ctx = self._ctx
+        logits_at, hidden_at = self._logits_at(ctx, index), self._next_row_at(ctx, index)
+        last = self._last_outputs
+        if logits_at == last[0] and hidden_at == last[1]:
+            return last[2]
+        if not hidden_at:
             raise EngineError(f"{self.what} {self.path} exported no hidden row")
-        return logits, self._views.at(hidden, self._row_shape)
+        views = (self._views.at(logits_at, self._logits_shape), self._views.at(hidden_at, self._row_shape))
+        self._last_outputs = (logits_at, hidden_at, views)
+        return views
 
     def base_info(self) -> dict:
         """The model_info fields every linked model has."""
@@ -156,14 +150,6 @@ class LinkedHead:
             if handle:
                 free(handle)
         self._batch = self._ctx = self._model = None
-
-
-def address_result(function: Callable) -> Callable:
-    """The C function behind a ctypes binding that returns a ``float *``, called so that it
-    returns the address as a Python int (None for NULL): a view is then found by that int
-    (:meth:`AddressViews.at`) without a ``ctypes.cast`` of the pointer (~3 us a call)."""
-    address = ctypes.cast(function, ctypes.c_void_p).value
-    return ctypes.CFUNCTYPE(ctypes.c_void_p, *function.argtypes)(address)
 
 
 def pointer_field(struct: ctypes.Structure, name: str) -> ctypes.c_void_p:

@@ -156,8 +156,8 @@ class DraftLengthPolicy:
 
     def decide(self, draft_max: int, adaptive: bool, share: PassShare = SOLO) -> Decision:
         if not adaptive:
-            return Decision(draft_max, self.predicted_speedup(draft_max, share),
-                            self.acceptance.expected_tokens(draft_max))
+            expected = self.acceptance.expected_tokens(draft_max)
+            return Decision(draft_max, self._speedup(draft_max, expected, share), expected)
         choice = self.best(draft_max, share)
         speedup = choice.predicted_speedup
         if self.enabled:
