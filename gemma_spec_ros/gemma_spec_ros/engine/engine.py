@@ -52,7 +52,7 @@ from .drafters.lookup import LookupDrafter
 from .drafters.suffix import SuffixDrafter
 from .drafters.mtp import model_drafter
 from .errors import EngineError, PromptTooLongError
-from .grammar.matcher import Grammar, GrammarVocab, compiled_constraint
+from .grammar.matcher import Constraint, Grammar, GrammarVocab, compiled_constraint
 from .llama.model import DecodeInterrupted, LlamaModel
 from .llama.process import return_freed_memory
 from .modes import MODES, mode_problem
@@ -298,9 +298,10 @@ class Engine:
                 if self._freed:
                     raise EngineError("the engine is closed")
                 turn = self._chat_turn(request)
-            return CountedPrompt(len(turn.tokens), turn.tokens, turn)
+            return CountedPrompt(len(turn.tokens), turn.tokens, turn, turn.constraint)
         tokens = self.prompt_tokens(request)
-        return CountedPrompt(len(tokens), tuple(tokens))
+        return CountedPrompt(len(tokens), tuple(tokens),
+                             constraint=compiled_constraint(request.grammar, request.json_schema))
 
     def _chat_turn(self, request: GenerationRequest) -> ChatTurn:
         """The chat request's turn prepared: the conversation in the chat template, tokenized, and
@@ -317,6 +318,13 @@ class Engine:
         """Raise PromptTooLongError or ValueError (see the module docstring); ``n_prompt_tokens``
         saves tokenizing the prompt again."""
         n_prompt = self.count_prompt_tokens(request) if n_prompt_tokens is None else n_prompt_tokens
+        self._check_fits(request, n_prompt)
+        # the grammar's shape and llguidance's check, without the model (grammar.py: bounded, and
+        # cached by text; count_prompt compiled it already where it was called)
+        compiled_constraint(request.grammar, request.json_schema)
+
+    def _check_fits(self, request: GenerationRequest, n_prompt: int) -> None:
+        """What check_request checks besides the constraint: the context, the request's mode."""
         if n_prompt + request.max_tokens > self.n_ctx:
             raise PromptTooLongError(
                 f"prompt of {n_prompt} tokens + max_tokens {request.max_tokens} exceeds the context "
@@ -324,17 +332,12 @@ class Engine:
         reason = self.check_spec(replace(self._spec, mode=request.spec_mode or self._spec.mode))
         if reason:
             raise ValueError(reason)
-        # the grammar's shape and llguidance's check, without the model (grammar.py: bounded, and
-        # cached by text, so that generate() does not compile it again)
-        compiled_constraint(request.grammar, request.json_schema)
 
-    def _start_grammar(self, request: GenerationRequest, turn: Optional[ChatTurn] = None) -> Optional[Grammar]:
-        """The request's grammar state (None without a constraint; a chat turn's is the turn's).
-        Runs in the generation thread (the models are freed only under its lock): the first
-        constrained request builds llguidance's tokenizer of the vocabulary (~2-4 s for 262,144
-        tokens, once per engine) unless the engine built it at load (config.prepare_grammar)."""
-        constraint = turn.constraint if turn is not None else compiled_constraint(request.grammar,
-                                                                                  request.json_schema)
+    def _start_grammar(self, constraint: Optional[Constraint]) -> Optional[Grammar]:
+        """The request's grammar state (None without a constraint). Runs in the generation thread
+        (the models are freed only under its lock): the first constrained request builds
+        llguidance's tokenizer of the vocabulary (~2-4 s for 262,144 tokens, once per engine)
+        unless the engine built it at load (config.prepare_grammar)."""
         if constraint is None:
             return None
         if self._grammar_vocab is None:
@@ -377,16 +380,17 @@ class Engine:
 
     def _checked_prompt(self, request: GenerationRequest, counted: Optional[CountedPrompt]) -> CountedPrompt:
         """The request's counted prompt: ``counted`` (the caller checked the request), else counted
-        and checked here (a chat request's carries its turn)."""
-        if counted is None or counted.tokens is None or (request.conversation is not None and counted.turn is None):
-            counted = self.count_prompt(request)
-            self.check_request(request, counted.n_tokens)
+        and checked here (a chat request's carries its turn; a constrained one its constraint)."""
+        constrained = bool(request.grammar or request.json_schema)
+        if (counted is None or counted.tokens is None or (request.conversation is not None and counted.turn is None)
+                or (constrained and counted.constraint is None)):
+            counted = self.count_prompt(request)  # the constraint compiled and checked there
+            self._check_fits(request, counted.n_tokens)
         return counted
 
     def _generate(self, request: GenerationRequest, cancel: Optional[threading.Event],
                   counted: Optional[CountedPrompt]) -> Iterator[Step]:
-        counted = self._checked_prompt(request, counted)
-        state = self._start(request, list(counted.tokens), cancel, counted.turn)
+        state = self._start(request, self._checked_prompt(request, counted), cancel)
         try:
             try:
                 first = self._prompt_pass(state, cancel)
@@ -408,13 +412,14 @@ class Engine:
         finally:
             self._end(state)
 
-    def _start(self, request: GenerationRequest, prompt: List[int], cancel: Optional[threading.Event],
-               turn: Optional[ChatTurn] = None, kv: Any = None,
-               drafters: Optional[Dict[str, Drafting]] = None) -> RequestState:
-        """A request's state: its sampler and seed stream, its text (a chat turn's: the message's,
+    def _start(self, request: GenerationRequest, counted: CountedPrompt, cancel: Optional[threading.Event],
+               kv: Any = None, drafters: Optional[Dict[str, Drafting]] = None) -> RequestState:
+        """A request's state, from its checked prompt (``counted``: its tokens, chat turn and
+        compiled constraint): its sampler and seed stream, its text (a chat turn's: the message's,
         read by the turn's reply stream), its stats, its grammar; the KV sequence it decodes in
         and its drafters (the target's only sequence and the engine's drafters, unless a slot of
         several requests at once gives its own: engine/slots.py)."""
+        prompt, turn = list(counted.tokens), counted.turn
         sampler = Sampler(request.sampling)
         verification = self._spec.verification
         kv = self.target if kv is None else kv
@@ -429,7 +434,7 @@ class Engine:
                              verification, verification == "rejection" and not sampler.greedy,
                              kv=kv, drafters=drafters, turn=turn)
         state.stats.plain_token_time = self.costs.plain_token_time
-        state.grammar = self._start_grammar(request, turn)  # after state.started: its time counts
+        state.grammar = self._start_grammar(counted.constraint)  # after state.started: its time counts
         return state
 
     @staticmethod

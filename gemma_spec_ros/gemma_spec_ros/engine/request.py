@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # the chat layer is imported where a chat turn is served (it 
     from .chat.conversation import Conversation
     from .chat.reply import AssistantReply
     from .chat.turn import ChatTurn
+    from .grammar.matcher import Constraint
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,9 @@ class CountedPrompt:
     #: a chat turn as this engine prepared it (engine/chat/turn.py: its tokens are ``tokens``, with
     #: the reply's compiled constraint and call syntax); None for a prompt, or from a remote engine
     turn: Optional["ChatTurn"] = None
+    #: the request's constraint compiled and checked (a chat turn's: its reply's), None without one
+    #: or from a remote engine: the request starts with it, not compiled again
+    constraint: Optional["Constraint"] = None
 
 
 @dataclass(frozen=True)

@@ -65,9 +65,8 @@ class _Ticket:
     """A request handed to the scheduler, and the queue its Steps (or its error) come back in."""
 
     request: GenerationRequest
-    prompt: List[int]
+    counted: CountedPrompt  # its checked prompt: tokens, chat turn, compiled constraint
     cancel: Optional[threading.Event]
-    turn: Any = None  # a chat request's turn (CountedPrompt.turn)
     left: threading.Event = field(default_factory=threading.Event)  # the reader stopped reading
     out: "queue.SimpleQueue[Any]" = field(default_factory=queue.SimpleQueue)
 
@@ -142,7 +141,7 @@ class SlotScheduler:
                  cancel: Optional[threading.Event]) -> Iterator[Step]:
         """The request's Steps as its rounds make them; raises what its step raised. ``prompt``:
         its counted prompt, checked. A reader that stops reading ends the request at the next round."""
-        ticket = _Ticket(request, list(prompt.tokens), cancel, prompt.turn)
+        ticket = _Ticket(request, prompt, cancel)
         with self._cond:
             if self._engine._closing.is_set():  # noqa: SLF001  the engine's own flag
                 raise EngineError("the engine is closed")
@@ -200,7 +199,7 @@ class SlotScheduler:
             starting = []
             while self._waiting and self.running() < self.limit:
                 ticket = self._waiting.popleft()
-                slot = self._free_slot(ticket.prompt)
+                slot = self._free_slot(list(ticket.counted.tokens))
                 slot.ticket = ticket
                 starting.append(slot)
         for slot in starting:
@@ -228,7 +227,7 @@ class SlotScheduler:
         assert ticket is not None
         engine = self._engine
         try:
-            state = engine._start(ticket.request, ticket.prompt, ticket.stop, ticket.turn,  # noqa: SLF001
+            state = engine._start(ticket.request, ticket.counted, ticket.stop,  # noqa: SLF001
                                   kv=slot.kv, drafters=slot.drafters)
         except BaseException as exc:  # noqa: BLE001  e.g. a grammar that does not compile
             self._release(slot, exc)
