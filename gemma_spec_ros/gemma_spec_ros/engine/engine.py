@@ -8,8 +8,9 @@ Public API (the node and the bench use only this):
     engine.check_spec(spec) -> str           # '' if usable, else the reason (e.g. no draft model)
     engine.update_spec(spec)                 # thread-safe; raises ValueError(reason); next step uses it
     engine.count_prompt_tokens(request)      # tokens of the (templated) prompt; thread-safe, ~ms
-    engine.count_prompt(request)             # the same as a CountedPrompt, with the tokens (and a
-                                             # chat turn prepared: template, constraint, syntax)
+    engine.count_prompt(request)             # the same as a CountedPrompt, with the tokens, the
+                                             # constraint compiled (ValueError if it does not) and
+                                             # a chat turn prepared (template, constraint, syntax)
     engine.check_request(request[, n_prompt_tokens])  # raises PromptTooLongError if prompt +
                                              # max_tokens > n_ctx, ValueError if its spec_mode cannot
                                              # be used here or its grammar / json_schema does not
