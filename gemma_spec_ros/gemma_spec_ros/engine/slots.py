@@ -31,7 +31,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Deque, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .conversations import common_prefix
 from .errors import EngineError
@@ -199,14 +199,14 @@ class SlotScheduler:
             starting = []
             while self._waiting and self.running() < self.limit:
                 ticket = self._waiting.popleft()
-                slot = self._free_slot(list(ticket.counted.tokens))
+                slot = self._free_slot(ticket.counted.tokens)
                 slot.ticket = ticket
                 starting.append(slot)
         for slot in starting:
             self._start(slot)
         return True
 
-    def _free_slot(self, prompt: List[int]) -> _Slot:
+    def _free_slot(self, prompt: Sequence[int]) -> _Slot:
         """The free slot whose sequence shares the longest prefix with ``prompt``."""
         return max((slot for slot in self._slots if slot.ticket is None),
                    key=lambda slot: common_prefix(slot.kv.kv_tokens, prompt))

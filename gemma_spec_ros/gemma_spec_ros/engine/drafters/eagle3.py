@@ -523,7 +523,8 @@ class Eagle3Drafter:
         return result
 
     def _greedy_token(self, logits: np.ndarray, p_min: float, probs: List[np.ndarray]) -> Optional[int]:
-        """:meth:`_draft_token` of a greedy request (the step loop's own path: it runs per token)."""
+        """The next draft token of a greedy request: the head's argmax over its draft vocabulary,
+        None below ``p_min`` (``probs`` unused: a greedy draft has no q)."""
         d2t = self.head.d2t
         if d2t is None:
             return greedy_draft_token(logits, p_min)
@@ -532,9 +533,8 @@ class Eagle3Drafter:
         return None if index is None else int(d2t[index])
 
     def _draft_token(self, logits: np.ndarray, p_min: float, probs: List[np.ndarray]) -> Optional[int]:
-        """The next draft token from the head's logits, over its draft vocabulary only."""
-        if self._sampler is None:
-            return self._greedy_token(logits, p_min, probs)
+        """The next draft token of a sampled request (rejection verification), drawn over the
+        head's draft vocabulary only, its q appended to ``probs`` (:meth:`_greedy_token`: greedy)."""
         d2t = self.head.d2t
         if d2t is None:
             return next_draft_token(logits, self._sampler, self._rng, p_min, probs)
