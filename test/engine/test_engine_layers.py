@@ -1,7 +1,7 @@
 """The engine's rooms import only downward: the floor (config, errors, modes, request, sampling,
 stats, ...) imports no room; ``llama/`` (the wrapper over llama.cpp) and ``grammar/`` only the floor;
 ``drafters/`` the wrapper; ``policy/`` the drafters' evidence; ``chat/`` the grammar; ``remote/`` chat;
-the generation loop (``engine.py``, ``propose.py``, ``verify.py``, ...) everything. A drafter that
+the generation loop (``engine.py``, ``propose.py``, ...) everything. A drafter that
 reached up into the loop, or a wrapper that knew the cache format, fails here with its line. Imports
 under ``if TYPE_CHECKING:`` (types for annotations only, nothing imported at run time) are not counted."""
 from __future__ import annotations

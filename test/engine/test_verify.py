@@ -1,4 +1,4 @@
-"""Verification of a draft (engine/verify.py) on scripted logits: exact and rejection sampling.
+"""Verification of a draft (engine/sampling.py) on scripted logits: exact and rejection sampling.
 
 Fakes here are chosen distributions (support/logits.py): no real model can be made to produce a
 given p and q, and the statistical checks need exactly known ones.
@@ -6,9 +6,9 @@ given p and q, and the statistical checks need exactly known ones.
 import numpy as np
 import pytest
 
-from gemma_spec_ros.engine.sampling import Sampler, make_rng
+from gemma_spec_ros.engine.sampling import Sampler, make_rng, verify_exact, verify_rejection
 from gemma_spec_ros.engine.config import SamplingParams
-from gemma_spec_ros.engine.verify import verify_exact, verify_rejection
+
 from support.logits import logits_of, one_hot_rows
 from support.stats import chi_square_p_value
 

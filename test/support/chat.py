@@ -14,7 +14,8 @@ import numpy as np
 from gemma_spec_ros.engine.llama.model import LlamaModel
 from gemma_spec_ros.engine.chat import (AssistantReply, ChatMessage, ChatTurn, ChatVocab, Conversation,
                                         ReplyStream, ToolCall, model_template, parse_tools)
-from gemma_spec_ros.engine.grammar.matcher import GrammarVocab, sample_constrained
+from gemma_spec_ros.engine.grammar.matcher import GrammarVocab
+from gemma_spec_ros.engine.sampling import sample_constrained
 from gemma_spec_ros.engine.config import ModelConfig
 
 #: A robot planner's skills, as OpenAI function tools. Bounded strings and enums: a random-weight

@@ -2,8 +2,8 @@
 
 Its parts: the llama.cpp layer (:mod:`.llama`), the drafters (:mod:`.drafters`), how long to draft
 (:mod:`.policy`), constrained output (:mod:`.grammar`), the generation loop (:mod:`.engine` with
-:mod:`.propose`, :mod:`.verify`, :mod:`.sampling`, :mod:`.request_state`, :mod:`.detokenize`,
-:mod:`.stats`) and the remote backend (:mod:`.remote`); the one table of modes is :mod:`.modes`.
+:mod:`.propose`, :mod:`.sampling` (choosing tokens: sampling, verification), :mod:`.request_state`,
+:mod:`.detokenize`, :mod:`.stats`) and the remote backend (:mod:`.remote`); the one table of modes is :mod:`.modes`.
 
 Import the public names from here. The engines (``Engine``, ``RemoteEngine``, ``FallbackEngine``)
 are imported on first use, so configs and requests validate without numpy or llama_cpp, and a

@@ -65,9 +65,8 @@ from .propose import GRAMMAR_DRAFT_MAX, GRAMMAR_K, SOLO, Drafting, DraftRequest,
 from .request import CountedPrompt, GenerationRequest, Step
 from .request_state import Ends, RequestState
 from .slots import SlotScheduler
-from .sampling import Sampler, make_rng
+from .sampling import Sampler, Verdict, make_rng, verify_exact, verify_rejection
 from .stats import SpecStats, timed
-from .verify import Verdict, verify_exact, verify_rejection
 
 
 #: The largest verify pass: pending token + a draft of SpecConfig.draft_max <= 64 tokens.

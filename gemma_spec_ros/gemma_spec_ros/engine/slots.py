@@ -38,7 +38,7 @@ from .errors import EngineError
 from .policy.length import PassShare
 from .request import CountedPrompt, GenerationRequest, Step
 from .request_state import RequestState
-from .verify import verify_exact
+from .sampling import verify_exact
 
 if TYPE_CHECKING:
     from .engine import Engine, PlannedStep

@@ -20,9 +20,10 @@ Three stages, each where it costs least:
    vocabulary on the planner schema: a whole-vocabulary mask ~0.1 ms (the slowest ~5 ms),
    consuming a token ~10 us, the forced tokens ~0.05 ms.
 
-Every row is sampled from its masked row (:func:`sample_constrained`): with a mask this cheap
-there is nothing to gain from sampling first and masking only on a refusal, except for greedy rows,
-where the argmax is looked up in the mask before the row is copied.
+Every row is sampled from its masked row (:meth:`AllowedTokens.masked`, by the engine's
+``sampling.sample_constrained``): with a mask this cheap there is nothing to gain from sampling
+first and masking only on a refusal, except for greedy rows, where the argmax is looked up in the
+mask before the row is copied.
 
 JSON layout (:data:`JSON_OPTIONS`): no free whitespace, and the separators ``", "`` and ``": "``
 (``json.dumps``'s layout). Every byte between two values is then forced: the grammar drafts it for
@@ -264,6 +265,14 @@ class AllowedTokens:
         unpacked = np.unpackbits(self._bits.view(np.uint8), bitorder="little")
         return unpacked[:self._n_vocab].view(np.bool_)
 
+    def masked(self, row: np.ndarray) -> np.ndarray:
+        """``row`` (logits over the vocabulary) with the tokens not allowed at -inf; GrammarError
+        where none is allowed."""
+        dense = self.dense()
+        if not dense.any():
+            raise GrammarError(DEAD_END)
+        return np.where(dense, row, np.float32(-np.inf))
+
 
 class Grammar:
     """One request's grammar state: an llguidance matcher over the tokens emitted so far."""
@@ -348,35 +357,6 @@ class Grammar:
         self._matcher = None
 
 
-def sample_constrained(sample: Callable[[np.ndarray], int], row: np.ndarray, grammar: Grammar,
-                       greedy: bool = False) -> int:
-    """One token of ``row`` under ``grammar``: a sample of the row with the tokens the grammar
-    refuses at -inf (greedy: the argmax, unmasked where the grammar allows it, which is the same).
-
-    ``sample`` is the request's sampler bound to its random stream, so that plain decoding and
-    every speculative mode draw the same numbers for the same rows."""
-    allowed = grammar.allowed()
-    if greedy:
-        best = int(row.argmax())
-        if best in allowed:
-            return best
-    return sample(_masked(row, allowed))
-
-
-def constrained_distribution(distribution: Callable[[np.ndarray], np.ndarray], row: np.ndarray,
-                             grammar: Grammar) -> np.ndarray:
-    """The distribution :func:`sample_constrained` draws a token of ``row`` from (for rejection
-    verification): the request's distribution of the masked row."""
-    return distribution(_masked(row, grammar.allowed()))
-
-
-def _masked(row: np.ndarray, allowed: AllowedTokens) -> np.ndarray:
-    dense = allowed.dense()
-    if not dense.any():
-        raise GrammarError(DEAD_END)
-    return np.where(dense, row, np.float32(-np.inf))
-
-
 __all__ = ["GrammarError", "GrammarVocab", "Grammar", "Constraint", "compiled_constraint",
-           "sample_constrained", "constrained_distribution", "MAX_GRAMMAR_BYTES", "JSON_OPTIONS",
+           "AllowedTokens", "MAX_GRAMMAR_BYTES", "JSON_OPTIONS",
            "PARSER_LIMITS"]
