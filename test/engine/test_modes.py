@@ -35,7 +35,7 @@ def drafters(lookup_accepts: int, rounds: int = 30) -> Dict[str, Drafting]:
 
 def order(mode: str, table: Dict[str, Drafting], adaptive: bool = True) -> List[Tuple[str, int]]:
     return [(d.drafter.name, decision.draft_len)
-            for d, decision in drafting_order(mode, table, 3, adaptive)]
+            for d, decision, _ in drafting_order(mode, table, 3, adaptive)]
 
 
 def test_the_mode_table_names_each_mode_once_and_what_it_needs() -> None:

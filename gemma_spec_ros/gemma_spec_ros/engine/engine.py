@@ -65,7 +65,7 @@ from .propose import GRAMMAR_DRAFT_MAX, GRAMMAR_K, SOLO, Drafting, DraftRequest,
 from .request import CountedPrompt, GenerationRequest, Step
 from .request_state import Ends, RequestState
 from .slots import SlotScheduler
-from .sampling import Sampler, Verdict, make_rng, verify_exact, verify_rejection
+from .sampling import Sampler, make_rng, verify_exact, verify_rejection
 from .stats import SpecStats, timed
 
 
@@ -526,9 +526,10 @@ class Engine:
 
     def _settle_step(self, state: RequestState, planned: "PlannedStep", rows: Sequence[np.ndarray]) -> Tuple[int, ...]:
         """The second half of a step, given the pass's logits rows: accept -> roll back the rejected
-        tokens' KV cells -> observe. Returns the tokens the pass emits."""
+        tokens' KV cells -> feed the request's stats and the drafter's policy (which learns from its
+        own part of the draft, after the tokens a grammar forced). Returns the tokens the pass emits."""
         stats, proposal = state.stats, planned.proposal
-        draft = proposal.draft
+        draft, n_forced = proposal.draft, proposal.n_forced
         with timed(stats, "sample_time"):
             if state.use_rejection:
                 verdict = verify_rejection(rows, draft.tokens, draft.probs, state.sampler, state.rng,
@@ -536,19 +537,6 @@ class Engine:
             else:
                 verdict = verify_exact(rows, draft.tokens, state.sampler, state.rng, state.grammar)
         state.kv.rollback(planned.n_keep + 1 + verdict.num_accepted)
-        self._observe(state, proposal, verdict)
-        state.context.extend(verdict.tokens[:-1])
-        state.pending = verdict.tokens[-1]
-        stats.predicted_speedup = proposal.decision.predicted_speedup
-        stats.plain_token_time = self.costs.plain_token_time
-        stats.generation_time += time.perf_counter() - planned.started
-        return verdict.tokens
-
-    @staticmethod
-    def _observe(state: RequestState, proposal: Proposal, verdict: Verdict) -> None:
-        """Feed one verify pass to the request's stats and to the drafter's policy (a drafter's
-        policy learns from its own part of the draft, after the tokens a grammar forced)."""
-        stats, draft, n_forced = state.stats, proposal.draft, proposal.n_forced
         stats.num_steps += 1
         stats.num_step_tokens += len(verdict.tokens)
         if draft.tokens:
@@ -558,6 +546,12 @@ class Engine:
             own = len(draft) - n_forced
             if own > 0 and verdict.num_accepted >= n_forced:  # the drafter's part was reached
                 state.drafters[draft.source].policy.observe(own, verdict.num_accepted - n_forced)
+        state.context.extend(verdict.tokens[:-1])
+        state.pending = verdict.tokens[-1]
+        stats.predicted_speedup = proposal.decision.predicted_speedup
+        stats.plain_token_time = self.costs.plain_token_time
+        stats.generation_time += time.perf_counter() - planned.started
+        return verdict.tokens
 
     def _end(self, state: RequestState) -> None:
         """The request ended (finished, cancelled, or failed): drafters learn, stats roll up."""

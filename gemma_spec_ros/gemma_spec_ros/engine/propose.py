@@ -72,8 +72,9 @@ NO_PROPOSAL = Proposal(EMPTY_DRAFT, PLAIN_STEP)
 
 
 def drafting_order(mode: str, drafters: Dict[str, Drafting], k_cap: int, adaptive: bool, cut: bool = False,
-                   constrained: bool = False, share: PassShare = SOLO) -> Iterator[Tuple[Drafting, Decision]]:
-    """The drafters one step tries, in order, each with its policy's decision (draft length > 0).
+                   constrained: bool = False, share: PassShare = SOLO) -> Iterator[Tuple[Drafting, Decision, bool]]:
+    """The drafters one step tries, in order, each with its policy's decision (draft length > 0) and
+    whether that drafter drafts the whole ``k_cap`` for its policy to cut afterwards.
 
     A mode's chain (modes.py) is tried in table order and honours ``adaptive``
     (``spec.adaptive``); a policy is asked only when its drafter's turn comes. A ``ranked`` mode
@@ -85,31 +86,21 @@ def drafting_order(mode: str, drafters: Dict[str, Drafting], k_cap: int, adaptiv
     only a drafter that also cuts its constrained drafts does (``Drafter.cuts_constrained_drafts``).
     """
     row = MODES[mode]
-    chain = [drafters[name] for name in row.chain if name in drafters]
-    if not row.ranked:
-        for drafting in chain:
-            decision = _decide(drafting, k_cap, adaptive, cut, constrained, share)
-            if decision.draft_len > 0:
-                yield drafting, decision
-        return
-    decided = [(drafting, _decide(drafting, k_cap, True, cut, constrained, share)) for drafting in chain]
-    decided.sort(key=lambda pair: -_rank(pair[1].predicted_speedup))
-    yield from ((drafting, decision) for drafting, decision in decided if decision.draft_len > 0)
+    adaptive = adaptive or row.ranked
+    decided = (_decide(drafters[name], k_cap, adaptive, cut, constrained, share)
+               for name in row.chain if name in drafters)
+    if row.ranked:
+        decided = iter(sorted(decided, key=lambda chosen: -_rank(chosen[1].predicted_speedup)))
+    return (chosen for chosen in decided if chosen[1].draft_len > 0)
 
 
-def _cutting(drafting: Drafting, adaptive: bool, cut: bool, constrained: bool = False) -> bool:
-    """Whether this step drafts ``k_cap`` with ``drafting`` and its policy cuts the draft."""
+def _decide(drafting: Drafting, k_cap: int, adaptive: bool, cut: bool, constrained: bool,
+            share: PassShare) -> Tuple[Drafting, Decision, bool]:
     drafter = drafting.drafter
-    return (cut and adaptive and drafter.cuts_drafts
-            and (not constrained or drafter.cuts_constrained_drafts))
-
-
-def _decide(drafting: Drafting, k_cap: int, adaptive: bool, cut: bool, constrained: bool = False,
-            share: PassShare = SOLO) -> Decision:
-    if _cutting(drafting, adaptive, cut, constrained):
+    if cut and adaptive and drafter.cuts_drafts and (not constrained or drafter.cuts_constrained_drafts):
         # ranked in auto by what its verified drafts have shown (the policy's S at its best k)
-        return Decision(k_cap, drafting.policy.best(k_cap, share).predicted_speedup)
-    return drafting.policy.decide(k_cap, adaptive, share)
+        return drafting, Decision(k_cap, drafting.policy.best(k_cap, share).predicted_speedup), True
+    return drafting, drafting.policy.decide(k_cap, adaptive, share), False
 
 
 def _rank(speedup: float) -> float:
@@ -134,66 +125,45 @@ def propose(drafters: Dict[str, Drafting], costs: CostModel, ask: DraftRequest) 
     rows counted in the pass's cost; the others draft the length their policy decides per step."""
     if ask.k_cap <= 0:
         return NO_PROPOSAL
-    grammar = ask.grammar
+    spec, grammar = ask.spec, ask.grammar
+    order = drafting_order(ask.mode, drafters, ask.k_cap, spec.adaptive, ask.hindsight is not None,
+                           grammar is not None, ask.share)
     forced: List[int] = []
     if grammar is not None and ask.mode != "off":
         forced = grammar.forced_tokens(max(ask.k_cap, ask.forced_cap))
         grammar.advance(forced)  # the drafter's continuation is checked from after them
-    try:
-        draft, decision = _drafted(drafters, costs, ask, list(ask.context) + forced, ask.k_cap - len(forced))
+    context, n_forced, room = list(ask.context) + forced, len(forced), ask.k_cap - len(forced)
+    chosen: Tuple[Draft, Decision] = (EMPTY_DRAFT, PLAIN_STEP)
+    try:  # the first non-empty draft in the drafting order
+        for drafting, decision, cutting in order:
+            if room <= 0:
+                break
+            started = time.perf_counter()
+            draft = drafting.drafter.propose(context, min(decision.draft_len, room), spec)
+            if draft.tokens and grammar is not None:  # cut before the first token the grammar refuses
+                keep = grammar.allowed_prefix(draft.tokens)
+                if ask.stats is not None:
+                    ask.stats.num_grammar_cut_tokens += len(draft) - keep
+                draft = draft.prefix(keep)
+            if cutting and draft.evidence is not None and ask.hindsight is not None:
+                ask.hindsight.add(draft, ask.n_emitted + n_forced)
+                costs.observe_draft_time(draft.source, len(draft), time.perf_counter() - started)
+                decision = drafting.policy.cut(draft.evidence, n_forced, ask.share)
+                draft = draft.prefix(decision.draft_len)
+            elif draft.tokens:
+                costs.observe_draft_time(draft.source, len(draft), time.perf_counter() - started)
+            if draft.tokens:
+                chosen = (draft, decision)
+                break
     finally:
         if grammar is not None:
-            grammar.rollback(len(forced))  # verification walks the draft from the state it started at
+            grammar.rollback(n_forced)  # verification walks the draft from the state it started at
+    draft, decision = chosen
     if draft.tokens:
         if forced:
-            probs = None if draft.probs is None else (None,) * len(forced) + draft.probs
+            probs = None if draft.probs is None else (None,) * n_forced + draft.probs
             draft = Draft(tuple(forced) + draft.tokens, probs, draft.source)
-        return Proposal(draft, decision, len(forced))
+        return Proposal(draft, decision, n_forced)
     if forced:
-        return Proposal(Draft(tuple(forced), None, GRAMMAR_SOURCE), PLAIN_STEP, len(forced))
+        return Proposal(Draft(tuple(forced), None, GRAMMAR_SOURCE), PLAIN_STEP, n_forced)
     return NO_PROPOSAL
-
-
-def _drafted(drafters: Dict[str, Drafting], costs: CostModel, ask: DraftRequest,
-             context: List[int], room: int) -> Tuple[Draft, Decision]:
-    """The first non-empty drafter draft of this step (at most ``room`` tokens after ``context``),
-    cut before the first token the grammar refuses in its present state; ``EMPTY_DRAFT`` if none."""
-    spec, grammar = ask.spec, ask.grammar
-    constrained = grammar is not None
-    n_forced = len(context) - len(ask.context)  # the grammar's forced text before the draft
-    cut = ask.hindsight is not None
-    for drafting, decision in drafting_order(ask.mode, drafters, ask.k_cap, spec.adaptive, cut, constrained,
-                                             ask.share):
-        if room <= 0:
-            break
-        started = time.perf_counter()
-        cutting = _cutting(drafting, spec.adaptive or MODES[ask.mode].ranked, cut, constrained)
-        draft = drafting.drafter.propose(context, min(decision.draft_len, room), spec)
-        if draft.tokens and grammar is not None:
-            keep = grammar.allowed_prefix(draft.tokens)
-            if ask.stats is not None:
-                ask.stats.num_grammar_cut_tokens += len(draft) - keep
-            draft = _cut(draft, keep)
-        if cutting and draft.evidence is not None and ask.hindsight is not None:
-            ask.hindsight.add(draft, ask.n_emitted + n_forced)
-            costs.observe_draft_time(draft.source, len(draft), time.perf_counter() - started)
-            decision = drafting.policy.cut(draft.evidence, n_forced, ask.share)
-            draft = _cut(draft, decision.draft_len)
-            if draft.tokens:
-                return draft, decision
-            continue
-        if draft.tokens:
-            costs.observe_draft_time(draft.source, len(draft), time.perf_counter() - started)
-            return draft, decision
-    return EMPTY_DRAFT, PLAIN_STEP
-
-
-def _cut(draft: Draft, keep: int) -> Draft:
-    """``draft`` cut to its first ``keep`` tokens."""
-    if keep >= len(draft):
-        return draft
-    if keep == 0:
-        return EMPTY_DRAFT
-    probs = None if draft.probs is None else draft.probs[:keep]
-    evidence = None if draft.evidence is None else draft.evidence[:keep]
-    return Draft(draft.tokens[:keep], probs, draft.source, evidence)

@@ -32,6 +32,16 @@ class Draft:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def prefix(self, keep: int) -> "Draft":
+        """This draft cut to its first ``keep`` tokens (the empty draft for none)."""
+        if keep >= len(self.tokens):
+            return self
+        if keep <= 0:
+            return EMPTY_DRAFT
+        probs = None if self.probs is None else self.probs[:keep]
+        evidence = None if self.evidence is None else self.evidence[:keep]
+        return Draft(self.tokens[:keep], probs, self.source, evidence)
+
 
 EMPTY_DRAFT = Draft()
 

@@ -3,7 +3,7 @@ draft-length policy predicts with (seeded at load by :mod:`.calibration`)."""
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Sequence
 
 
 class CostModel:
@@ -72,6 +72,27 @@ class CostModel:
 
     def draft_cost(self, source: str, n_tokens: int) -> float:
         return self._draft_per_token.get(source, 0.0) * n_tokens
+
+    def speedups(self, source: str, expected: Sequence[float], *, rows: int = 0, others: float = 0.0,
+                 forced: int = 0) -> List[float]:
+        """The predicted speedup S(k) over plain decoding of a pass that verifies ``forced`` tokens a
+        grammar forces (taken as accepted) and then ``k`` tokens drafted by ``source``, for k = 0 ..
+        len(expected) - 1, where ``expected[k]`` is E(k), the tokens a k-token draft is expected to
+        emit; the pass also holds ``rows`` rows of other requests expected to emit ``others`` tokens
+        (engine/policy/length.py derives the formula). All NaN before any pass was measured.
+
+        >>> costs = CostModel()
+        >>> costs.observe_verify(1, 0.026); costs.observe_verify(4, 0.040)
+        >>> [round(s, 2) for s in costs.speedups("lookup", [1.0, 1.8, 2.36, 2.70])]
+        [1.0, 1.53, 1.74, 1.75]
+        """
+        plain = self.verify_cost(rows + 1)
+        if plain is None:
+            return [math.nan] * len(expected)
+        per_token = self._draft_per_token.get(source, 0.0)
+        return [(forced + e + others) * plain
+                / ((1.0 + others) * (per_token * k + self.verify_cost(rows + forced + k + 1)))
+                for k, e in enumerate(expected)]
 
     @property
     def plain_token_time(self) -> float:

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, Hashable, Sequence
+from typing import Callable, Dict, Hashable, Sequence, Tuple
 
 from .acceptance import AcceptanceModel, EvidenceAcceptance, PooledEvidenceAcceptance
 from .costs import CostModel
@@ -111,31 +111,23 @@ class DraftLengthPolicy:
         self._probe_interval = probe_min
         self._steps_off = 0
 
-    def predicted_speedup(self, k: int, share: PassShare = SOLO) -> float:
-        """S(k) of the module docstring; NaN when costs are not measured yet."""
-        return self._speedup(k, self.acceptance.expected_tokens(k), share)
-
-    def _speedup(self, k: int, expected_tokens: float, share: PassShare = SOLO, forced: int = 0) -> float:
-        """S of a pass over ``forced`` tokens a grammar forces (taken as accepted) and then ``k``
-        drafted ones, beside what ``share`` says the pass holds for other requests."""
-        plain = self.costs.verify_cost(share.rows + 1)
-        verify = self.costs.verify_cost(share.rows + forced + k + 1)
-        if plain is None or verify is None:
-            return math.nan
-        others = share.expected_tokens
-        return ((forced + expected_tokens + others) * plain
-                / ((1.0 + others) * (self.costs.draft_cost(self.source, k) + verify)))
-
     def best(self, draft_max: int, share: PassShare = SOLO) -> Decision:
-        best_k, best_s = 0, 1.0
+        """argmax S(k) for k in 1 .. ``draft_max`` (``draft_max`` while costs are not measured)."""
+        return self._choices(draft_max, share)[0]
+
+    def _choices(self, draft_max: int, share: PassShare) -> Tuple[Decision, Decision]:
+        """(the best length, ``draft_max`` itself) as decisions, from one pricing of every k."""
         expected = self.acceptance.expected_tokens_upto(draft_max)
+        speedups = self.costs.speedups(self.source, expected, rows=share.rows, others=share.expected_tokens)
+        whole = Decision(draft_max, speedups[draft_max], expected[draft_max])
+        best_k, best_s = 0, 1.0
         for k in range(1, draft_max + 1):
-            s = self._speedup(k, expected[k], share)
+            s = speedups[k]
             if math.isnan(s):  # nothing measured yet: trust the drafter, draft the most
-                return Decision(draft_max, math.nan, expected[draft_max])
+                return whole, whole
             if s > best_s or best_k == 0:
                 best_k, best_s = k, s
-        return Decision(best_k, best_s, expected[best_k])
+        return Decision(best_k, best_s, expected[best_k]), whole
 
     def cut(self, evidence: Sequence[Hashable], forced: int = 0, share: PassShare = SOLO) -> Decision:
         """The length to verify of a draft whose tokens rest on ``evidence`` (module docstring):
@@ -143,11 +135,11 @@ class DraftLengthPolicy:
         ``forced`` tokens a grammar forces before the draft: than verifying those alone). Costs not
         measured yet: the whole draft."""
         expected = self.evidence.expected_tokens_upto(evidence)
-        best_k, best_s = 0, 1.0
-        if forced:
-            best_s = self._speedup(0, 1.0, share, forced)
+        speedups = self.costs.speedups(self.source, expected, rows=share.rows, others=share.expected_tokens,
+                                       forced=forced)
+        best_k, best_s = 0, (speedups[0] if forced else 1.0)
         for k in range(1, len(evidence) + 1):
-            s = self._speedup(k, expected[k], share, forced)
+            s = speedups[k]
             if math.isnan(s):
                 return Decision(len(evidence), math.nan, expected[len(evidence)])
             if s > best_s:
@@ -155,10 +147,11 @@ class DraftLengthPolicy:
         return Decision(best_k, best_s, expected[best_k])
 
     def decide(self, draft_max: int, adaptive: bool, share: PassShare = SOLO) -> Decision:
+        """The next step's length: ``draft_max`` when not ``adaptive``, else :meth:`best`, with the
+        hysteresis and the probes of the class docstring."""
+        choice, whole = self._choices(draft_max, share)
         if not adaptive:
-            expected = self.acceptance.expected_tokens(draft_max)
-            return Decision(draft_max, self._speedup(draft_max, expected, share), expected)
-        choice = self.best(draft_max, share)
+            return whole
         speedup = choice.predicted_speedup
         if self.enabled:
             if not math.isnan(speedup) and speedup < 1.0 - self.margin:
