@@ -280,28 +280,29 @@ class Engine:
     def prompt_tokens(self, request: GenerationRequest) -> List[int]:
         """The request's prompt tokens (templated); thread-safe, also against close() (raises
         EngineError once the engine is closed, never touches a freed model)."""
+        return list(self._prompt(request)[0])
+
+    def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        return len(self._prompt(request)[0])
+
+    def count_prompt(self, request: GenerationRequest) -> CountedPrompt:
+        tokens, turn = self._prompt(request)
+        if turn is not None:
+            return CountedPrompt(len(tokens), tokens, turn, turn.constraint)
+        return CountedPrompt(len(tokens), tokens,
+                             constraint=compiled_constraint(request.grammar, request.json_schema))
+
+    def _prompt(self, request: GenerationRequest) -> Tuple[Tuple[int, ...], Optional[ChatTurn]]:
+        """The prompt's tokens, and a chat request's turn (None for a prompt)."""
         with self._vocab_lock:
             if self._freed:
                 raise EngineError("the engine is closed")
             if request.conversation is not None:
-                return list(self._chat_turn(request).tokens)
-            if request.use_chat_template:  # turns come from the template, never from the content
-                return self.target.chat_tokens(request.prompt, request.system_prompt)
-            return self.target.tokenize(request.plain_prompt, add_special=True, parse_special=False)
-
-    def count_prompt_tokens(self, request: GenerationRequest) -> int:
-        return len(self.prompt_tokens(request))
-
-    def count_prompt(self, request: GenerationRequest) -> CountedPrompt:
-        if request.conversation is not None:
-            with self._vocab_lock:
-                if self._freed:
-                    raise EngineError("the engine is closed")
                 turn = self._chat_turn(request)
-            return CountedPrompt(len(turn.tokens), turn.tokens, turn, turn.constraint)
-        tokens = self.prompt_tokens(request)
-        return CountedPrompt(len(tokens), tuple(tokens),
-                             constraint=compiled_constraint(request.grammar, request.json_schema))
+                return turn.tokens, turn
+            if request.use_chat_template:  # turns come from the template, never from the content
+                return tuple(self.target.chat_tokens(request.prompt, request.system_prompt)), None
+            return tuple(self.target.tokenize(request.plain_prompt, add_special=True, parse_special=False)), None
 
     def _chat_turn(self, request: GenerationRequest) -> ChatTurn:
         """The chat request's turn prepared: the conversation in the chat template, tokenized, and

@@ -13,19 +13,14 @@ together with tools is refused: the tools' grammar is the reply's.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Tuple
 
-from ..grammar import matcher as grammar_engine
 from ..grammar.matcher import Constraint, compiled_constraint
 from .conversation import Conversation
 from .reply import ReplyStream
 from .syntax import CallSyntax
 from .template import ChatTemplate, ChatVocab, TemplateError
-
-#: Characters of llguidance's message quoted when a tools grammar does not compile.
-MAX_REASON = 300
 
 
 @dataclass(frozen=True)
@@ -71,11 +66,10 @@ def prepare_turn(conversation: Conversation, template: ChatTemplate, vocab: Chat
     check_constraint(conversation, grammar, json_schema)
     tools = conversation.offered
     tokens, text = template.prompt_tokens(conversation, vocab)
-    if not tools:
-        return ChatTurn(conversation, tuple(tokens), text, None, compiled_constraint(grammar, json_schema))
-    syntax = template.call_syntax
-    lark = syntax.grammar(tools, conversation.must_call, conversation.parallel_tool_calls, vocab.control_id)
-    return ChatTurn(conversation, tuple(tokens), text, syntax, compiled_lark(lark))
+    syntax = template.call_syntax if tools else None
+    lark = ("" if syntax is None
+            else syntax.grammar(tools, conversation.must_call, conversation.parallel_tool_calls, vocab.control_id))
+    return ChatTurn(conversation, tuple(tokens), text, syntax, compiled_constraint(grammar, json_schema, lark=lark))
 
 
 def check_constraint(conversation: Conversation, grammar: str, json_schema: str) -> None:
@@ -86,22 +80,4 @@ def check_constraint(conversation: Conversation, grammar: str, json_schema: str)
                          "or with tool_choice none (the tools' own grammar constrains a reply with calls)")
 
 
-@functools.lru_cache(maxsize=32)
-def compiled_lark(lark: str) -> Constraint:
-    """The tools' grammar checked by llguidance (cached by text: an agent offers the same tools
-    every turn); ValueError with llguidance's reason (e.g. a schema feature it lacks)."""
-    import llguidance  # noqa: WPS433
-
-    matcher = llguidance.LLMatcher
-    grammar = matcher.grammar_from_lark(lark)
-    # the grammar engine's own bounds and big stack (a schema nested deep recurses its compiler)
-    limits = grammar_engine._parser_limits()  # noqa: SLF001
-    is_error, messages = grammar_engine._on_big_stack(  # noqa: SLF001
-        lambda: matcher.validate_grammar_with_warnings(grammar, None, limits=limits))
-    if is_error:
-        reason = " ".join((messages[0] if messages else "?").split())[:MAX_REASON]
-        raise ValueError(f"the tools' parameters do not compile to a grammar: {reason}")
-    return Constraint("tools", grammar)
-
-
-__all__ = ["ChatTurn", "check_constraint", "compiled_lark", "model_template", "prepare_turn", "template_file"]
+__all__ = ["ChatTurn", "check_constraint", "model_template", "prepare_turn", "template_file"]

@@ -123,13 +123,15 @@ def _reason(text: str) -> str:
 class Constraint:
     """A request's constraint as llguidance's grammar, checked by :func:`compiled_constraint`."""
 
-    source: str  # "grammar" (GBNF) or "json_schema"
+    source: str  # "grammar" (GBNF), "json_schema" or "tools" (a chat turn's tools, in Lark)
     grammar: str  # llguidance's grammar text (its JSON form)
 
 
-def compiled_constraint(grammar: str = "", json_schema: str = "",
-                        max_bytes: int = MAX_GRAMMAR_BYTES) -> Optional[Constraint]:
-    """The request's constraint (None without one); ValueError with a user-facing reason.
+def compiled_constraint(grammar: str = "", json_schema: str = "", max_bytes: int = MAX_GRAMMAR_BYTES,
+                        lark: str = "") -> Optional[Constraint]:
+    """The request's constraint (None without one): its GBNF ``grammar``, its ``json_schema``, or
+    (a chat turn's tools, chat/syntax.py) a ``lark`` grammar; ValueError with a user-facing reason.
+    Cached by text: a planner's schema, or an agent's tools, sent with every goal compile once.
 
     >>> compiled_constraint(grammar='root ::= "yes" | "no"').source
     'grammar'
@@ -140,35 +142,41 @@ def compiled_constraint(grammar: str = "", json_schema: str = "",
     """
     if grammar and json_schema:
         raise ValueError("grammar and json_schema are both set: give at most one of the two")
+    if lark and (grammar or json_schema):
+        raise ValueError("a tools grammar comes alone, without grammar / json_schema")
     limit = min(max_bytes, MAX_GRAMMAR_BYTES)
     for name, text in (("grammar", grammar), ("json_schema", json_schema)):
         size = len(text.encode("utf-8", "surrogatepass"))
         if size > limit:
             raise ValueError(f"{name} is {size} bytes, more than the limit of {limit} "
                              f"(limits.max_grammar_bytes, at most {MAX_GRAMMAR_BYTES})")
-    if grammar:
-        return _compiled("grammar", grammar)
-    if json_schema:
-        return _compiled("json_schema", json_schema)
-    return None
+    source, text = (("tools", lark) if lark else ("json_schema", json_schema) if json_schema
+                    else ("grammar", grammar))
+    return _compiled(source, text) if text else None
+
+
+#: What a constraint that does not compile is refused as, by its source.
+_REFUSED = {"grammar": "grammar does not compile", "json_schema": "json_schema does not compile",
+            "tools": "the tools' parameters do not compile to a grammar"}
 
 
 @functools.lru_cache(maxsize=32)
 def _compiled(source: str, text: str) -> Constraint:
     """The checked grammar of one constraint text (a failure is not cached: it raises)."""
     matcher = _llguidance().LLMatcher
-    if source == "grammar":
+    if source == "json_schema":
+        grammar = matcher.grammar_from_json_schema(_schema_text(text), overrides=JSON_OPTIONS)
+    elif source == "tools":
+        grammar = matcher.grammar_from_lark(text)
+    else:
         try:
-            lark = gbnf_to_lark(text)
+            grammar = matcher.grammar_from_lark(gbnf_to_lark(text))
         except GbnfError as exc:
             raise ValueError(f"grammar does not parse: {exc}") from None
-        grammar = matcher.grammar_from_lark(lark)
-    else:
-        grammar = matcher.grammar_from_json_schema(_schema_text(text), overrides=JSON_OPTIONS)
     is_error, messages = _on_big_stack(
         lambda: matcher.validate_grammar_with_warnings(grammar, None, limits=_parser_limits()))
     if is_error:
-        raise ValueError(f"{source} does not compile: {_reason(messages[0] if messages else '?')}")
+        raise ValueError(f"{_REFUSED[source]}: {_reason(messages[0] if messages else '?')}")
     return Constraint(source, grammar)
 
 
