@@ -461,9 +461,9 @@ class Engine:
     def _prompt_rest(self, state: RequestState) -> List[int]:
         """The prompt tokens left to decode once the KV cells the request's sequence already holds
         are kept (:meth:`_keep_prompt_prefix`); the drafters learn that a target pass follows."""
+        self._before_target_pass(state, state.mode(self._spec))
         reused = self._keep_prompt_prefix(state.kv, state.prompt, state.request.reuse_prompt, state.turn is not None)
         state.stats.num_prompt_tokens_reused = reused
-        self._before_target_pass(state, state.mode(self._spec))
         return state.prompt[reused:]
 
     def _prompt_done(self, state: RequestState, first: int) -> int:
