@@ -27,6 +27,7 @@ from gemma_spec_ros.engine.config import EngineConfig, ModelConfig, SamplingPara
 from gemma_spec_ros.engine.request import GenerationRequest, Step
 from support import linked_head
 from support.engine import build_engine
+from support.maths import softmax
 from support.linked_head import check_k_and_mode_switched_while_generating
 from support.tiny_gemma4 import write_gemma4_assistant, write_gemma4_pair
 from support.tiny_gguf import write_tiny_gguf
@@ -345,9 +346,7 @@ def test_rejection_sampling_with_the_assistant_keeps_the_target_distribution(ran
 
         def next_dist(tokens: List[int]) -> np.ndarray:
             backend.clear()
-            row = backend.decode(tokens, [len(tokens) - 1])[0].astype(np.float64)
-            e = np.exp(row - row.max())
-            return e / e.sum()
+            return softmax(backend.decode(tokens, [len(tokens) - 1])[0])
 
         p1 = next_dist(prompt)
         p2 = np.zeros(vocab + 1)  # + "no second token" (EOS came first)
