@@ -33,7 +33,7 @@ import yaml
 
 from gemma_spec_ros.engine.drafters import learned_cache
 from gemma_spec_ros.engine.modes import MODES as SPEC_MODES
-from support.ros2_cli import NODE, VENV, Background, ros2, send_goal, wait_state
+from support.ros2_cli import NODE, VENV, Background, ros2, send_accepted_goal, send_goal, wait_state
 
 REPO = Path(__file__).resolve().parents[2]
 if not (VENV / "bin" / "colcon").exists():  # pragma: no cover - depends on the machine
@@ -182,7 +182,7 @@ def test_a_fresh_robot_serves_every_mode_respawns_after_kill_9_and_stops_on_ctrl
         wait_state("active", timeout=60, env=env)
 
         # 4. Ctrl-C during a goal
-        running = send_goal(logs, 400, name="running", env=env)
+        running = send_accepted_goal(logs, 400, name="running", env=env)
         running.wait_for("Feedback:", timeout=120)
     finally:
         status = launch.interrupt(timeout=120)

@@ -23,7 +23,8 @@ import yaml
 
 from gemma_spec_ros.engine.drafters import learned_cache
 from support.chat import embedded_template_file
-from support.ros2_cli import NODE, VENV, Background, launch, params_file, ros2, send_chat_goal, send_goal, wait_state
+from support.ros2_cli import (NODE, VENV, Background, launch, params_file, ros2, send_accepted_goal, send_chat_goal,
+                              send_goal, wait_state)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -145,7 +146,7 @@ def test_cancel_from_the_cli_ends_the_goal_canceled(served: Path) -> None:
     (Ctrl-C of `ros2 action send_goal` is no way to cancel on Jazzy: rclpy's SIGINT handler shuts
     its context down before the CLI's own cancel is sent, it prints "Exception while canceling goal:
     None", and the goal runs on.)"""
-    goal = send_goal(served, 400, name="cancelled")
+    goal = send_accepted_goal(served, 400, name="cancelled")
     try:
         goal_id = goal.wait_for("Feedback:").split("Goal accepted with ID: ")[1].split()[0]
         uuid = list(bytes.fromhex(goal_id))
@@ -290,7 +291,7 @@ def test_sigint_to_the_launch_ends_the_goal_saves_the_cache_and_exits_0(
     goal: Optional[Background] = None
     try:
         wait_state("active")
-        goal = send_goal(tmp_path, 400, name="running")
+        goal = send_accepted_goal(tmp_path, 400, name="running")
         goal.wait_for("Feedback:")
         assert "spec_mode: 'off'" in goal.output, goal.output
     finally:
