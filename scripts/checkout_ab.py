@@ -106,7 +106,13 @@ def compare(mode: str, checkouts: List[Path], rounds: int, config: dict) -> None
     same = {(x["passes"], x["digest"]) for i in (0, 1) for x in results[i]}
     paired = [b / a for a, b in zip(old, new)]
     load, ratio = os.getloadavg()[0], statistics.median(new) / statistics.median(old)
-    outputs = "same tokens and passes" if len(same) == 1 else f"OUTPUTS DIFFER: {sorted(same)}"
+    rounds_of = [[(x["passes"], x["digest"]) for x in results[i]] for i in (0, 1)]
+    if len(same) == 1:
+        outputs = "same tokens and passes"
+    elif rounds_of[0] == rounds_of[1]:  # a mode that learns across requests: each round its own text
+        outputs = f"same tokens and passes round by round (passes {[p for p, _ in rounds_of[0]]})"
+    else:
+        outputs = f"OUTPUTS DIFFER: old {rounds_of[0]}, new {rounds_of[1]}"
     print(f"{mode}: {rounds} rounds, ms per target pass: old {quartiles(old)}, new {quartiles(new)}; "
           f"new/old per round {quartiles(paired)}, ratio of medians {ratio:.3f}; {outputs}; load {load:.1f}",
           flush=True)

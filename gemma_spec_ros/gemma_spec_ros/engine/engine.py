@@ -398,15 +398,17 @@ class Engine:
             except DecodeInterrupted:  # cancelled, closing or out of time between two prompt chunks
                 yield state.step(self._spec, "cancelled" if self._stop_requested(cancel) else "timeout")
                 return
-            step = state.emit((first,), self._spec)
-            yield step
-            while step.finish_reason is None:
+            tokens, source = (first,), None
+            while True:  # each pass's tokens become a Step: the prompt pass's first, then each step's
+                step = state.emit(tokens, self._spec, source)
+                yield step
+                if step.finish_reason is not None:
+                    return
                 if self._stop_requested(cancel):  # set while the consumer held the step
                     yield state.step(self._spec, "cancelled")
                     return
                 proposal, tokens = self._speculative_step(state)
-                step = state.emit(tokens, self._spec, proposal.draft.source or None)
-                yield step
+                source = proposal.draft.source or None
         except BaseException:
             state.kv.clear()  # the KV cache may not hold what kv_tokens says: reuse none of it
             raise
