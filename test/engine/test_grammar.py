@@ -14,12 +14,14 @@ import json
 from pathlib import Path
 
 import jsonschema
+import numpy as np
 import pytest
 import yaml
 
 from gemma_spec_ros.engine.grammar.matcher import GrammarError, GrammarVocab, compiled_constraint
 from gemma_spec_ros.engine.config import SamplingParams, SpecConfig
 from gemma_spec_ros.engine.request import GenerationRequest
+from gemma_spec_ros.engine.sampling import Sampler, make_rng, verify_exact
 from support.engine import build_engine, collect
 
 REPO = Path(__file__).resolve().parents[2]
@@ -195,6 +197,34 @@ def test_the_draft_check_and_rollback(engine, vocab):
     assert grammar.complete() and target.eos in allowed and no[0] not in allowed
 
 
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, seed=3)],
+                         ids=["greedy", "seeded"])
+def test_a_row_whose_token_the_grammar_allows_alone_verifies_without_its_logits(engine, vocab, sampling):
+    """After " yes" the grammar allows "." alone: verification takes it from no row, draws what a
+    sample of its masked row draws, and emits what it emits with every row (engine.py asks the
+    target for no logits there)."""
+    target = engine.target
+    constraint = compiled_constraint(grammar='root ::= " yes." | " no."')
+    yes, dot = (target.tokenize(t, add_special=False) for t in (" yes", "."))
+    assert len(yes) == len(dot) == 1
+    grammar = vocab.start(constraint)
+    before = grammar.allowed().dense().copy()
+    assert grammar.sole_choices(yes + dot) == [False, True]
+    assert (grammar.allowed().dense() == before).all()  # the state is where it was
+    noise = np.random.default_rng(0).normal(size=target.n_vocab).astype(np.float32)
+    first = noise.copy()
+    first[yes[0]] = 50.0  # the target's choice, sampled or greedy
+    sampler = Sampler(sampling)
+    verdicts, draws = [], []
+    for rows in ([first, noise, noise], [first, None, noise]):
+        rng = make_rng(7)  # the same stream for both (greedy draws from neither)
+        verdicts.append(verify_exact(rows, yes + dot, sampler, rng, vocab.start(constraint)))
+        draws.append(rng.random())
+    assert verdicts[0] == verdicts[1] and verdicts[0].num_accepted == 2, verdicts
+    assert target.is_eog(verdicts[0].tokens[-1])  # the grammar is complete: it allows the end alone
+    assert draws[0] == draws[1]  # the same random numbers drawn
+
+
 # -- lossless: exactly constrained plain decoding ---------------------------------------------------
 @pytest.fixture(scope="module")
 def f16_engine(f16_model_path, embedded_model_path):
@@ -219,7 +249,7 @@ READING_PROMPT = ("Sensor log of the robot, one JSON object per reading:\n"
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.95, seed=3)],
                          ids=["greedy", "seeded"])
 def test_constrained_speculation_equals_constrained_plain_decoding(exact_build, f16_engine, sampling):
-    forced = cut = 0
+    forced = cut = sole = 0
     for schema, prompt in ((SCHEMA, PLANNER_PROMPT), (READING_SCHEMA, READING_PROMPT)):
         schema_text = json.dumps(schema)
         plain, text, _ = run(f16_engine, "off", prompt=prompt, json_schema=schema_text, sampling=sampling)
@@ -229,4 +259,5 @@ def test_constrained_speculation_equals_constrained_plain_decoding(exact_build, 
             assert tokens == plain, f"{mode} differs from constrained plain decoding ({text!r})"
             forced += last.stats.num_grammar_accepted_tokens
             cut += last.stats.num_grammar_cut_tokens
-    assert forced > 0 and cut > 0, (forced, cut)
+            sole += last.stats.num_grammar_sole_rows  # rows verified without their logits
+    assert forced > 0 and cut > 0 and sole > 0, (forced, cut, sole)

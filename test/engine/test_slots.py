@@ -7,12 +7,14 @@ exact build (marked ``exact``) they must be token for token the same, greedy and
 """
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, List, Optional, Sequence
 
+import jsonschema
 import pytest
 
 from gemma_spec_ros.engine.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
@@ -127,6 +129,37 @@ def test_a_request_alone_in_a_slot_engine_emits_what_the_one_at_a_time_engine_em
                 assert alone(engine, req) == alone(solo, req), (mode, sampling, prompt[:30])
     finally:
         engine.close()
+
+
+PLAN_SCHEMA = (Path(__file__).resolve().parents[2] / "gemma_spec_ros" / "config" / "schemas"
+               / "robot_plan.schema.json").read_text()
+
+
+def constrained_together(slots: Engine) -> List[Run]:
+    """The three prompts under the plan schema, at once: their verify rows share every pass, and
+    the rows whose next token the grammar allows alone ask for no logits (engine.py)."""
+    runs = [Run(request(prompt, "lookup", max_tokens=320, json_schema=PLAN_SCHEMA)) for prompt in PROMPTS]
+    run_together(slots, runs)
+    for run in runs:
+        assert run.error is None, run.error
+        assert run.steps[-1].stats.num_grammar_sole_rows > 0, run.request.prompt[:30]
+    return runs
+
+
+def test_constrained_requests_together_give_plans_of_the_schema(slots: Engine) -> None:
+    for run in constrained_together(slots):
+        if run.finish_reason == "stop":
+            jsonschema.validate(json.loads("".join(step.text for step in run.steps)), json.loads(PLAN_SCHEMA))
+        else:
+            assert run.finish_reason == "length", run.finish_reason
+
+
+@pytest.mark.exact
+@pytest.mark.timeout(900)
+def test_constrained_requests_batched_together_emit_what_each_emits_alone(exact_build: None, solo: Engine,
+                                                                          slots: Engine) -> None:
+    for run in constrained_together(slots):
+        assert run.tokens == alone(solo, run.request), run.request.prompt[:30]
 
 
 #: A system prompt every client sends, longer than a prompt chunk (slots.PROMPT_CHUNK).

@@ -84,6 +84,14 @@ class Sampler:
         ids, probs = self._candidates(logits)
         return int(ids[inverse_cdf(probs, rng.random())])
 
+    def take(self, token: int, rng: np.random.Generator) -> int:
+        """``token``, where a grammar allows it alone: what :meth:`sample` returns for a row with
+        every other token at -inf, drawing what it draws (one random number unless greedy), so
+        the random stream stays that of plain decoding."""
+        if not self.greedy:
+            rng.random()
+        return token
+
     def _candidates(self, logits: np.ndarray):
         """(token ids, probabilities) of the tokens that survive filtering.
 
@@ -182,9 +190,12 @@ class Verdict:
     num_accepted: int  # how many draft tokens were accepted (len(tokens) - 1)
 
 
-def verify_exact(rows: Sequence[np.ndarray], draft: Sequence[int], sampler: Sampler,
+def verify_exact(rows: Sequence[Optional[np.ndarray]], draft: Sequence[int], sampler: Sampler,
                  rng: np.random.Generator, grammar: Optional[Grammar] = None) -> Verdict:
     """Accept while the target's own sample equals the draft token.
+
+    A row may be None where the grammar allows the draft's token alone (the pass computed no
+    logits there: Grammar.sole_choices): that token is the row's sample.
 
     >>> rows = [np.eye(10, dtype=np.float32)[t] for t in (7, 3, 4, 2)]
     >>> verify_exact(rows, (7, 3, 9), Sampler(SamplingParams()), make_rng(0))
@@ -194,7 +205,10 @@ def verify_exact(rows: Sequence[np.ndarray], draft: Sequence[int], sampler: Samp
         raise ValueError(f"{len(rows)} logit rows for a {len(draft)}-token draft (need K+1)")
     emitted = []
     for i, row in enumerate(rows):
-        if grammar is None:
+        if row is None:  # the grammar's one choice, which is the draft's token
+            token = sampler.take(draft[i], rng)
+            grammar.accept(token)
+        elif grammar is None:
             token = sampler.sample(row, rng)
         else:
             token = sample_constrained(lambda r: sampler.sample(r, rng), row, grammar, sampler.greedy)

@@ -272,10 +272,10 @@ class SlotScheduler:
             planned.append((slot, step))
             rows += len(step.batch)
             expected += step.proposal.decision.expected_tokens + step.proposal.n_forced
-        parts = [(slot.seq, step.batch, len(step.batch)) for slot, step in planned]
+        parts = [(slot.seq, step.batch, step.logit_rows) for slot, step in planned]
         last_chunk = chunk_slot is not None and len(chunk) == len(chunk_slot.rest)
         if chunk:
-            parts.append((chunk_slot.seq, chunk, 1 if last_chunk else 0))
+            parts.append((chunk_slot.seq, chunk, range(len(chunk) - 1, len(chunk)) if last_chunk else ()))
         if not parts:
             return
         t0 = time.perf_counter()
@@ -291,13 +291,13 @@ class SlotScheduler:
         self.counts.passes += 1
         self.counts.rows += rows
         self.counts.requests += len(planned) + (1 if chunk else 0)
-        if not chunk:  # every row asked for logits: a pass the cost model's sizes describe
+        if not chunk and all(step.every_row for _, step in planned):  # a pass the cost model's sizes describe
             engine.costs.observe_verify(rows, seconds)
         for (slot, step), logits in zip(planned, outputs):
             state = slot.state
             state.stats.verify_time += seconds
             try:
-                tokens = engine._settle_step(state, step, logits)  # noqa: SLF001
+                tokens = engine._settle_step(state, step, step.spread(logits))  # noqa: SLF001
                 out = state.emit(tokens, spec, step.proposal.draft.source or None)
             except BaseException as exc:  # noqa: BLE001
                 self._fail(slot, exc)

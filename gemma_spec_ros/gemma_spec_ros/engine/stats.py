@@ -68,6 +68,8 @@ class SpecStats:
     num_grammar_masks: int = field(default=0, metadata=_SUM)
     # drafted tokens cut before verification because the grammar refused them (and all after them)
     num_grammar_cut_tokens: int = field(default=0, metadata=_SUM)
+    # verify rows decoded without logits: the grammar allowed the draft's next token alone there
+    num_grammar_sole_rows: int = field(default=0, metadata=_SUM)
     grammar_time: float = field(default=0.0, metadata=_SUM)
     prompt_time: float = field(default=0.0, metadata=_SUM)
     draft_time: float = field(default=0.0, metadata=_SUM)
@@ -198,6 +200,7 @@ class SpecStats:
             "num_grammar_accepted_tokens": self.num_grammar_accepted_tokens,
             "num_grammar_masks": self.num_grammar_masks, "grammar_ms": self.grammar_time * 1e3,
             "num_grammar_cut_tokens": self.num_grammar_cut_tokens,
+            "num_grammar_sole_rows": self.num_grammar_sole_rows,
             "tokens_per_second": self.tokens_per_second,
             "time_to_first_token_ms": self.time_to_first_token * 1e3,
             "prompt_ms": self.prompt_time * 1e3, "draft_ms": self.draft_time * 1e3,

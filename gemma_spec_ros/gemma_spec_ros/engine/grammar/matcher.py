@@ -273,6 +273,11 @@ class AllowedTokens:
         unpacked = np.unpackbits(self._bits.view(np.uint8), bitorder="little")
         return unpacked[:self._n_vocab].view(np.bool_)
 
+    def only(self, token: int) -> bool:
+        """Whether ``token`` is the one token allowed."""
+        words = self._bits.view(np.uint32)
+        return int(words[token >> 5]) == 1 << (token & 31) and np.count_nonzero(words) == 1
+
     def masked(self, row: np.ndarray) -> np.ndarray:
         """``row`` (logits over the vocabulary) with the tokens not allowed at -inf; GrammarError
         where none is allowed."""
@@ -328,6 +333,21 @@ class Grammar:
             started = time.perf_counter()
             self._matcher.rollback(n_tokens)
             self._checked("rollback", started)
+
+    def sole_choices(self, tokens: Sequence[int]) -> List[bool]:
+        """For each of ``tokens`` (a draft the grammar allows, one after the other): whether the
+        grammar allows it alone where it stands. Such a token needs no logits to be verified: any
+        sample of its row under the grammar is that token. The state is left as it was."""
+        sole: List[bool] = []
+        moved = 0
+        try:
+            for token in tokens:
+                sole.append(self.allowed().only(token))
+                self.accept(token)
+                moved += 1
+        finally:
+            self.rollback(moved)
+        return sole
 
     def forced_tokens(self, limit: int) -> List[int]:
         """The tokens the grammar forces from here (keys, punctuation, the rest of an enum value),

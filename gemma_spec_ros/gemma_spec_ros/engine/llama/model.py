@@ -527,12 +527,13 @@ class LlamaModel:
             start += n
         return out
 
-    def decode_parts(self, parts: Sequence[Tuple[int, Sequence[int], int]]) -> List[np.ndarray]:
+    def decode_parts(self, parts: Sequence[Tuple[int, Sequence[int], Sequence[int]]]) -> List[np.ndarray]:
         """One ``llama_decode`` over rows of several sequences: ``parts`` are (sequence, tokens,
-        logit rows), each sequence at most once, the logit rows being the part's last ``n`` rows
-        (a verify pass wants them all, a prompt chunk its last one or none). Each part's tokens are
-        appended to its sequence. Returns one logits block per part (rows x n_vocab; 0 rows where
-        none were asked), views valid until the next decode.
+        logit rows), each sequence at most once, the logit rows being indices into the part's
+        tokens, ascending (a verify pass wants them all, or all but those a grammar decides; a
+        prompt chunk its last one or none). Each part's tokens are appended to its sequence.
+        Returns one logits block per part (its logit rows x n_vocab, in order; 0 rows where none
+        were asked), views valid until the next decode.
 
         All rows must fit one batch (``n_batch``); :meth:`decode` splits a longer one. On a failed
         decode every part's sequence is rolled back to where it stood and KVCacheError raised.
@@ -547,19 +548,21 @@ class LlamaModel:
         flags[:n_rows] = 0
         at = 0
         bases = []
-        for seq, tokens, n_logits in parts:
+        for seq, tokens, logit_rows in parts:
             kv = self._seq_tokens[seq]
             n = len(tokens)
             if len(kv) + n > self.n_ctx:
                 raise KVCacheError(f"context full: {len(kv)} + {n} tokens > n_ctx {self.n_ctx} "
                                    f"(sequence {seq})")
-            if not 0 <= n_logits <= n:
-                raise ValueError(f"{n_logits} logit rows of a part of {n} tokens")
+            if len(logit_rows) and not 0 <= logit_rows[0] <= logit_rows[-1] < n:
+                raise ValueError(f"logit rows {logit_rows[0]}..{logit_rows[-1]} of a part of {n} tokens")
             token_in[at:at + n] = tokens
             pos_in[at:at + n] = range(len(kv), len(kv) + n)
             seqs[at:at + n] = seq
-            if n_logits:
-                flags[at + n - n_logits:at + n] = 1
+            if type(logit_rows) is range:  # a run of rows (a verify pass, a chunk's last row)
+                flags[at + logit_rows.start:at + logit_rows.stop] = 1
+            elif logit_rows:
+                flags[[at + r for r in logit_rows]] = 1
             bases.append(len(kv))
             at += n
         self._set_row_seqs(0, seqs)
@@ -571,7 +574,7 @@ class LlamaModel:
                 llama_cpp.llama_memory_seq_rm(self._mem, seq, base, -1)
             raise KVCacheError(f"llama_decode failed with code {rc} over {n_rows} rows of "
                                f"{len(parts)} sequences (1 = no KV slot, <0 = error)")
-        n_out = sum(n_logits for _, _, n_logits in parts)
+        n_out = sum(len(logit_rows) for _, _, logit_rows in parts)
         block = None
         if n_out:
             first = llama_cpp.llama_get_logits_ith(self._ctx, int(np.flatnonzero(flags[:n_rows])[0]))
@@ -580,8 +583,9 @@ class LlamaModel:
             block = self._logits_views.get(first, (n_out, self.n_vocab))
         out: List[np.ndarray] = []
         row = 0
-        for seq, tokens, n_logits in parts:
+        for seq, tokens, logit_rows in parts:
             self._seq_tokens[seq].extend(tokens)
+            n_logits = len(logit_rows)
             out.append(block[row:row + n_logits] if block is not None else np.empty((0, self.n_vocab), np.float32))
             row += n_logits
         return out
