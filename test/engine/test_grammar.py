@@ -21,7 +21,7 @@ import yaml
 from gemma_spec_ros.engine.grammar.matcher import GrammarError, GrammarVocab, compiled_constraint
 from gemma_spec_ros.engine.config import SamplingParams, SpecConfig
 from gemma_spec_ros.engine.request import GenerationRequest
-from gemma_spec_ros.engine.sampling import Sampler, make_rng, verify_exact
+from gemma_spec_ros.engine.sampling import Sampler, make_rng, verify_exact, verify_rejection
 from support.engine import build_engine, collect
 
 REPO = Path(__file__).resolve().parents[2]
@@ -137,6 +137,7 @@ def test_a_sampled_plan_validates_under_both_verifications(engine):
             engine.update_spec(SpecConfig(mode="off", draft_max=4, adaptive=False))
         assert last.finish_reason == "stop", (verification, text)
         jsonschema.validate(json.loads(text), SCHEMA)
+        assert last.stats.num_grammar_sole_rows > 0, verification  # rows verified without logits
 
 
 def test_a_gbnf_grammar_bounds_the_answer(engine):
@@ -200,9 +201,9 @@ def test_the_draft_check_and_rollback(engine, vocab):
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, seed=3)],
                          ids=["greedy", "seeded"])
 def test_a_row_whose_token_the_grammar_allows_alone_verifies_without_its_logits(engine, vocab, sampling):
-    """After " yes" the grammar allows "." alone: verification takes it from no row, draws what a
-    sample of its masked row draws, and emits what it emits with every row (engine.py asks the
-    target for no logits there)."""
+    """After " yes" the grammar allows "." alone: both verifications take it from no row, draw
+    what they draw with its masked row, and emit what they emit with every row (engine.py asks
+    the target for no logits there)."""
     target = engine.target
     constraint = compiled_constraint(grammar='root ::= " yes." | " no."')
     yes, dot = (target.tokenize(t, add_special=False) for t in (" yes", "."))
@@ -215,14 +216,15 @@ def test_a_row_whose_token_the_grammar_allows_alone_verifies_without_its_logits(
     first = noise.copy()
     first[yes[0]] = 50.0  # the target's choice, sampled or greedy
     sampler = Sampler(sampling)
-    verdicts, draws = [], []
-    for rows in ([first, noise, noise], [first, None, noise]):
-        rng = make_rng(7)  # the same stream for both (greedy draws from neither)
-        verdicts.append(verify_exact(rows, yes + dot, sampler, rng, vocab.start(constraint)))
-        draws.append(rng.random())
-    assert verdicts[0] == verdicts[1] and verdicts[0].num_accepted == 2, verdicts
-    assert target.is_eog(verdicts[0].tokens[-1])  # the grammar is complete: it allows the end alone
-    assert draws[0] == draws[1]  # the same random numbers drawn
+    for verify in (verify_exact, lambda *a: verify_rejection(a[0], a[1], None, *a[2:])):
+        verdicts, draws = [], []
+        for rows in ([first, noise, noise], [first, None, noise]):
+            rng = make_rng(7)  # the same stream for both (greedy exact draws from neither)
+            verdicts.append(verify(rows, yes + dot, sampler, rng, vocab.start(constraint)))
+            draws.append(rng.random())
+        assert verdicts[0] == verdicts[1] and verdicts[0].num_accepted == 2, verdicts
+        assert target.is_eog(verdicts[0].tokens[-1])  # the grammar is complete: it allows the end alone
+        assert draws[0] == draws[1]  # the same random numbers drawn
 
 
 # -- lossless: exactly constrained plain decoding ---------------------------------------------------

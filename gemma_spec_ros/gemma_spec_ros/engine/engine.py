@@ -526,10 +526,10 @@ class Engine:
 
     def _plan_step(self, state: RequestState, share: PassShare = SOLO) -> "PlannedStep":
         """The first half of a step: the draft to verify and the rows of the target pass
-        (``share``: what else the pass holds when several requests run at once). Under a grammar
-        and exact verification, a row whose next draft token the grammar allows alone asks for no
-        logits (most of a JSON plan's keys, punctuation and enum values; on this CPU a row without
-        its logits costs about 0.4 of one with them)."""
+        (``share``: what else the pass holds when several requests run at once). Under a grammar,
+        a row whose next draft token the grammar allows alone asks for no logits (most of a JSON
+        plan's keys, punctuation and enum values; on this CPU a row without its logits costs
+        about 0.4 of one with them)."""
         started = time.perf_counter()
         stats, spec = state.stats, self._spec
         mode = state.mode(spec)
@@ -547,7 +547,7 @@ class Engine:
                 stats, state.hindsight, len(state.generated), share))
             batch = [state.pending, *proposal.draft.tokens]
             logit_rows: Sequence[int] = range(len(batch))
-            if state.grammar is not None and not state.use_rejection and proposal.draft.tokens:
+            if state.grammar is not None and proposal.draft.tokens:
                 sole = state.grammar.sole_choices(proposal.draft.tokens)
                 if any(sole):
                     logit_rows = [row for row, alone in enumerate(sole) if not alone] + [len(sole)]

@@ -219,7 +219,7 @@ def verify_exact(rows: Sequence[Optional[np.ndarray]], draft: Sequence[int], sam
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def verify_rejection(rows: Sequence[np.ndarray], draft: Sequence[int],
+def verify_rejection(rows: Sequence[Optional[np.ndarray]], draft: Sequence[int],
                      draft_probs: Optional[Sequence[Optional[np.ndarray]]], sampler: Sampler,
                      rng: np.random.Generator, grammar: Optional[Grammar] = None) -> Verdict:
     """Speculative sampling: accept x_i w.p. min(1, p(x_i)/q(x_i)), else sample norm(max(0, p-q)).
@@ -229,7 +229,9 @@ def verify_rejection(rows: Sequence[np.ndarray], draft: Sequence[int],
     p is the target's distribution after the
     request's temperature / top-k / top-p / min-p, the same one plain decoding samples from.
     A q over fewer ids than p (a draft vocabulary of another size) is 0 on the ids it lacks; ids
-    past p's vocabulary have p = 0 and cannot be drafted.
+    past p's vocabulary have p = 0 and cannot be drafted. A row may be None where the grammar
+    allows the draft's token alone: p is a point mass on it, accepted, with the one random number
+    the test (or the residual's sample, where q is 0 there) draws.
     """
     if len(rows) != len(draft) + 1:
         raise ValueError(f"{len(rows)} logit rows for a {len(draft)}-token draft (need K+1)")
@@ -237,6 +239,11 @@ def verify_rejection(rows: Sequence[np.ndarray], draft: Sequence[int],
         raise ValueError(f"{len(draft_probs)} draft distributions for a {len(draft)}-token draft")
     emitted = []
     for i, token in enumerate(draft):
+        if rows[i] is None:  # the grammar's one choice: p(token) = 1
+            rng.random()
+            emitted.append(token)
+            grammar.accept(token)
+            continue
         if grammar is None:
             p = sampler.distribution(rows[i])
         else:
