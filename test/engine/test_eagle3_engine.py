@@ -30,7 +30,7 @@ from gemma_spec_ros.engine.llama.model import LlamaModel
 from gemma_spec_ros.engine.request import GenerationRequest, Step
 from support import linked_head
 from support.engine import build_engine
-from support.linked_head import check_k_and_mode_switched_while_generating
+from support.linked_head import check_k_and_mode_switched_while_generating, check_under_a_grammar
 from support.tiny_eagle3 import write_eagle3_head, write_eagle3_pair
 from support.tiny_gemma4 import write_gemma4_pair
 from support.tiny_gguf import write_tiny_gguf
@@ -269,6 +269,10 @@ def test_cancel_while_the_head_drafts(agreeing_engine: Engine) -> None:
 def test_k_and_mode_switched_while_generating(agreeing_engine: Engine) -> None:
     """K 3 -> 1, then mode eagle3 -> off -> eagle3 at step boundaries (support/linked_head.py)."""
     check_k_and_mode_switched_while_generating(agreeing_engine, PROMPT, LONG, K)
+
+
+def test_a_grammar_keeps_the_output_and_decides_rows_without_logits(agreeing_engine) -> None:
+    check_under_a_grammar(agreeing_engine, PROMPT, 80)
 
 
 def test_k_and_mode_switched_between_requests(agreeing_engine: Engine) -> None:

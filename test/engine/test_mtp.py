@@ -28,7 +28,7 @@ from gemma_spec_ros.engine.request import GenerationRequest, Step
 from support import linked_head
 from support.engine import build_engine
 from support.maths import softmax
-from support.linked_head import check_k_and_mode_switched_while_generating
+from support.linked_head import check_k_and_mode_switched_while_generating, check_under_a_grammar
 from support.tiny_gemma4 import write_gemma4_assistant, write_gemma4_pair
 from support.tiny_gguf import write_tiny_gguf
 
@@ -229,6 +229,10 @@ def test_cancel_while_the_assistant_drafts(agreeing_engine) -> None:
 def test_k_and_mode_switched_while_generating(agreeing_engine) -> None:
     """K 3 -> 1, then mode mtp -> off -> mtp at step boundaries (support/linked_head.py)."""
     check_k_and_mode_switched_while_generating(agreeing_engine, PROMPT, LONG, 3)
+
+
+def test_a_grammar_keeps_the_output_and_decides_rows_without_logits(agreeing_engine) -> None:
+    check_under_a_grammar(agreeing_engine, PROMPT, 80)
 
 
 def test_hidden_rows_are_exported_only_while_mtp_may_draft(agreeing_engine, random_pair) -> None:
