@@ -12,7 +12,8 @@ and range) and each round's ratio NEW / OLD, and checks that both emitted the sa
 passes (fixed K 3, greedy: the same work). Modes ``off``, ``lookup``, ``draft`` run the embedded
 Gemma 3 270M (``draft``: the same file as its own draft model); ``mtp`` and ``eagle3`` the tests'
 tiny agreeing Gemma 4 pairs (test/support/tiny_gemma4.py, tiny_eagle3.py), written into a temporary
-folder. One thread a model.
+folder. One thread a model. With ``--planner`` the embedded model's request is the planner suite's
+first instruction (its system prompt, the chat template) under the plan schema: constrained output.
 """
 from __future__ import annotations
 
@@ -39,13 +40,24 @@ def quartiles(values: List[float]) -> str:
     return f"{median:.3f} ({q1:.3f}-{q3:.3f}, {min(values):.3f}-{max(values):.3f})"
 
 
-def mode_config(mode: str, tokens: int, tiny_tokens: int, tiny_pairs: Dict[str, Tuple[str, str]]) -> dict:
+def planner_request() -> dict:
+    """The planner suite's first instruction, its system prompt and the plan schema."""
+    import yaml  # noqa: WPS433
+
+    suite_file = Path(__file__).resolve().parent.parent / "gemma_spec_ros" / "prompts" / "planner.yaml"
+    suite = yaml.safe_load(suite_file.read_text())
+    schema = (suite_file.parent / suite["json_schema_file"]).read_text()
+    return dict(prompt=suite["prompts"][0]["text"], system=suite["system"], json_schema=schema)
+
+
+def mode_config(mode: str, tokens: int, tiny_tokens: int, tiny_pairs: Dict[str, Tuple[str, str]],
+                planner: bool = False) -> dict:
     """What a worker builds for ``mode``: model files, prompt, request length."""
     if mode in tiny_pairs:
         target, draft = tiny_pairs[mode]
         return dict(mode=mode, target=target, draft=draft, prompt=TINY_PROMPT, tokens=tiny_tokens)
-    return dict(mode=mode, target=EMBEDDED, draft=EMBEDDED if mode == "draft" else "", prompt=CODE_PROMPT,
-                tokens=tokens)
+    request = planner_request() if planner else dict(prompt=CODE_PROMPT)
+    return dict(mode=mode, target=EMBEDDED, draft=EMBEDDED if mode == "draft" else "", tokens=tokens, **request)
 
 
 def worker(config: dict) -> None:
@@ -55,13 +67,15 @@ def worker(config: dict) -> None:
     from gemma_spec_ros.engine.engine import Engine
     from gemma_spec_ros.engine.request import GenerationRequest
 
-    def model(path: str) -> ModelConfig:
-        return ModelConfig(path, n_ctx=config["tokens"] + 128, n_threads=1, flash_attn=True)
+    def model(path: str, n_ctx: int = 0) -> ModelConfig:
+        return ModelConfig(path, n_ctx=n_ctx or config["tokens"] + 128, n_threads=1, flash_attn=True)
 
-    engine = Engine(EngineConfig(target=model(config["target"]),
+    system = config.get("system", "")
+    engine = Engine(EngineConfig(target=model(config["target"], 2048 if system else 0),
                                  draft=model(config["draft"]) if config["draft"] else None,
                                  spec=SpecConfig(mode=config["mode"], draft_max=3, p_min=0.75, adaptive=False)))
-    request = GenerationRequest(config["prompt"], max_tokens=config["tokens"])
+    request = GenerationRequest(config["prompt"], max_tokens=config["tokens"], system_prompt=system,
+                                use_chat_template=bool(system), json_schema=config.get("json_schema", ""))
     print("ready", flush=True)
     try:
         for _ in sys.stdin:
@@ -69,7 +83,8 @@ def worker(config: dict) -> None:
             stats = steps[-1].stats
             tokens = [t for step in steps for t in step.tokens]
             print(json.dumps(dict(ms_per_pass=stats.generation_time / stats.num_steps * 1e3,
-                                  passes=stats.num_steps, digest=zlib.crc32(json.dumps(tokens).encode()))),
+                                  passes=stats.num_steps, masks=stats.num_grammar_masks,
+                                  digest=zlib.crc32(json.dumps(tokens).encode()))),
                   flush=True)
     finally:
         engine.close()
@@ -113,9 +128,11 @@ def compare(mode: str, checkouts: List[Path], rounds: int, config: dict) -> None
         outputs = f"same tokens and passes round by round (passes {[p for p, _ in rounds_of[0]]})"
     else:
         outputs = f"OUTPUTS DIFFER: old {rounds_of[0]}, new {rounds_of[1]}"
+    masks = [statistics.median(x.get("masks", 0) for x in results[i]) for i in (0, 1)]
+    masked = f"; grammar masks per request: old {masks[0]:g}, new {masks[1]:g}" if any(masks) else ""
     print(f"{mode}: {rounds} rounds, ms per target pass: old {quartiles(old)}, new {quartiles(new)}; "
-          f"new/old per round {quartiles(paired)}, ratio of medians {ratio:.3f}; {outputs}; load {load:.1f}",
-          flush=True)
+          f"new/old per round {quartiles(paired)}, ratio of medians {ratio:.3f}; {outputs}{masked}; "
+          f"load {load:.1f}", flush=True)
 
 
 def main() -> None:
@@ -129,6 +146,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=96, help="per request on the embedded model")
     parser.add_argument("--tiny-tokens", type=int, default=1500, help="per request on a tiny pair")
+    parser.add_argument("--planner", action="store_true",
+                        help="the embedded model's request: a planner instruction under the plan schema")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "test"))
     from support.tiny_eagle3 import write_eagle3_pair  # the tests' writers, this checkout's
@@ -140,7 +159,8 @@ def main() -> None:
                 "eagle3": write_eagle3_pair(Path(folder, "eagle3"), agreeing=True)}
         pairs = {mode: (str(target), str(draft)) for mode, (target, draft) in tiny.items()}
         for mode in args.modes.split(","):
-            compare(mode, checkouts, args.rounds, mode_config(mode, args.tokens, args.tiny_tokens, pairs))
+            compare(mode, checkouts, args.rounds,
+                    mode_config(mode, args.tokens, args.tiny_tokens, pairs, args.planner))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import yaml
 from gemma_spec_ros.engine.grammar.matcher import GrammarError, GrammarVocab, compiled_constraint
 from gemma_spec_ros.engine.config import SamplingParams, SpecConfig
 from gemma_spec_ros.engine.request import GenerationRequest
-from gemma_spec_ros.engine.sampling import Sampler, make_rng, verify_exact, verify_rejection
+from gemma_spec_ros.engine.sampling import Sampler, allowed_tokens, make_rng, verify_exact, verify_rejection
 from support.engine import build_engine, collect
 
 REPO = Path(__file__).resolve().parents[2]
@@ -201,26 +201,34 @@ def test_the_draft_check_and_rollback(engine, vocab):
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, seed=3)],
                          ids=["greedy", "seeded"])
 def test_a_row_whose_token_the_grammar_allows_alone_verifies_without_its_logits(engine, vocab, sampling):
-    """After " yes" the grammar allows "." alone: both verifications take it from no row, draw
-    what they draw with its masked row, and emit what they emit with every row (engine.py asks
-    the target for no logits there)."""
+    """After " yes" the grammar allows "." alone: the step's masks have none for that row, and
+    both verifications take its token from no row, draw what they draw with its masked row, and
+    emit what they emit with every row and mask (engine.py asks the target for no logits there)."""
     target = engine.target
     constraint = compiled_constraint(grammar='root ::= " yes." | " no."')
     yes, dot = (target.tokenize(t, add_special=False) for t in (" yes", "."))
     assert len(yes) == len(dot) == 1
     grammar = vocab.start(constraint)
     before = grammar.allowed().dense().copy()
-    assert grammar.sole_choices(yes + dot) == [False, True]
+    masks = grammar.row_masks(yes + dot)
     assert (grammar.allowed().dense() == before).all()  # the state is where it was
+    every = []  # each row's mask, computed one by one
+    for token in (*yes, *dot, None):
+        every.append(grammar.allowed().bits.copy())
+        if token is not None:
+            grammar.accept(token)
+    assert [m is None for m in masks] == [False, True, False]
+    assert (masks[0] == every[0]).all() and (masks[2] == every[2]).all()
+    assert np.flatnonzero(allowed_tokens(every[1], target.n_vocab)).tolist() == dot  # the sole choice
     noise = np.random.default_rng(0).normal(size=target.n_vocab).astype(np.float32)
     first = noise.copy()
     first[yes[0]] = 50.0  # the target's choice, sampled or greedy
     sampler = Sampler(sampling)
     for verify in (verify_exact, lambda *a: verify_rejection(a[0], a[1], None, *a[2:])):
         verdicts, draws = [], []
-        for rows in ([first, noise, noise], [first, None, noise]):
+        for rows, row_masks in (([first, noise, noise], every), ([first, None, noise], masks)):
             rng = make_rng(7)  # the same stream for both (greedy exact draws from neither)
-            verdicts.append(verify(rows, yes + dot, sampler, rng, vocab.start(constraint)))
+            verdicts.append(verify(rows, yes + dot, sampler, rng, row_masks))
             draws.append(rng.random())
         assert verdicts[0] == verdicts[1] and verdicts[0].num_accepted == 2, verdicts
         assert target.is_eog(verdicts[0].tokens[-1])  # the grammar is complete: it allows the end alone

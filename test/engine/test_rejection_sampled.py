@@ -12,7 +12,8 @@ from typing import Iterator, Tuple
 import numpy as np
 import pytest
 
-from gemma_spec_ros.engine.engine import Engine, draft_stream
+from gemma_spec_ros.engine.engine import Engine
+from gemma_spec_ros.engine.sampling import draft_stream
 from gemma_spec_ros.engine.config import SamplingParams, SpecConfig
 from gemma_spec_ros.engine.request import GenerationRequest
 from support.engine import build_engine, collect

@@ -92,13 +92,13 @@ def decode_turn(backend: Any, vocab: Any, grammar_vocab: GrammarVocab, turn: Cha
     backend.clear()
     rows = backend.decode(list(turn.tokens), [len(turn.tokens) - 1])
     grammar = grammar_vocab.start(turn.constraint) if turn.constraint is not None else None
-    stream = turn.stream(vocab, stop)
+    stream = ReplyStream(vocab, turn.syntax, stop)
     tokens: List[int] = []
     streamed = ""
     ended = "length"
     for _ in range(max_tokens):
         row = rows[-1]
-        token = (sample_constrained(lambda r: int(np.argmax(r)), row, grammar, greedy=True)
+        token = (sample_constrained(lambda r: int(np.argmax(r)), row, grammar.allowed().bits, greedy=True)
                  if grammar is not None else int(np.argmax(row)))
         if backend.is_eog(token):
             ended = "stop"

@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 from typing import List, Sequence
 
 from gemma_spec_ros.engine.llama.model import LlamaModel
-from gemma_spec_ros.engine.engine import draft_stream
-from gemma_spec_ros.engine.sampling import Sampler, make_rng, verify_exact, verify_rejection
+from gemma_spec_ros.engine.sampling import Sampler, draft_stream, make_rng, verify_exact, verify_rejection
 from gemma_spec_ros.engine.drafters.base import Draft
 from gemma_spec_ros.engine.config import SamplingParams, SpecConfig
 

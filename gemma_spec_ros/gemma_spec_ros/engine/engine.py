@@ -43,6 +43,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .chat.reply import ReplyStream
 from .chat.template import ChatTemplate, ChatVocab
 from .chat.turn import ChatTurn, model_template, prepare_turn, template_file
 from .config import EngineConfig, SpecConfig, expand_path
@@ -65,7 +66,7 @@ from .propose import GRAMMAR_DRAFT_MAX, GRAMMAR_K, SOLO, Drafting, DraftRequest,
 from .request import CountedPrompt, GenerationRequest, Step
 from .request_state import Ends, RequestState
 from .slots import SlotScheduler
-from .sampling import Sampler, make_rng, verify_exact, verify_rejection
+from .sampling import Sampler, draft_stream, make_rng, verify_exact, verify_rejection
 from .stats import SpecStats, timed
 
 
@@ -80,14 +81,23 @@ BATCHING_MARGIN = 0.05
 class PlannedStep:
     """A step between its two halves (Engine._plan_step, Engine._settle_step): the proposal, the
     rows the target pass decodes (pending token + draft), the sequence's length before them, when
-    the step began, and the rows whose logits verification needs (all, unless a grammar allows
-    some draft tokens alone: their rows need none)."""
+    the step began, and the grammar's masks of the rows (None without a grammar; see
+    Grammar.row_masks), which say the rows whose logits verification needs (all, unless a grammar
+    allows some draft tokens alone: their rows need none)."""
 
     proposal: Proposal
     batch: List[int]
     n_keep: int
     started: float
-    logit_rows: Sequence[int]
+    masks: Optional[List[Optional[np.ndarray]]] = None
+
+    @property
+    def logit_rows(self) -> Sequence[int]:
+        """The rows the pass computes logits for: those with a mask, or all without a grammar."""
+        masks = self.masks
+        if masks is None or all(mask is not None for mask in masks):
+            return range(len(self.batch))
+        return [row for row, mask in enumerate(masks) if mask is not None]
 
     @property
     def every_row(self) -> bool:
@@ -102,24 +112,6 @@ class PlannedStep:
         for at, row in zip(self.logit_rows, rows):
             spread[at] = row
         return spread
-
-
-def draft_stream(rng: np.random.Generator) -> np.random.Generator:
-    """The first child stream of ``rng``'s seed: what numpy >= 1.25's ``rng.spawn(1)[0]`` returns,
-    built from the ``SeedSequence`` numpy 1.17+ keeps in every bit generator, because Ubuntu 22.04
-    (ROS 2 Humble, JetPack 6) ships numpy 1.21, whose Generator has no ``spawn``. The child depends
-    on the seed alone, so a seeded request's drafts are the same at every run.
-
-    >>> draws = draft_stream(np.random.default_rng(7)).random(3)
-    >>> bool((draws == draft_stream(np.random.default_rng(7)).random(3)).all())
-    True
-    >>> bool((draws == np.random.default_rng(7).random(3)).any())  # not the parent's stream
-    False
-    """
-    bit_generator = rng.bit_generator
-    # public as ``seed_seq`` from numpy 1.25; the same object is ``_seed_seq`` since 1.17
-    seeds = getattr(bit_generator, "seed_seq", None) or bit_generator._seed_seq
-    return np.random.Generator(type(bit_generator)(seeds.spawn(1)[0]))
 
 
 class Engine:
@@ -445,7 +437,7 @@ class Engine:
         drafters = self.drafters if drafters is None else drafters
         ends = Ends(is_eog=self.target.is_eog, context_full=lambda: kv.n_past + 1 >= self.n_ctx,
                     stop_requested=lambda: self._stop_requested(cancel))
-        text = (turn.stream(self._chat_vocab, request.stop) if turn is not None
+        text = (ReplyStream(self._chat_vocab, turn.syntax, request.stop) if turn is not None
                 else TextAssembler(self.target, request.stop))
         state = RequestState(request, sampler, make_rng(request.sampling.seed),
                              SpecStats(num_prompt_tokens=len(prompt)), text,
@@ -473,8 +465,7 @@ class Engine:
             rest = self._prompt_rest(state)
             rows = state.kv.decode(
                 rest, [len(rest) - 1], stop=lambda: self._stop_requested(cancel) or state.over_budget())
-            first = verify_exact(rows, (), state.sampler, state.rng, state.grammar).tokens[0]
-        return self._prompt_done(state, first)
+        return self._prompt_done(state, rows)
 
     def _prompt_rest(self, state: RequestState) -> List[int]:
         """The prompt tokens left to decode once the KV cells the request's sequence already holds
@@ -484,8 +475,13 @@ class Engine:
         state.stats.num_prompt_tokens_reused = reused
         return state.prompt[reused:]
 
-    def _prompt_done(self, state: RequestState, first: int) -> int:
-        """The prompt is decoded and ``first`` sampled: the drafters and their policies start."""
+    def _prompt_done(self, state: RequestState, rows: Sequence[np.ndarray]) -> int:
+        """The prompt is decoded (``rows``: its last row's logits): sample the first token (under
+        the grammar, which moves on by it), start the drafters and their policies; the token."""
+        masks = None if state.grammar is None else state.grammar.row_masks(())
+        first = verify_exact(rows, (), state.sampler, state.rng, masks).tokens[0]
+        if state.grammar is not None:
+            state.grammar.accept(first)
         state.stats.time_to_first_token = time.perf_counter() - state.started
         # Drafts sampled for rejection verification draw from their own stream of the request's seed.
         sampling = state.request.sampling if state.use_rejection else None
@@ -527,7 +523,8 @@ class Engine:
     def _plan_step(self, state: RequestState, share: PassShare = SOLO) -> "PlannedStep":
         """The first half of a step: the draft to verify and the rows of the target pass
         (``share``: what else the pass holds when several requests run at once). Under a grammar,
-        a row whose next draft token the grammar allows alone asks for no logits (most of a JSON
+        each row's mask is computed here, once, for verification to sample under, and a row whose
+        next draft token the grammar allows alone asks for no logits nor a mask (most of a JSON
         plan's keys, punctuation and enum values; on this CPU a row without its logits costs
         about 0.4 of one with them)."""
         started = time.perf_counter()
@@ -545,14 +542,11 @@ class Engine:
             proposal = propose(state.drafters, self.costs, DraftRequest(
                 mode, spec, state.context, k_cap, min(GRAMMAR_DRAFT_MAX, hard_cap), state.grammar,
                 stats, state.hindsight, len(state.generated), share))
-            batch = [state.pending, *proposal.draft.tokens]
-            logit_rows: Sequence[int] = range(len(batch))
-            if state.grammar is not None and proposal.draft.tokens:
-                sole = state.grammar.sole_choices(proposal.draft.tokens)
-                if any(sole):
-                    logit_rows = [row for row, alone in enumerate(sole) if not alone] + [len(sole)]
-                    stats.num_grammar_sole_rows += len(batch) - len(logit_rows)
-        return PlannedStep(proposal, batch, state.kv.n_past, started, logit_rows)
+            masks = None if state.grammar is None else state.grammar.row_masks(proposal.draft.tokens)
+            planned = PlannedStep(proposal, [state.pending, *proposal.draft.tokens], state.kv.n_past,
+                                  started, masks)
+            stats.num_grammar_sole_rows += len(planned.batch) - len(planned.logit_rows)
+        return planned
 
     def _settle_step(self, state: RequestState, planned: "PlannedStep",
                      rows: Sequence[Optional[np.ndarray]]) -> Tuple[int, ...]:
@@ -564,9 +558,11 @@ class Engine:
         with timed(stats, "sample_time"):
             if state.use_rejection:
                 verdict = verify_rejection(rows, draft.tokens, draft.probs, state.sampler, state.rng,
-                                           state.grammar)
+                                           planned.masks)
             else:
-                verdict = verify_exact(rows, draft.tokens, state.sampler, state.rng, state.grammar)
+                verdict = verify_exact(rows, draft.tokens, state.sampler, state.rng, planned.masks)
+            if state.grammar is not None:
+                state.grammar.advance(verdict.tokens)
         state.kv.rollback(planned.n_keep + 1 + verdict.num_accepted)
         stats.num_steps += 1
         stats.num_step_tokens += len(verdict.tokens)

@@ -24,3 +24,12 @@ class CacheFormatError(EngineError):
 
 class KVCacheError(EngineError):
     """llama.cpp refused to remove KV cells (rollback failed); the sequence state is unknown."""
+
+
+class GrammarError(EngineError):
+    """A grammar stopped the request: it admits no token here (:data:`DEAD_END`), or it needs more
+    work per token than the grammar engine's limits allow (grammar/matcher.py PARSER_LIMITS)."""
+
+
+DEAD_END = ("the grammar admits no token here: the text so far cannot be continued (a grammar with a "
+            "dead end, or a character no token of the model's vocabulary can spell)")

@@ -20,10 +20,12 @@ rows: the target decoded ``[pending] + draft`` in one batch).
   the target's p; acceptance is higher than ``exact`` when the draft samples from a q close to p.
   For a deterministic (n-gram or greedy) draft, q is a point mass on x_i.
 
-Under a grammar (``grammar``: the request's :class:`~.grammar.matcher.Grammar`, advanced here over
-every emitted token) each row is sampled as plain constrained decoding samples it: under the grammar
-state the tokens before it reached (:func:`sample_constrained`); rejection verification compares the
-draft with that row's constrained distribution (:func:`constrained_distribution`).
+Under a grammar (``masks``: one per row, what the grammar allows there, as llguidance's bitmask,
+from :meth:`~.grammar.matcher.Grammar.row_masks`; the caller then advances the grammar over the emitted
+tokens) each row is sampled as plain constrained decoding samples it: under the grammar state the
+tokens before it reached (:func:`sample_constrained`); rejection verification compares the draft
+with that row's constrained distribution (:func:`constrained_distribution`). A row the grammar
+decides (its draft token is the one allowed) comes without logits nor a mask: its token is taken.
 
 Worked example (greedy, so sampling = argmax): draft (7, 3, 9); row argmaxes (7, 3, 4, 2) ->
 accept 7 and 3, reject 9, recovered token 4: emitted (7, 3, 4), num_accepted 2.
@@ -31,14 +33,12 @@ accept 7 and 3, reject 9, recovered token 4: emitted (7, 3, 4), num_accepted 2.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .config import SamplingParams
-
-if TYPE_CHECKING:  # a request's grammar is passed in; sampling imports nothing above the floor
-    from .grammar.matcher import Grammar
+from .errors import DEAD_END, GrammarError
 
 # Nucleus search starts from this many top candidates and falls back to a full sort only when
 # their mass is below top_p (a full argsort of 262k logits costs ~15 ms; argpartition ~2 ms).
@@ -48,6 +48,24 @@ _NUCLEUS_CANDIDATES = 1024
 def make_rng(seed: int) -> np.random.Generator:
     """The request's random generator; seed -1 draws fresh entropy."""
     return np.random.default_rng(None if seed < 0 else seed)
+
+
+def draft_stream(rng: np.random.Generator) -> np.random.Generator:
+    """The first child stream of ``rng``'s seed: what numpy >= 1.25's ``rng.spawn(1)[0]`` returns,
+    built from the ``SeedSequence`` numpy 1.17+ keeps in every bit generator, because Ubuntu 22.04
+    (ROS 2 Humble, JetPack 6) ships numpy 1.21, whose Generator has no ``spawn``. The child depends
+    on the seed alone, so a seeded request's drafts are the same at every run.
+
+    >>> draws = draft_stream(np.random.default_rng(7)).random(3)
+    >>> bool((draws == draft_stream(np.random.default_rng(7)).random(3)).all())
+    True
+    >>> bool((draws == np.random.default_rng(7).random(3)).any())  # not the parent's stream
+    False
+    """
+    bit_generator = rng.bit_generator
+    # public as ``seed_seq`` from numpy 1.25; the same object is ``_seed_seq`` since 1.17
+    seeds = getattr(bit_generator, "seed_seq", None) or bit_generator._seed_seq
+    return np.random.Generator(type(bit_generator)(seeds.spawn(1)[0]))
 
 
 class Sampler:
@@ -159,26 +177,47 @@ def inverse_cdf(probs: np.ndarray, u: float) -> int:
 
 
 # -- under a grammar ------------------------------------------------------------------------------
-def sample_constrained(sample: Callable[[np.ndarray], int], row: np.ndarray, grammar: Grammar,
+def token_allowed(mask: np.ndarray, token: int) -> bool:
+    """Whether ``mask`` (a grammar's mask over the vocabulary, llguidance's layout: bit t of 32-bit
+    word t // 32) allows ``token``."""
+    return bool((int(mask[token >> 5]) >> (token & 31)) & 1)
+
+
+def allowed_tokens(mask: np.ndarray, n_vocab: int) -> np.ndarray:
+    """``mask`` as a boolean array over the vocabulary's ``n_vocab`` tokens."""
+    unpacked = np.unpackbits(mask.view(np.uint8), bitorder="little")
+    return unpacked[:n_vocab].view(np.bool_)
+
+
+def masked(row: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """``row`` (logits over the vocabulary) with the tokens ``mask`` refuses at -inf; GrammarError
+    where it allows none."""
+    allowed = allowed_tokens(mask, row.shape[0])
+    if not allowed.any():
+        raise GrammarError(DEAD_END)
+    return np.where(allowed, row, np.float32(-np.inf))
+
+
+def sample_constrained(sample: Callable[[np.ndarray], int], row: np.ndarray, mask: np.ndarray,
                        greedy: bool = False) -> int:
-    """One token of ``row`` under ``grammar``: a sample of the row with the tokens the grammar
-    refuses at -inf (greedy: the argmax, unmasked where the grammar allows it, which is the same).
+    """One token of ``row`` under a grammar (``mask``: the tokens it allows there): a sample of the
+    row with the others at -inf (greedy: the argmax, unmasked where the grammar allows it, which is
+    the same, and the row is not copied).
 
     ``sample`` is the request's sampler bound to its random stream, so that plain decoding and
     every speculative mode draw the same numbers for the same rows."""
-    allowed = grammar.allowed()
     if greedy:
         best = int(row.argmax())
-        if best in allowed:
+        if token_allowed(mask, best):
             return best
-    return sample(allowed.masked(row))
+    return sample(masked(row, mask))
 
 
 def constrained_distribution(distribution: Callable[[np.ndarray], np.ndarray], row: np.ndarray,
-                             grammar: Grammar) -> np.ndarray:
+                             mask: np.ndarray) -> np.ndarray:
     """The distribution :func:`sample_constrained` draws a token of ``row`` from (for rejection
     verification): the request's distribution of the masked row."""
-    return distribution(grammar.allowed().masked(row))
+    return distribution(masked(row, mask))
 
 
 # -- verification --------------------------------------------------------------------------------
@@ -191,11 +230,12 @@ class Verdict:
 
 
 def verify_exact(rows: Sequence[Optional[np.ndarray]], draft: Sequence[int], sampler: Sampler,
-                 rng: np.random.Generator, grammar: Optional[Grammar] = None) -> Verdict:
+                 rng: np.random.Generator, masks: Optional[Sequence[Optional[np.ndarray]]] = None) -> Verdict:
     """Accept while the target's own sample equals the draft token.
 
-    A row may be None where the grammar allows the draft's token alone (the pass computed no
-    logits there: Grammar.sole_choices): that token is the row's sample.
+    Under a grammar, ``masks[i]`` is what it allows at row i; a row may be None where the grammar
+    allows the draft's token alone (the pass computed no logits there, and its mask is None):
+    that token is the row's sample.
 
     >>> rows = [np.eye(10, dtype=np.float32)[t] for t in (7, 3, 4, 2)]
     >>> verify_exact(rows, (7, 3, 9), Sampler(SamplingParams()), make_rng(0))
@@ -207,12 +247,10 @@ def verify_exact(rows: Sequence[Optional[np.ndarray]], draft: Sequence[int], sam
     for i, row in enumerate(rows):
         if row is None:  # the grammar's one choice, which is the draft's token
             token = sampler.take(draft[i], rng)
-            grammar.accept(token)
-        elif grammar is None:
+        elif masks is None:
             token = sampler.sample(row, rng)
         else:
-            token = sample_constrained(lambda r: sampler.sample(r, rng), row, grammar, sampler.greedy)
-            grammar.accept(token)
+            token = sample_constrained(lambda r: sampler.sample(r, rng), row, masks[i], sampler.greedy)
         emitted.append(token)
         if i == len(draft) or token != draft[i]:
             return Verdict(tuple(emitted), i)
@@ -221,7 +259,7 @@ def verify_exact(rows: Sequence[Optional[np.ndarray]], draft: Sequence[int], sam
 
 def verify_rejection(rows: Sequence[Optional[np.ndarray]], draft: Sequence[int],
                      draft_probs: Optional[Sequence[Optional[np.ndarray]]], sampler: Sampler,
-                     rng: np.random.Generator, grammar: Optional[Grammar] = None) -> Verdict:
+                     rng: np.random.Generator, masks: Optional[Sequence[Optional[np.ndarray]]] = None) -> Verdict:
     """Speculative sampling: accept x_i w.p. min(1, p(x_i)/q(x_i)), else sample norm(max(0, p-q)).
 
     ``draft_probs[i]`` is the dense distribution q the drafter sampled x_i from; None means each x_i
@@ -229,9 +267,10 @@ def verify_rejection(rows: Sequence[Optional[np.ndarray]], draft: Sequence[int],
     p is the target's distribution after the
     request's temperature / top-k / top-p / min-p, the same one plain decoding samples from.
     A q over fewer ids than p (a draft vocabulary of another size) is 0 on the ids it lacks; ids
-    past p's vocabulary have p = 0 and cannot be drafted. A row may be None where the grammar
-    allows the draft's token alone: p is a point mass on it, accepted, with the one random number
-    the test (or the residual's sample, where q is 0 there) draws.
+    past p's vocabulary have p = 0 and cannot be drafted. Under a grammar p is the distribution of
+    the row masked by ``masks[i]``; a row may be None where the grammar allows the draft's token
+    alone: p is a point mass on it, accepted, with the one random number the test (or the
+    residual's sample, where q is 0 there) draws.
     """
     if len(rows) != len(draft) + 1:
         raise ValueError(f"{len(rows)} logit rows for a {len(draft)}-token draft (need K+1)")
@@ -242,18 +281,15 @@ def verify_rejection(rows: Sequence[Optional[np.ndarray]], draft: Sequence[int],
         if rows[i] is None:  # the grammar's one choice: p(token) = 1
             rng.random()
             emitted.append(token)
-            grammar.accept(token)
             continue
-        if grammar is None:
+        if masks is None:
             p = sampler.distribution(rows[i])
         else:
-            p = constrained_distribution(sampler.distribution, rows[i], grammar)
+            p = constrained_distribution(sampler.distribution, rows[i], masks[i])
         q = draft_probs[i] if draft_probs is not None else None
         q_token = float(q[token]) if q is not None else 1.0
         if q_token > 0.0 and rng.random() * q_token < p[token]:
             emitted.append(token)
-            if grammar is not None:
-                grammar.accept(token)
             continue
         if q is not None:
             residual = np.maximum(p - _aligned(q, len(p)), 0.0)
@@ -263,10 +299,9 @@ def verify_rejection(rows: Sequence[Optional[np.ndarray]], draft: Sequence[int],
         if residual.sum() <= 0.0:  # p == q up to rounding: any sample of p is right
             residual = p
         emitted.append(inverse_cdf(residual, rng.random()))
-        if grammar is not None:
-            grammar.accept(emitted[-1])
         return Verdict(tuple(emitted), i)
-    verdict = verify_exact(rows[len(draft):], (), sampler, rng, grammar)  # the bonus token
+    bonus = None if masks is None else masks[len(draft):]
+    verdict = verify_exact(rows[len(draft):], (), sampler, rng, bonus)  # the bonus token
     return Verdict(tuple(emitted) + verdict.tokens, len(draft))
 
 

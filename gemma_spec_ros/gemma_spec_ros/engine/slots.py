@@ -38,7 +38,6 @@ from .errors import EngineError
 from .policy.length import PassShare
 from .request import CountedPrompt, GenerationRequest, Step
 from .request_state import RequestState
-from .sampling import verify_exact
 
 if TYPE_CHECKING:
     from .engine import Engine, PlannedStep
@@ -314,8 +313,7 @@ class SlotScheduler:
         if slot.rest:
             return
         try:
-            first = verify_exact(logits, (), state.sampler, state.rng, state.grammar).tokens[0]
-            engine._prompt_done(state, first)  # noqa: SLF001
+            first = engine._prompt_done(state, logits)  # noqa: SLF001
             slot.prompting = False
             out = state.emit((first,), engine.spec)
         except BaseException as exc:  # noqa: BLE001

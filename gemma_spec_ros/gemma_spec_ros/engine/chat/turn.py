@@ -4,7 +4,7 @@
     turn = prepare_turn(conversation, template, vocab)  # TemplateError / ValueError: refuse the goal
     turn.tokens, turn.text                             # the templated conversation
     turn.constraint                                    # llguidance's grammar of the reply, or None
-    stream = turn.stream(vocab, stop)                  # tokens -> text -> AssistantReply
+    stream = ReplyStream(vocab, turn.syntax, stop)     # tokens -> text -> AssistantReply (reply.py)
 
 The constraint, by ``tool_choice`` (:mod:`.syntax`): ``required`` or a name, the reply is calls of
 the offered tools; ``auto``, free text until a call opens, then the call's grammar; ``none`` (or no
@@ -14,11 +14,10 @@ together with tools is refused: the tools' grammar is the reply's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Optional, Tuple
 
 from ..grammar.matcher import Constraint, compiled_constraint
 from .conversation import Conversation
-from .reply import ReplyStream
 from .syntax import CallSyntax
 from .template import ChatTemplate, ChatVocab, TemplateError
 
@@ -32,9 +31,6 @@ class ChatTurn:
     text: str
     syntax: Optional[CallSyntax]  # None: no tools this turn (the reply is text)
     constraint: Optional[Constraint]
-
-    def stream(self, vocab: Any, stop: Sequence[str] = ()) -> ReplyStream:
-        return ReplyStream(vocab, self.syntax, stop)
 
 
 def model_template(backend: Any) -> ChatTemplate:

@@ -20,10 +20,11 @@ Three stages, each where it costs least:
    vocabulary on the planner schema: a whole-vocabulary mask ~0.1 ms (the slowest ~5 ms),
    consuming a token ~10 us, the forced tokens ~0.05 ms.
 
-Every row is sampled from its masked row (:meth:`AllowedTokens.masked`, by the engine's
-``sampling.sample_constrained``): with a mask this cheap there is nothing to gain from sampling
-first and masking only on a refusal, except for greedy rows, where the argmax is looked up in the
-mask before the row is copied.
+Every verify row is sampled from its masked row (the engine's ``sampling.sample_constrained``),
+with the mask the step computed as it planned the draft (:meth:`Grammar.row_masks`, one per row,
+none where the grammar allows the draft's token alone): with a mask this cheap there is nothing to
+gain from sampling first and masking only on a refusal, except for greedy rows, where the argmax is
+looked up in the mask before the row is copied.
 
 JSON layout (:data:`JSON_OPTIONS`): no free whitespace, and the separators ``", "`` and ``": "``
 (``json.dumps``'s layout). Every byte between two values is then forced: the grammar drafts it for
@@ -43,7 +44,8 @@ from typing import Callable, List, Optional, Sequence, Tuple, TypeVar
 import numpy as np
 
 from .gbnf import GbnfError, gbnf_to_lark
-from ..errors import EngineError
+from ..errors import GrammarError
+from ..sampling import allowed_tokens, token_allowed
 
 #: A grammar or schema larger than this is refused (the node's ``limits.max_grammar_bytes`` may
 #: lower it): llguidance's compiler recurses per nested rule, see :data:`COMPILE_STACK_BYTES`.
@@ -64,16 +66,8 @@ COMPILE_STACK_BYTES = 64 << 20
 #: Characters of llguidance's error message quoted in a refusal.
 MAX_REASON_CHARS = 400
 
-DEAD_END = ("the grammar admits no token here: the text so far cannot be continued (a grammar with a "
-            "dead end, or a character no token of the model's vocabulary can spell)")
-
 _T = TypeVar("_T")
 _STACK_LOCK = threading.Lock()
-
-
-class GrammarError(EngineError):
-    """A grammar stopped the request: it admits no token here, or it needs more work per token than
-    :data:`PARSER_LIMITS` allows."""
 
 
 def _llguidance():  # noqa: ANN202  imported lazily: unconstrained requests do not need it
@@ -266,25 +260,21 @@ class AllowedTokens:
         self._n_vocab = n_vocab
 
     def __contains__(self, token: int) -> bool:
-        return bool((int(self._bits[token >> 5]) >> (token & 31)) & 1)
+        return token_allowed(self._bits, token)
+
+    @property
+    def bits(self) -> np.ndarray:
+        """The bitmask itself (the grammar's buffer: copy it to keep it past the next mask)."""
+        return self._bits
 
     def dense(self) -> np.ndarray:
         """A boolean array over the vocabulary."""
-        unpacked = np.unpackbits(self._bits.view(np.uint8), bitorder="little")
-        return unpacked[:self._n_vocab].view(np.bool_)
+        return allowed_tokens(self._bits, self._n_vocab)
 
     def only(self, token: int) -> bool:
         """Whether ``token`` is the one token allowed."""
         words = self._bits.view(np.uint32)
         return int(words[token >> 5]) == 1 << (token & 31) and np.count_nonzero(words) == 1
-
-    def masked(self, row: np.ndarray) -> np.ndarray:
-        """``row`` (logits over the vocabulary) with the tokens not allowed at -inf; GrammarError
-        where none is allowed."""
-        dense = self.dense()
-        if not dense.any():
-            raise GrammarError(DEAD_END)
-        return np.where(dense, row, np.float32(-np.inf))
 
 
 class Grammar:
@@ -334,20 +324,24 @@ class Grammar:
             self._matcher.rollback(n_tokens)
             self._checked("rollback", started)
 
-    def sole_choices(self, tokens: Sequence[int]) -> List[bool]:
-        """For each of ``tokens`` (a draft the grammar allows, one after the other): whether the
-        grammar allows it alone where it stands. Such a token needs no logits to be verified: any
-        sample of its row under the grammar is that token. The state is left as it was."""
-        sole: List[bool] = []
+    def row_masks(self, draft: Sequence[int]) -> List[Optional[np.ndarray]]:
+        """The masks of a verify pass over ``[pending] + draft`` (a draft the grammar allows, from
+        the state after the pending token): row i's is what the grammar allows after ``draft[:i]``
+        (a copy of the bitmask, 32 KiB for 262,144 tokens), and None where it allows ``draft[i]``
+        alone: any sample of that row under the grammar is that token, so the row needs no logits
+        nor a mask. The last row (the bonus token's) always has one. The state is left as it was."""
+        masks: List[Optional[np.ndarray]] = []
         moved = 0
         try:
-            for token in tokens:
-                sole.append(self.allowed().only(token))
+            for token in draft:
+                allowed = self.allowed()
+                masks.append(None if allowed.only(token) else allowed.bits.copy())
                 self.accept(token)
                 moved += 1
+            masks.append(self.allowed().bits.copy())
         finally:
             self.rollback(moved)
-        return sole
+        return masks
 
     def forced_tokens(self, limit: int) -> List[int]:
         """The tokens the grammar forces from here (keys, punctuation, the rest of an enum value),
