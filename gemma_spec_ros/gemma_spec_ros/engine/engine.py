@@ -36,6 +36,7 @@ Public API (the node and the bench use only this):
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -91,9 +92,10 @@ class PlannedStep:
     started: float
     masks: Optional[List[Optional[np.ndarray]]] = None
 
-    @property
+    @functools.cached_property
     def logit_rows(self) -> Sequence[int]:
-        """The rows the pass computes logits for: those with a mask, or all without a grammar."""
+        """The rows the pass computes logits for: those with a mask, or all without a grammar
+        (found once per step; the pass, the stats and the spread of its logits read it)."""
         masks = self.masks
         if masks is None or all(mask is not None for mask in masks):
             return range(len(self.batch))
