@@ -3,12 +3,13 @@ stats, ...) imports no room; ``llama/`` (the wrapper over llama.cpp) and ``gramm
 ``drafters/`` the wrapper; ``policy/`` the drafters' evidence; ``chat/`` the grammar; ``remote/`` chat;
 the generation loop (``engine.py``, ``propose.py``, ...) everything. A drafter that
 reached up into the loop, or a wrapper that knew the cache format, fails here with its line. Imports
-under ``if TYPE_CHECKING:`` (types for annotations only, nothing imported at run time) are not counted."""
+under ``if TYPE_CHECKING:`` (types for annotations only, nothing imported at run time) are not counted
+there; no two modules import each other, in a loop of any length, even for a type."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
-from typing import Iterator, Tuple
+from typing import Dict, Iterator, List, Set, Tuple
 
 ENGINE = Path(__file__).resolve().parents[2] / "gemma_spec_ros" / "gemma_spec_ros" / "engine"
 PACKAGE = "gemma_spec_ros.engine"
@@ -26,8 +27,9 @@ def room(module: str) -> str:
     return "floor" if head in FLOOR else "loop"
 
 
-def engine_imports(path: Path) -> Iterator[Tuple[int, str]]:
-    """(line, engine module relative to engine/) of every engine import in ``path``."""
+def engine_imports(path: Path, typing_too: bool = False) -> Iterator[Tuple[int, str]]:
+    """(line, engine module relative to engine/) of every engine import in ``path`` (with
+    ``typing_too``, those under ``if TYPE_CHECKING:`` as well)."""
     here = path.relative_to(ENGINE).with_suffix("").parts
     package = here[:-1]  # an __init__ is in its own folder's package, like any module there
     tree = ast.parse(path.read_text(), str(path))
@@ -36,7 +38,7 @@ def engine_imports(path: Path) -> Iterator[Tuple[int, str]]:
                    if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
                    for stmt in node.body for inner in ast.walk(stmt)}
     for node in ast.walk(tree):
-        if not isinstance(node, ast.ImportFrom) or id(node) in typing_only:
+        if not isinstance(node, ast.ImportFrom) or (id(node) in typing_only and not typing_too):
             continue
         if node.level:
             base = package[:len(package) - (node.level - 1)] if node.level > 1 else package
@@ -65,3 +67,45 @@ def test_each_room_imports_only_downward() -> None:
             if into != source and RANK[into] >= RANK[source]:
                 offenders.append(f"{path.relative_to(ENGINE)}:{line}: {source} imports {target} ({into})")
     assert not offenders, "an engine room imports upward or sideways:\n" + "\n".join(offenders)
+
+
+def module_of(path: Path) -> str:
+    """``path``'s module relative to engine/ (a package's __init__ is the package)."""
+    parts = path.relative_to(ENGINE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_circles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """The circles of ``graph`` (module -> modules it imports): each as a path back to its start."""
+    circles: List[List[str]] = []
+    done: Set[str] = set()
+
+    def visit(module: str, path: List[str]) -> None:
+        for target in sorted(graph.get(module, ())):
+            if target in path:
+                circles.append(path[path.index(target):] + [target])
+            elif target not in done:
+                visit(target, path + [target])
+        done.add(module)
+
+    for module in sorted(graph):
+        if module not in done:
+            visit(module, [module])
+    return circles
+
+
+def test_circles_are_found() -> None:
+    assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+    assert import_circles({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_no_engine_modules_import_each_other() -> None:
+    """A circle, even through a type named under TYPE_CHECKING, is two modules that know each
+    other's insides (the loop's halves belong below both: steps.py under engine.py and slots.py)."""
+    graph: Dict[str, Set[str]] = {}
+    for path in sorted(ENGINE.rglob("*.py")):
+        here = module_of(path)
+        graph[here] = {target for _, target in engine_imports(path, typing_too=True) if target != here}
+    assert "steps" in graph["slots"] and "steps" in graph["engine"], "the loop's halves are below both"
+    circles = import_circles(graph)
+    assert not circles, "engine modules that import each other:\n" + "\n".join(" -> ".join(c) for c in circles)

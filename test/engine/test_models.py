@@ -12,7 +12,8 @@ import threading
 import numpy as np
 import pytest
 
-from gemma_spec_ros.engine.engine import Engine, TextAssembler
+from gemma_spec_ros.engine.detokenize import TextAssembler
+from gemma_spec_ros.engine.engine import Engine
 from gemma_spec_ros.engine.config import EngineConfig, LookupConfig, ModelConfig, SamplingParams, SpecConfig
 from gemma_spec_ros.engine.request import GenerationRequest
 from gemma_spec_ros.engine.errors import KVCacheError, ModelLoadError, PromptTooLongError, VocabMismatchError
@@ -436,7 +437,8 @@ def test_context_overflow_is_loud(embedded_model_path):
 
 MEMORY_SCRIPT = r"""
 import json, os, sys
-from gemma_spec_ros.engine.engine import Engine, TextAssembler
+from gemma_spec_ros.engine.engine import Engine
+from gemma_spec_ros.engine.detokenize import TextAssembler
 from gemma_spec_ros.engine.config import EngineConfig, ModelConfig, SpecConfig
 from gemma_spec_ros.engine.request import GenerationRequest
 target, draft = sys.argv[1], sys.argv[2]

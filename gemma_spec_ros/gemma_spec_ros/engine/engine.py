@@ -36,84 +36,36 @@ Public API (the node and the bench use only this):
 """
 from __future__ import annotations
 
-import functools
 import threading
-import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-import numpy as np
-
-from .chat.reply import ReplyStream
 from .chat.template import ChatTemplate, ChatVocab
 from .chat.turn import ChatTurn, model_template, prepare_turn, template_file
 from .config import EngineConfig, SpecConfig, expand_path
 from .conversations import ConversationCache
-from .detokenize import TextAssembler
 from .drafters.base import Drafter
 from .drafters.lookup import LookupDrafter
 from .drafters.suffix import SuffixDrafter
 from .drafters.mtp import model_drafter
 from .errors import EngineError, PromptTooLongError
-from .grammar.matcher import Constraint, Grammar, GrammarVocab, compiled_constraint
+from .grammar.matcher import GrammarVocab, compiled_constraint
 from .llama.model import DecodeInterrupted, LlamaModel
 from .llama.process import return_freed_memory
-from .modes import MODES, mode_problem
+from .modes import mode_problem
 from .policy.calibration import measure_costs
 from .policy.costs import CostModel
-from .policy.hindsight import DraftHindsight
 from .policy.length import DraftLengthPolicy
-from .propose import GRAMMAR_DRAFT_MAX, GRAMMAR_K, SOLO, Drafting, DraftRequest, PassShare, Proposal, propose
+from .propose import Drafting
 from .request import CountedPrompt, GenerationRequest, Step
-from .request_state import Ends, RequestState
 from .slots import SlotScheduler
-from .sampling import Sampler, draft_stream, make_rng, verify_exact, verify_rejection
-from .stats import SpecStats, timed
+from .stats import SpecStats
+from .steps import MAX_VERIFY_ROWS, Steps
 
 
-#: The largest verify pass: pending token + a draft of SpecConfig.draft_max <= 64 tokens.
-MAX_VERIFY_ROWS = 65
 #: Several requests run at once only where a pass over their rows costs less than this share of
 #: as many one-row passes (Engine._batching_decision).
 BATCHING_MARGIN = 0.05
-
-
-@dataclass(frozen=True)
-class PlannedStep:
-    """A step between its two halves (Engine._plan_step, Engine._settle_step): the proposal, the
-    rows the target pass decodes (pending token + draft), the sequence's length before them, when
-    the step began, and the grammar's masks of the rows (None without a grammar; see
-    Grammar.row_masks), which say the rows whose logits verification needs (all, unless a grammar
-    allows some draft tokens alone: their rows need none)."""
-
-    proposal: Proposal
-    batch: List[int]
-    n_keep: int
-    started: float
-    masks: Optional[List[Optional[np.ndarray]]] = None
-
-    @functools.cached_property
-    def logit_rows(self) -> Sequence[int]:
-        """The rows the pass computes logits for: those with a mask, or all without a grammar
-        (found once per step; the pass, the stats and the spread of its logits read it)."""
-        masks = self.masks
-        if masks is None or all(mask is not None for mask in masks):
-            return range(len(self.batch))
-        return [row for row, mask in enumerate(masks) if mask is not None]
-
-    @property
-    def every_row(self) -> bool:
-        """Whether every row asks for logits (a pass the cost model's sizes describe)."""
-        return len(self.logit_rows) == len(self.batch)
-
-    def spread(self, rows: Sequence[np.ndarray]) -> Sequence[Optional[np.ndarray]]:
-        """The pass's logits, one entry per row of the batch: None where none was asked."""
-        if self.every_row:
-            return rows
-        spread: List[Optional[np.ndarray]] = [None] * len(self.batch)
-        for at, row in zip(self.logit_rows, rows):
-            spread[at] = row
-        return spread
 
 
 class Engine:
@@ -130,18 +82,13 @@ class Engine:
         # this lock keeps close() from freeing the model under it.
         self._vocab_lock = threading.Lock()
         self._freed = False
-        self._stats_lock = threading.Lock()
-        self._rolling = SpecStats()
         self.costs = CostModel()
         self.drafters: Dict[str, Drafting] = {}
-        # made at load (config.prepare_grammar) or by the first constrained request
-        self._grammar_vocab: Optional[GrammarVocab] = None
         self._scheduler: Optional[SlotScheduler] = None  # several requests at once (slots.py)
         n_slots = config.max_running
         # chat turns: the template (a file's, loaded now: a bad file fails the load; else the
         # model's own, read at the first turn) and recent conversations' KV (conversations.py)
         self._chat_template: Optional[ChatTemplate] = None
-        self._chat_vocab: Optional[ChatVocab] = None
         self.conversations = ConversationCache(config.chat.conversation_cache_bytes)
         # A window-sized sliding-window cache (LlamaModel): the target rolls back only the
         # rejected tokens of its last pass, and prompt reuse checks the window. Safe only while
@@ -153,6 +100,9 @@ class Engine:
         one_batch = min(config.target.n_batch, config.target.n_ctx) >= MAX_VERIFY_ROWS
         full_swa_cache = None if one_batch and n_slots == 1 else True
         self.target = LlamaModel(config.target, full_swa_cache=full_swa_cache, n_seq=n_slots)
+        # a request's start, prompt, steps and end (steps.py), driven by generate() or the scheduler
+        self._steps = Steps(self.target, self.costs, self.conversations, lambda: self._spec, self._closing,
+                            self._faults)
         try:  # the draft model first: if it cannot draft for the target, no cache is loaded (or saved)
             if n_slots > 1 and self.target.n_batch < MAX_VERIFY_ROWS * n_slots:
                 raise ValueError(
@@ -170,7 +120,7 @@ class Engine:
             if config.chat.template_path:
                 self._chat_template = template_file(expand_path(config.chat.template_path))
             if config.prepare_grammar:
-                self._grammar_vocab = GrammarVocab.of(self.target)
+                self._steps.grammar_vocab = GrammarVocab.of(self.target)
         except BaseException:
             self.close()
             raise
@@ -179,7 +129,8 @@ class Engine:
         if n_slots > 1:
             slots = [(self.target.sequence(0), self.drafters)]
             slots += [(self.target.sequence(seq), self._slot_drafters(seq)) for seq in range(1, n_slots)]
-            self._scheduler = SlotScheduler(self, slots, config.prompt_chunk)
+            self._scheduler = SlotScheduler(self._steps, slots, self._lock, self._free_after_close,
+                                            config.prompt_chunk)
             self._scheduler.limit, self._scheduler.why = self._batching_decision(n_slots)
 
     def _add_drafter(self, drafter: Drafter) -> None:
@@ -247,7 +198,8 @@ class Engine:
     def take_faults(self) -> List[str]:
         """Problems outside any request since the last call (a periodic save of the learned cache
         failed; a deferred close failed), for the owner to report; never a request's error."""
-        faults, self._faults = self._faults, []
+        faults = list(self._faults)  # the list is shared with the steps (a drafter's failed save)
+        del self._faults[:len(faults)]
         return faults
 
     def dynamic_ngrams(self) -> int:
@@ -320,9 +272,9 @@ class Engine:
         Under the vocabulary lock (the caller's thread: a goal callback)."""
         if self._chat_template is None:
             self._chat_template = model_template(self.target)
-        if self._chat_vocab is None:
-            self._chat_vocab = ChatVocab(self.target)
-        return prepare_turn(request.conversation, self._chat_template, self._chat_vocab,
+        if self._steps.chat_vocab is None:
+            self._steps.chat_vocab = ChatVocab(self.target)
+        return prepare_turn(request.conversation, self._chat_template, self._steps.chat_vocab,
                             request.grammar, request.json_schema)
 
     def check_request(self, request: GenerationRequest, n_prompt_tokens: Optional[int] = None) -> None:
@@ -344,22 +296,8 @@ class Engine:
         if reason:
             raise ValueError(reason)
 
-    def _start_grammar(self, constraint: Optional[Constraint]) -> Optional[Grammar]:
-        """The request's grammar state (None without a constraint). Runs in the generation thread
-        (the models are freed only under its lock): the first constrained request builds
-        llguidance's tokenizer of the vocabulary (~2-4 s for 262,144 tokens, once per engine)
-        unless the engine built it at load (config.prepare_grammar)."""
-        if constraint is None:
-            return None
-        if self._grammar_vocab is None:
-            self._grammar_vocab = GrammarVocab.of(self.target)
-        return self._grammar_vocab.start(constraint)
-
     def rolling_stats(self) -> SpecStats:
-        with self._stats_lock:
-            snap = self._rolling.snapshot()
-        snap.plain_token_time = self.costs.plain_token_time
-        return snap
+        return self._steps.rolling_stats()
 
     def model_info(self) -> dict:
         draft = self.draft
@@ -380,14 +318,7 @@ class Engine:
                 yield from self._generate(request, cancel, prompt)
             finally:
                 if self._closing.is_set():  # close() gave up waiting: free the models here
-                    try:
-                        self._free()
-                    except Exception as exc:  # noqa: BLE001  kept for the owner to report
-                        self.close_error = exc
-                        self._faults.append(f"closing the engine after its last step failed: {exc}")
-
-    def _stop_requested(self, cancel: Optional[threading.Event]) -> bool:
-        return self._closing.is_set() or (cancel is not None and cancel.is_set())
+                    self._free_after_close()
 
     def _checked_prompt(self, request: GenerationRequest, counted: Optional[CountedPrompt]) -> CountedPrompt:
         """The request's counted prompt: ``counted`` (the caller checked the request), else counted
@@ -401,12 +332,14 @@ class Engine:
 
     def _generate(self, request: GenerationRequest, cancel: Optional[threading.Event],
                   counted: Optional[CountedPrompt]) -> Iterator[Step]:
-        state = self._start(request, self._checked_prompt(request, counted), cancel)
+        steps = self._steps
+        counted = self._checked_prompt(request, counted)
+        state = steps.start_request(request, counted, cancel, self.target, self.drafters)
         try:
             try:
-                first = self._prompt_pass(state, cancel)
+                first = steps.prompt_pass(state, cancel)
             except DecodeInterrupted:  # cancelled, closing or out of time between two prompt chunks
-                yield state.step(self._spec, "cancelled" if self._stop_requested(cancel) else "timeout")
+                yield state.step(self._spec, "cancelled" if steps.stop_requested(cancel) else "timeout")
                 return
             tokens, source = (first,), None
             while True:  # each pass's tokens become a Step: the prompt pass's first, then each step's
@@ -414,190 +347,16 @@ class Engine:
                 yield step
                 if step.finish_reason is not None:
                     return
-                if self._stop_requested(cancel):  # set while the consumer held the step
+                if steps.stop_requested(cancel):  # set while the consumer held the step
                     yield state.step(self._spec, "cancelled")
                     return
-                proposal, tokens = self._speculative_step(state)
+                proposal, tokens = steps.step_alone(state)
                 source = proposal.draft.source or None
         except BaseException:
             state.kv.clear()  # the KV cache may not hold what kv_tokens says: reuse none of it
             raise
         finally:
-            self._end(state)
-
-    def _start(self, request: GenerationRequest, counted: CountedPrompt, cancel: Optional[threading.Event],
-               kv: Any = None, drafters: Optional[Dict[str, Drafting]] = None) -> RequestState:
-        """A request's state, from its checked prompt (``counted``: its tokens, chat turn and
-        compiled constraint): its sampler and seed stream, its text (a chat turn's: the message's,
-        read by the turn's reply stream), its stats, its grammar; the KV sequence it decodes in
-        and its drafters (the target's only sequence and the engine's drafters, unless a slot of
-        several requests at once gives its own: engine/slots.py)."""
-        prompt, turn = list(counted.tokens), counted.turn
-        sampler = Sampler(request.sampling)
-        verification = self._spec.verification
-        kv = self.target if kv is None else kv
-        drafters = self.drafters if drafters is None else drafters
-        ends = Ends(is_eog=self.target.is_eog, context_full=lambda: kv.n_past + 1 >= self.n_ctx,
-                    stop_requested=lambda: self._stop_requested(cancel))
-        text = (ReplyStream(self._chat_vocab, turn.syntax, request.stop) if turn is not None
-                else TextAssembler(self.target, request.stop))
-        state = RequestState(request, sampler, make_rng(request.sampling.seed),
-                             SpecStats(num_prompt_tokens=len(prompt)), text,
-                             prompt, ends, DraftHindsight({n: d.policy for n, d in drafters.items()}),
-                             verification, verification == "rejection" and not sampler.greedy,
-                             kv=kv, drafters=drafters, turn=turn)
-        state.stats.plain_token_time = self.costs.plain_token_time
-        state.grammar = self._start_grammar(counted.constraint)  # after state.started: its time counts
-        return state
-
-    @staticmethod
-    def _before_target_pass(state: RequestState, mode: str) -> None:
-        """Each drafter learns whether the pass about to run belongs to a step of its mode (an
-        assistant's target then exports the hidden rows it reads; see Drafter.before_target_pass)."""
-        chain = MODES[mode].chain
-        for name, drafting in state.drafters.items():
-            drafting.drafter.before_target_pass(name in chain)
-
-    def _prompt_pass(self, state: RequestState, cancel: Optional[threading.Event] = None) -> int:
-        """Decode the prompt, sample the first token, start the drafters and their policies.
-
-        Raises DecodeInterrupted if ``cancel``, close() or the request's time budget stops it
-        between two n_batch chunks."""
-        with timed(state.stats, "prompt_time"):
-            rest = self._prompt_rest(state)
-            rows = state.kv.decode(
-                rest, [len(rest) - 1], stop=lambda: self._stop_requested(cancel) or state.over_budget())
-        return self._prompt_done(state, rows)
-
-    def _prompt_rest(self, state: RequestState) -> List[int]:
-        """The prompt tokens left to decode once the KV cells the request's sequence already holds
-        are kept (:meth:`_keep_prompt_prefix`); the drafters learn that a target pass follows."""
-        self._before_target_pass(state, state.mode(self._spec))
-        reused = self._keep_prompt_prefix(state.kv, state.prompt, state.request.reuse_prompt, state.turn is not None)
-        state.stats.num_prompt_tokens_reused = reused
-        return state.prompt[reused:]
-
-    def _prompt_done(self, state: RequestState, rows: Sequence[np.ndarray]) -> int:
-        """The prompt is decoded (``rows``: its last row's logits): sample the first token (under
-        the grammar, which moves on by it), start the drafters and their policies; the token."""
-        masks = None if state.grammar is None else state.grammar.row_masks(())
-        first = verify_exact(rows, (), state.sampler, state.rng, masks).tokens[0]
-        if state.grammar is not None:
-            state.grammar.accept(first)
-        state.stats.time_to_first_token = time.perf_counter() - state.started
-        # Drafts sampled for rejection verification draw from their own stream of the request's seed.
-        sampling = state.request.sampling if state.use_rejection else None
-        draft_rng = draft_stream(state.rng) if state.use_rejection else None
-        for drafting in state.drafters.values():
-            drafting.drafter.begin(state.prompt, sampling, draft_rng)
-            drafting.policy.new_request()
-        state.context, state.pending = list(state.prompt), first
-        return first
-
-    def _keep_prompt_prefix(self, kv: Any, prompt: Sequence[int], reuse: bool, chat: bool = False) -> int:
-        """Prompt tokens whose KV cells the previous request left in ``kv`` (its common prefix with
-        ``prompt``, less the last token, whose logits are needed); the rest is rolled back. A chat
-        turn first gets its conversation's KV back if another request ran since its last turn
-        (:class:`~.conversations.ConversationCache`, when a kept snapshot shares more).
-
-        With ``reuse`` False the cache is emptied and the whole prompt evaluated in one batch: the
-        same shapes whatever ran before (quantized logits depend slightly on batch shapes, so with
-        reuse a seeded request's text can depend on the previous request; F16/F32 cannot differ).
-        """
-        if not reuse:
-            kv.clear()
-            return 0
-        if chat:
-            self.conversations.restore_for(kv, prompt)
-        return kv.reuse_prefix(prompt, keep_last=1)
-
-    def _speculative_step(self, state: RequestState) -> Tuple[Proposal, Tuple[int, ...]]:
-        """One target pass: propose a draft -> decode pending + draft -> accept -> roll back the
-        rejected tokens' KV cells -> observe. Returns the proposal and the tokens the pass emits
-        (the accepted draft prefix + the recovered or bonus token)."""
-        planned = self._plan_step(state)
-        with timed(state.stats, "verify_time"):
-            rows, seconds = state.kv.timed_decode(planned.batch, planned.logit_rows)
-        if planned.every_row:
-            self.costs.observe_verify(len(planned.batch), seconds)
-        return planned.proposal, self._settle_step(state, planned, planned.spread(rows))
-
-    def _plan_step(self, state: RequestState, share: PassShare = SOLO) -> "PlannedStep":
-        """The first half of a step: the draft to verify and the rows of the target pass
-        (``share``: what else the pass holds when several requests run at once). Under a grammar,
-        each row's mask is computed here, once, for verification to sample under, and a row whose
-        next draft token the grammar allows alone asks for no logits nor a mask (most of a JSON
-        plan's keys, punctuation and enum values; on this CPU a row without its logits costs
-        about 0.4 of one with them)."""
-        started = time.perf_counter()
-        stats, spec = state.stats, self._spec
-        mode = state.mode(spec)
-        room = self.n_ctx - state.kv.n_past - 1
-        hard_cap = max(0, min(state.request.max_tokens - len(state.generated) - 1, room))
-        # constrained text is more predictable: its drafts may run longer than K (propose.py)
-        k_cap = min(spec.draft_max if state.grammar is None else max(spec.draft_max, GRAMMAR_K), hard_cap)
-        state.context.append(state.pending)
-        self._before_target_pass(state, mode)  # for this step's verify pass
-        with timed(stats, "draft_time"):
-            if state.hindsight.pending:
-                state.hindsight.settle(state.generated)
-            proposal = propose(state.drafters, self.costs, DraftRequest(
-                mode, spec, state.context, k_cap, min(GRAMMAR_DRAFT_MAX, hard_cap), state.grammar,
-                stats, state.hindsight, len(state.generated), share))
-            masks = None if state.grammar is None else state.grammar.row_masks(proposal.draft.tokens)
-            planned = PlannedStep(proposal, [state.pending, *proposal.draft.tokens], state.kv.n_past,
-                                  started, masks)
-            stats.num_grammar_sole_rows += len(planned.batch) - len(planned.logit_rows)
-        return planned
-
-    def _settle_step(self, state: RequestState, planned: "PlannedStep",
-                     rows: Sequence[Optional[np.ndarray]]) -> Tuple[int, ...]:
-        """The second half of a step, given the pass's logits rows: accept -> roll back the rejected
-        tokens' KV cells -> feed the request's stats and the drafter's policy (which learns from its
-        own part of the draft, after the tokens a grammar forced). Returns the tokens the pass emits."""
-        stats, proposal = state.stats, planned.proposal
-        draft, n_forced = proposal.draft, proposal.n_forced
-        with timed(stats, "sample_time"):
-            if state.use_rejection:
-                verdict = verify_rejection(rows, draft.tokens, draft.probs, state.sampler, state.rng,
-                                           planned.masks)
-            else:
-                verdict = verify_exact(rows, draft.tokens, state.sampler, state.rng, planned.masks)
-            if state.grammar is not None:
-                state.grammar.advance(verdict.tokens)
-        state.kv.rollback(planned.n_keep + 1 + verdict.num_accepted)
-        stats.num_steps += 1
-        stats.num_step_tokens += len(verdict.tokens)
-        if draft.tokens:
-            stats.observe_draft(len(draft), verdict.num_accepted, draft.source)
-            stats.num_grammar_draft_tokens += n_forced
-            stats.num_grammar_accepted_tokens += min(n_forced, verdict.num_accepted)
-            own = len(draft) - n_forced
-            if own > 0 and verdict.num_accepted >= n_forced:  # the drafter's part was reached
-                state.drafters[draft.source].policy.observe(own, verdict.num_accepted - n_forced)
-        state.context.extend(verdict.tokens[:-1])
-        state.pending = verdict.tokens[-1]
-        stats.predicted_speedup = proposal.decision.predicted_speedup
-        stats.plain_token_time = self.costs.plain_token_time
-        stats.generation_time += time.perf_counter() - planned.started
-        return verdict.tokens
-
-    def _end(self, state: RequestState) -> None:
-        """The request ended (finished, cancelled, or failed): drafters learn, stats roll up."""
-        state.stats.plain_token_time = self.costs.plain_token_time
-        if state.grammar is not None:
-            state.grammar.close()
-        with self._stats_lock:  # first: whatever follows, the request counts
-            self._rolling.merge(state.stats)
-        for drafting in state.drafters.values():
-            drafter = drafting.drafter
-            drafter.end(state.prompt + state.generated)  # learns; a failed save is kept, never raised
-            fault = drafter.take_fault()
-            if fault:
-                self._faults.append(fault)
-        if state.turn is not None and state.request.reuse_prompt:
-            # the conversation's KV (a failed request cleared the cache: nothing is kept then)
-            self.conversations.save(state.kv)
+            steps.end_request(state)
 
     # -- calibration and teardown ---------------------------------------------------------------
     def calibrate(self, sizes: Sequence[int] = (), context_len: int = 64, repeats: int = 2,
@@ -628,12 +387,22 @@ class Engine:
             self._lock.release()
         return True
 
+    def _free_after_close(self) -> None:
+        """close() gave up waiting for the running generation, which has now ended: free the
+        models here (a failure is kept in ``close_error`` and the faults, for the owner to report)."""
+        try:
+            self._free()
+        except Exception as exc:  # noqa: BLE001  kept for the owner to report
+            self.close_error = exc
+            self._faults.append(f"closing the engine after its last step failed: {exc}")
+
     def _free(self) -> None:
         """Free models, save the dynamic cache; the generation lock is held (or never used)."""
         with self._vocab_lock:  # waits for a tokenization in flight; refuses later ones
             self._freed = True
-        self._grammar_vocab = None  # its tokenizer calls into the vocabulary freed below
-        self._chat_vocab = None
+        steps = getattr(self, "_steps", None)
+        if steps is not None:  # their tokenizers call into the vocabulary freed below
+            steps.grammar_vocab = steps.chat_vocab = None
         self.conversations.clear()
         drafters, self.drafters = list(self.drafters.values()), {}
         errors: List[BaseException] = []

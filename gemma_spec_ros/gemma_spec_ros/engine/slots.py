@@ -7,14 +7,14 @@ is a sequence of the target's context (llama/model.py, one unified KV cache, eve
 whole ``n_ctx``) with its own drafters and their policies. One thread (this module's scheduler) runs
 rounds; each round is one ``llama_decode``:
 
-1. every running request past its prompt plans a step as it would alone (engine.py
-   ``_plan_step``: its pending token plus its own draft: n-gram, suffix, a draft model's, the text a
+1. every running request past its prompt plans a step as it would alone (steps.py
+   ``Steps.plan_step``: its pending token plus its own draft: n-gram, suffix, a draft model's, the text a
    grammar forces), its draft length chosen for the pass it joins (policy/length.py, "Sharing a
    pass": the rows and expected tokens of the others);
 2. a request still in its prompt adds a chunk of it (``prompt_chunk`` tokens while others decode,
    ``n_batch`` when it is alone), so a long prompt does not stall the others for its whole length;
 3. the pass decodes all rows; each request verifies its own rows, rolls its own sequence back and
-   learns from its own draft (engine.py ``_settle_step``), exactly as alone;
+   learns from its own draft (steps.py ``Steps.settle_step``), exactly as alone;
 4. each request's Step goes to the thread reading its :meth:`SlotScheduler.generate`.
 
 Requests start in the order :meth:`~SlotScheduler.generate` is called (the node's queue decides
@@ -31,16 +31,16 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .conversations import common_prefix
 from .errors import EngineError
 from .policy.length import PassShare
 from .request import CountedPrompt, GenerationRequest, Step
 from .request_state import RequestState
+from .steps import MAX_VERIFY_ROWS, PlannedStep, Steps
 
 if TYPE_CHECKING:
-    from .engine import Engine, PlannedStep
     from .propose import Drafting
 
 #: Prompt tokens a starting request adds to a pass that also carries other requests' steps: a
@@ -106,15 +106,19 @@ class PassCounts:
 
 
 class SlotScheduler:
-    """Runs the rounds of several requests at once over an engine's target (module docstring).
+    """Runs the rounds of several requests at once over the target of ``steps`` (module docstring).
 
-    The scheduler's thread holds the engine's generation lock for its whole life and is the only
-    thread that touches the models; :meth:`generate` is called from any thread.
+    The scheduler's thread holds ``lock`` (the engine's generation lock) for its whole life and is
+    the only thread that touches the models; the rounds end when the engine is closing, and the
+    thread then calls ``on_exit`` (the engine frees its models). :meth:`generate` is called from
+    any thread.
     """
 
-    def __init__(self, engine: "Engine", slots: List[Tuple[Any, Dict[str, "Drafting"]]],
-                 prompt_chunk: int = PROMPT_CHUNK) -> None:
-        self._engine = engine
+    def __init__(self, steps: Steps, slots: List[Tuple[Any, Dict[str, "Drafting"]]], lock: threading.Lock,
+                 on_exit: Callable[[], None], prompt_chunk: int = PROMPT_CHUNK) -> None:
+        self._steps = steps
+        self._lock = lock
+        self._on_exit = on_exit
         self._slots = [_Slot(i, kv, drafters) for i, (kv, drafters) in enumerate(slots)]
         self._prompt_chunk = max(1, prompt_chunk)
         #: requests started at once (at most the slots): the engine lowers it to 1 where batching
@@ -142,7 +146,7 @@ class SlotScheduler:
         its counted prompt, checked. A reader that stops reading ends the request at the next round."""
         ticket = _Ticket(request, prompt, cancel)
         with self._cond:
-            if self._engine._closing.is_set():  # noqa: SLF001  the engine's own flag
+            if self._steps.closing:
                 raise EngineError("the engine is closed")
             self._waiting.append(ticket)
             self._cond.notify_all()
@@ -170,30 +174,25 @@ class SlotScheduler:
 
     # -- the scheduler's thread ------------------------------------------------------------------
     def _run(self) -> None:
-        engine = self._engine
-        with engine._lock:  # noqa: SLF001  the models are the scheduler's until it ends
+        with self._lock:  # the models are the scheduler's until it ends
             try:
                 while self._next_round():
                     self._round()
             finally:
                 self._end_all()
-                try:
-                    engine._free()  # noqa: SLF001  close() set the flag that ended the rounds
-                except Exception as exc:  # noqa: BLE001  kept for the owner to report
-                    engine.close_error = exc
-                    engine._faults.append(f"closing the engine after its last step failed: {exc}")  # noqa: SLF001
+                self._on_exit()  # the engine is closing (that ended the rounds): its models go
 
     def _next_round(self) -> bool:
         """Wait until a request runs or waits for a free slot, start the waiting ones that fit;
         False once the engine is closing."""
-        closing = self._engine._closing  # noqa: SLF001
+        steps = self._steps
         with self._cond:
-            while not closing.is_set():
+            while not steps.closing:
                 free = [slot for slot in self._slots if slot.ticket is None]
                 if any(slot.ticket is not None for slot in self._slots) or (self._waiting and free):
                     break
                 self._cond.wait()
-            if closing.is_set():
+            if steps.closing:
                 return False
             starting = []
             while self._waiting and self.running() < self.limit:
@@ -218,16 +217,14 @@ class SlotScheduler:
         shared = {other.seq: common_prefix(other.kv.kv_tokens, prompt) for other in self._slots}
         donor = max(self._slots, key=lambda other: shared[other.seq])
         if shared[donor.seq] - shared[slot.seq] >= self._prompt_chunk:  # worth more than a chunk
-            self._engine.target.share_prefix(donor.seq, slot.seq, shared[donor.seq])
-        slot.rest = self._engine._prompt_rest(slot.state)  # noqa: SLF001
+            self._steps.target.share_prefix(donor.seq, slot.seq, shared[donor.seq])
+        slot.rest = self._steps.prompt_rest(slot.state)
 
     def _start(self, slot: _Slot) -> None:
         ticket = slot.ticket
         assert ticket is not None
-        engine = self._engine
         try:
-            state = engine._start(ticket.request, ticket.counted, ticket.stop,  # noqa: SLF001
-                                  kv=slot.kv, drafters=slot.drafters)
+            state = self._steps.start_request(ticket.request, ticket.counted, ticket.stop, slot.kv, slot.drafters)
         except BaseException as exc:  # noqa: BLE001  e.g. a grammar that does not compile
             self._release(slot, exc)
             return
@@ -238,8 +235,8 @@ class SlotScheduler:
 
     def _round(self) -> None:
         """One pass over every running request (module docstring)."""
-        engine = self._engine
-        spec = engine.spec
+        steps = self._steps
+        spec = steps.spec()
         started = time.perf_counter()
         decoding = [slot for slot in self._slots if slot.state is not None and not slot.prompting]
         prompting = [slot for slot in self._slots if slot.state is not None and slot.prompting]
@@ -254,17 +251,17 @@ class SlotScheduler:
                 self._fail(chunk_slot, exc)
                 chunk_slot = None
         if chunk_slot is not None:
-            size = self._prompt_chunk if decoding else engine.target.n_batch
-            room = engine.target.n_batch - sum(engine.max_rows_per_request for _ in decoding)
+            size = self._prompt_chunk if decoding else steps.target.n_batch
+            room = steps.target.n_batch - MAX_VERIFY_ROWS * len(decoding)
             chunk = chunk_slot.rest[:max(1, min(size, room))]
-        planned: List[Tuple[_Slot, "PlannedStep"]] = []
+        planned: List[Tuple[_Slot, PlannedStep]] = []
         rows, expected = len(chunk), 0.0
         undecided = len(decoding)
         for slot in decoding:
             undecided -= 1
             share = PassShare(rows + undecided, expected + undecided)
             try:
-                step = engine._plan_step(slot.state, share)  # noqa: SLF001
+                step = steps.plan_step(slot.state, share)
             except BaseException as exc:  # noqa: BLE001  one request's fault is its own
                 self._fail(slot, exc)
                 continue
@@ -279,7 +276,7 @@ class SlotScheduler:
             return
         t0 = time.perf_counter()
         try:
-            outputs = engine.target.decode_parts(parts)
+            outputs = steps.target.decode_parts(parts)
         except BaseException as exc:  # noqa: BLE001  the pass failed: every request in it ends
             for slot, _ in planned:
                 self._fail(slot, exc)
@@ -291,12 +288,12 @@ class SlotScheduler:
         self.counts.rows += rows
         self.counts.requests += len(planned) + (1 if chunk else 0)
         if not chunk and all(step.every_row for _, step in planned):  # a pass the cost model's sizes describe
-            engine.costs.observe_verify(rows, seconds)
+            steps.costs.observe_verify(rows, seconds)
         for (slot, step), logits in zip(planned, outputs):
             state = slot.state
             state.stats.verify_time += seconds
             try:
-                tokens = engine._settle_step(state, step, step.spread(logits))  # noqa: SLF001
+                tokens = steps.settle_step(state, step, step.spread(logits))
                 out = state.emit(tokens, spec, step.proposal.draft.source or None)
             except BaseException as exc:  # noqa: BLE001
                 self._fail(slot, exc)
@@ -307,15 +304,15 @@ class SlotScheduler:
 
     def _prompt_chunk_done(self, slot: _Slot, chunk: List[int], logits: Any, started: float) -> None:
         """A chunk of ``slot``'s prompt is decoded; after the last, its first token is sampled."""
-        engine, state = self._engine, slot.state
+        steps, state = self._steps, slot.state
         del slot.rest[:len(chunk)]
         state.stats.prompt_time += time.perf_counter() - started
         if slot.rest:
             return
         try:
-            first = engine._prompt_done(state, logits)  # noqa: SLF001
+            first = steps.prompt_done(state, logits)
             slot.prompting = False
-            out = state.emit((first,), engine.spec)
+            out = state.emit((first,), steps.spec())
         except BaseException as exc:  # noqa: BLE001
             self._fail(slot, exc)
             return
@@ -331,7 +328,7 @@ class SlotScheduler:
             finish = "timeout"
         else:
             return False
-        self._deliver(slot, state.step(self._engine.spec, finish))
+        self._deliver(slot, state.step(self._steps.spec(), finish))
         return True
 
     def _deliver(self, slot: _Slot, step: Step) -> None:
@@ -353,7 +350,7 @@ class SlotScheduler:
     def _end_request(self, slot: _Slot) -> None:
         if slot.state is not None:
             state, slot.state = slot.state, None
-            self._engine._end(state)  # noqa: SLF001
+            self._steps.end_request(state)
 
     def _release(self, slot: _Slot, exc: Optional[BaseException] = None) -> None:
         ticket, slot.ticket = slot.ticket, None
@@ -363,7 +360,7 @@ class SlotScheduler:
 
     def _end_all(self) -> None:
         """The engine is closing: running requests end cancelled, waiting ones with an error."""
-        spec = self._engine.spec
+        spec = self._steps.spec()
         for slot in self._slots:
             if slot.state is not None:
                 try:
