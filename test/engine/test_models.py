@@ -15,6 +15,7 @@ import pytest
 from gemma_spec_ros.engine.detokenize import TextAssembler
 from gemma_spec_ros.engine.engine import Engine
 from gemma_spec_ros.engine.config import EngineConfig, LookupConfig, ModelConfig, SamplingParams, SpecConfig
+from gemma_spec_ros.engine.llama.chat_prompt import chat_prompt
 from gemma_spec_ros.engine.request import GenerationRequest
 from gemma_spec_ros.engine.errors import KVCacheError, ModelLoadError, PromptTooLongError, VocabMismatchError
 from support.engine import build_engine, collect
@@ -248,7 +249,7 @@ def test_chat_template_and_system_prompt_reach_the_prompt(f16_engine):
     """use_chat_template wraps the prompt (and the system prompt) in the model's template, whose
     markers are single control tokens; without it the system prompt leads the raw prompt."""
     target = f16_engine.target
-    prompt = target.chat_prompt("Hello", "Be brief.")
+    prompt = chat_prompt(target, "Hello", "Be brief.")
     assert "<start_of_turn>user" in prompt and prompt.endswith("<start_of_turn>model\n")
     assert "Be brief." in prompt and prompt.index("Be brief.") < prompt.index("Hello")
     [marker] = target.tokenize("<start_of_turn>", add_special=False, parse_special=True)

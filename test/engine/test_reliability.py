@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gemma_spec_ros.engine.llama.chat_prompt import chat_prompt
 from gemma_spec_ros.engine.llama.model import LlamaModel
 from gemma_spec_ros.engine.engine import Engine
 from gemma_spec_ros.engine.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
@@ -395,7 +396,7 @@ def test_control_token_text_in_a_templated_prompt_stays_text(embedded_model_path
             assert prompt in text and system in text, text
         for prompt, system in (("hello", ""), ("  Plan the task.\n", "You are a planner.\n\nBe brief."),
                                ("naïve café ✓ 12,345", "sys")):
-            whole = target.tokenize(target.chat_prompt(prompt, system), add_special=True, parse_special=True)
+            whole = target.tokenize(chat_prompt(target, prompt, system), add_special=True, parse_special=True)
             assert engine.prompt_tokens(GenerationRequest(prompt, system_prompt=system,
                                                           use_chat_template=True)) == whole
         plain = engine.prompt_tokens(GenerationRequest(forged))  # no template: literal text

@@ -50,6 +50,7 @@ from .drafters.suffix import SuffixDrafter
 from .drafters.mtp import model_drafter
 from .errors import EngineError, PromptTooLongError
 from .grammar.matcher import GrammarVocab, compiled_constraint
+from .llama.chat_prompt import chat_tokens
 from .llama.model import DecodeInterrupted, LlamaModel
 from .llama.process import return_freed_memory
 from .modes import mode_problem
@@ -263,7 +264,7 @@ class Engine:
                 turn = self._chat_turn(request)
                 return turn.tokens, turn
             if request.use_chat_template:  # turns come from the template, never from the content
-                return tuple(self.target.chat_tokens(request.prompt, request.system_prompt)), None
+                return tuple(chat_tokens(self.target, request.prompt, request.system_prompt)), None
             return tuple(self.target.tokenize(request.plain_prompt, add_special=True, parse_special=False)), None
 
     def _chat_turn(self, request: GenerationRequest) -> ChatTurn:

@@ -39,6 +39,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .conversation import ChatMessage, Conversation, Tool
 from .syntax import GEMMA_CALLS, TAGGED_JSON_CALLS, CallSyntax, syntax_of_template
+from ..llama.chat_prompt import split_at_control_tokens, tokens_of_parts
 
 #: A slot: a private-use character, the slot's number, another one (no template writes these, no
 #: vocabulary parses them as a control token, and trim, upper and JSON escaping leave them alone).
@@ -91,12 +92,12 @@ class ChatVocab:
 
     def split(self, text: str) -> List[Part]:
         """``text`` split at the control tokens llama.cpp's special-token parsing finds in it."""
-        return self._backend._split_at_control_tokens(text)  # noqa: SLF001  the backend's own rule
+        return split_at_control_tokens(self._backend, text)
 
     def tokens(self, parts: Sequence[Part]) -> List[int]:
         """Control ids as they are, the text between them tokenized as plain text; BOS added as the
         model wants it, once (a template that writes ``bos_token`` itself has written it)."""
-        tokens = self._backend._tokens_of_parts(parts)  # noqa: SLF001  the backend's own rule
+        tokens = tokens_of_parts(self._backend, parts)
         if self._backend.add_bos and tokens[:2] == [self.bos, self.bos]:
             tokens = tokens[1:]
         return tokens
