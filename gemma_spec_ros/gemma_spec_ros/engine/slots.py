@@ -236,7 +236,7 @@ class SlotScheduler:
     def _round(self) -> None:
         """One pass over every running request (module docstring)."""
         steps = self._steps
-        spec = steps.spec()
+        spec = steps.spec
         started = time.perf_counter()
         decoding = [slot for slot in self._slots if slot.state is not None and not slot.prompting]
         prompting = [slot for slot in self._slots if slot.state is not None and slot.prompting]
@@ -312,7 +312,7 @@ class SlotScheduler:
         try:
             first = steps.prompt_done(state, logits)
             slot.prompting = False
-            out = state.emit((first,), steps.spec())
+            out = state.emit((first,), steps.spec)
         except BaseException as exc:  # noqa: BLE001
             self._fail(slot, exc)
             return
@@ -328,7 +328,7 @@ class SlotScheduler:
             finish = "timeout"
         else:
             return False
-        self._deliver(slot, state.step(self._steps.spec(), finish))
+        self._deliver(slot, state.step(self._steps.spec, finish))
         return True
 
     def _deliver(self, slot: _Slot, step: Step) -> None:
@@ -360,7 +360,7 @@ class SlotScheduler:
 
     def _end_all(self) -> None:
         """The engine is closing: running requests end cancelled, waiting ones with an error."""
-        spec = self._steps.spec()
+        spec = self._steps.spec
         for slot in self._slots:
             if slot.state is not None:
                 try:

@@ -95,7 +95,7 @@ class Steps:
         self.target = target
         self.costs = costs
         self.conversations = conversations
-        self.spec = spec
+        self._spec = spec
         self._closing = closing
         self._faults = faults
         #: the chat layer's view of the vocabulary, made by the first chat turn (the engine's)
@@ -105,6 +105,11 @@ class Steps:
         self.grammar_vocab: Optional[GrammarVocab] = None
         self._stats_lock = threading.Lock()
         self._rolling = SpecStats()
+
+    @property
+    def spec(self) -> SpecConfig:
+        """The speculation settings in effect now (the engine's; a step reads them once)."""
+        return self._spec()
 
     @property
     def n_ctx(self) -> int:
@@ -139,7 +144,7 @@ class Steps:
         (~2-4 s for 262,144 tokens, once per engine) unless it was built at load."""
         prompt, turn = list(counted.tokens), counted.turn
         sampler = Sampler(request.sampling)
-        verification = self.spec().verification
+        verification = self.spec.verification
         ends = Ends(is_eog=self.target.is_eog, context_full=lambda: kv.n_past + 1 >= self.n_ctx,
                     stop_requested=lambda: self.stop_requested(cancel))
         text = (ReplyStream(self.chat_vocab, turn.syntax, request.stop) if turn is not None
@@ -171,7 +176,7 @@ class Steps:
     def prompt_rest(self, state: RequestState) -> List[int]:
         """The prompt tokens left to decode once the KV cells the request's sequence already holds
         are kept (:meth:`_keep_prompt_prefix`); the drafters learn that a target pass follows."""
-        self._before_target_pass(state, state.mode(self.spec()))
+        self._before_target_pass(state, state.mode(self.spec))
         reused = self._keep_prompt_prefix(state.kv, state.prompt, state.request.reuse_prompt, state.turn is not None)
         state.stats.num_prompt_tokens_reused = reused
         return state.prompt[reused:]
@@ -238,7 +243,7 @@ class Steps:
         plan's keys, punctuation and enum values; on this CPU a row without its logits costs
         about 0.4 of one with them)."""
         started = time.perf_counter()
-        stats, spec = state.stats, self.spec()
+        stats, spec = state.stats, self.spec
         mode = state.mode(spec)
         room = self.n_ctx - state.kv.n_past - 1
         hard_cap = max(0, min(state.request.max_tokens - len(state.generated) - 1, room))
