@@ -26,6 +26,7 @@ from ..errors import KVCacheError, ModelLoadError
 from ..config import ModelConfig
 from .vocab import VocabIdentity, token_texts_digest
 
+
 class WindowLostError(KVCacheError):
     """A rollback went back past what a window-sized sliding cache still holds; the cache was
     cleared (see LlamaModel)."""
