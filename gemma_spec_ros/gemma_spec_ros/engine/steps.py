@@ -122,7 +122,7 @@ class Steps:
 
     def stop_requested(self, cancel: Any) -> bool:
         """The engine is closing, or ``cancel`` (anything with ``is_set``) is set."""
-        return self._closing.is_set() or (cancel is not None and cancel.is_set())
+        return self.closing or (cancel is not None and cancel.is_set())
 
     def rolling_stats(self) -> SpecStats:
         """SpecStats over every request that ended (a copy)."""
