@@ -142,6 +142,6 @@ def test_the_engine_uses_the_window_sized_cache_only_when_a_verify_pass_is_one_b
     for n_batch, windowed in ((512, True), (32, False)):
         engine = build_engine(embedded_model_path, n_ctx=2048, n_batch=n_batch, n_threads=2)
         try:
-            assert (engine.target.n_swa == 512) is windowed
+            assert engine.target.full_swa_cache is not windowed and engine.target.n_swa == 512
         finally:
             engine.close()

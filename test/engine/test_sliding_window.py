@@ -1,4 +1,5 @@
-"""Output past the sliding-window ring: identical to plain decoding wherever that is promised.
+"""Output past the sliding-window ring: identical to plain decoding wherever that is promised; a
+prefix is kept only with its window, whatever the cache.
 
 llama.cpp's window-sized cache for sliding-window layers (``swa_full=false``) is a ring of
 ``pad256(n_swa + n_ubatch)`` cells. A rollback that frees cells across the ring's end (rejected
@@ -10,6 +11,12 @@ weights): these tests fill the ring of a tiny Gemma 3 model (F32, a 16-position 
 cells at n_batch 65) several times over, with rollbacks across its end, and compare the logits
 every emitted token was sampled from, bit for bit. Each failed on the window cache (the engine
 before this fix): 16 of 400 one-token rows, and the reuse and speculation runs, differed.
+
+The full cache loses positions too (llama/model.py, "Several sequences"): a KV snapshot leaves out
+the sliding-window cells its window has passed, and with several sequences another sequence's rows
+take them. The last tests make each case on purpose and check that the prefix left without its
+window is never kept (before the check, it was: every later request of that sequence attended
+without its first positions).
 """
 from __future__ import annotations
 
@@ -20,10 +27,12 @@ from typing import List, Tuple
 import numpy as np
 import pytest
 
+from gemma_spec_ros.engine.conversations import ConversationCache
+from gemma_spec_ros.engine.llama.model import LlamaModel, WindowLostError
 from gemma_spec_ros.engine.llama.process import batch_invariant_build
 from gemma_spec_ros.engine.engine import Engine
 from gemma_spec_ros.engine.sampling import Sampler
-from gemma_spec_ros.engine.config import SamplingParams, SpecConfig
+from gemma_spec_ros.engine.config import ModelConfig, SamplingParams, SpecConfig
 from gemma_spec_ros.engine.request import GenerationRequest
 from support.engine import build_engine, collect
 from support.tiny_gguf import write_tiny_gguf
@@ -135,3 +144,71 @@ def test_speculation_past_the_ring_equals_plain_decoding(exact_build: None, tiny
     assert len(tokens) == len(plain[0]) and len(PROMPT) + len(tokens) > RING + 150
     assert tokens == plain[0]
     assert digests == plain[1]
+
+
+def tokens(n: int, seed: int = 0) -> List[int]:
+    return [1] + np.random.default_rng(seed).integers(3, 64, n - 1).tolist()
+
+
+def next_row(model: LlamaModel, prompt: List[int], seq: int = 0) -> np.ndarray:
+    """The logits after ``prompt`` in sequence ``seq``, reusing what the sequence keeps."""
+    kept = model.reuse_prefix(prompt, keep_last=1, seq=seq)
+    return model.decode(prompt[kept:], [len(prompt) - kept - 1], seq=seq)[0].copy()
+
+
+def test_a_snapshot_serves_only_prompts_that_keep_it_whole(tiny_swa_model: Path) -> None:
+    """A snapshot of 100 positions holds the sliding-window cells of its last 16 only: restored for
+    a prompt that keeps all of it, the next token's logits are a fresh evaluation's (up to the
+    default build's batch shapes); for a prompt
+    that shares 60 of its tokens it is not restored, and forced in, prompt reuse starts over."""
+    model = LlamaModel(ModelConfig(str(tiny_swa_model), n_ctx=512, n_batch=N_BATCH), full_swa_cache=True)
+    try:
+        long, cut = tokens(100), tokens(100)[:60] + tokens(20, seed=1)[1:]
+        fresh_long, fresh_cut = next_row(model, long + [5]), None
+        model.clear()
+        fresh_cut = next_row(model, cut)
+        model.clear()
+        model.decode(long, [])
+        cache = ConversationCache(1 << 30, min_gain=8)
+        assert cache.save(model) and cache.keys() == [tuple(long)]
+        model.clear()
+        assert cache.restore_for(model, long + [5]) == 100 and model.window_start() == 100 - WINDOW
+        np.testing.assert_allclose(next_row(model, long + [5]), fresh_long, atol=1e-4)  # batch shapes differ
+        model.clear()
+        assert cache.restore_for(model, cut) == 0 and model.kv_tokens == []  # not worth a restore
+        model.decode(long, [])
+        model.rollback(len(long))
+        cache.save(model)
+        model.clear()
+        cache.restore_for(model, long + [5])  # in: 100 positions, the window cells of 16
+        assert model.reuse_prefix(cut, keep_last=1) == 0 and model.n_past == 0
+        np.testing.assert_allclose(next_row(model, cut), fresh_cut, atol=1e-4)
+    finally:
+        model.close()
+
+
+def test_a_sequence_whose_cells_another_sequence_took_keeps_no_shorter_prefix(tiny_swa_model: Path) -> None:
+    """Three sequences in one unified cache: sequence 1 (60 positions) sits where sequence 2's
+    rows are written next, and llama.cpp takes its out-of-window cells for them (dropping its
+    positions up to the last one taken). Going on from its end is safe; a shorter prefix is not
+    kept (rollback refuses, prompt reuse and sharing start over)."""
+    model = LlamaModel(ModelConfig(str(tiny_swa_model), n_ctx=256, n_batch=N_BATCH), full_swa_cache=True, n_seq=3)
+    try:
+        first, second = tokens(200), tokens(60, seed=2)
+        model.decode(first[:65], [], seq=0)
+        model.decode(first[65:130], [], seq=0)  # cells 0..129
+        model.decode(second, [], seq=1)  # cells 130..189, positions 0..59
+        model.rollback(120, seq=0)  # the write head goes back to cell 120
+        model.decode(first[120:130], [], seq=0)  # cells 120..129: the head is at sequence 1's cells
+        model.decode(tokens(30, seed=3), [], seq=2)  # takes sequence 1's positions out of its window
+        lost = model.window_start(1)
+        assert lost > 0 and model.past(1) == 60, "llama.cpp did not take sequence 1's cells"
+        assert model.window_kept(lost, 60) and model.reusable_prefix(second + [5], keep_last=1, seq=1) == 60
+        assert model.reusable_prefix(second[:10] + [5], keep_last=1, seq=1) == 0
+        model.share_prefix(1, 2, 10)  # its first 10 positions without their window cells: not shared
+        assert model.past(2) == 0
+        with pytest.raises(WindowLostError):
+            model.rollback(10, seq=1)
+        assert model.past(1) == 0
+    finally:
+        model.close()

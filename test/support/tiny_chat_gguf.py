@@ -131,14 +131,16 @@ def token_id(text: str) -> int:
 
 
 def write_tiny_chat_gguf(path: PathLike, template: str = GEMMA4_STYLE, seed: int = 0,
-                         n_layer: int = 1) -> Path:
-    """A random-weight F32 llama-architecture model with :func:`chat_vocab` and ``template`` as its
-    ``tokenizer.chat_template``; the end-of-turn token of the template's style is its EOT token."""
+                         n_layer: int = 1, arch: str = "llama", sliding_window: int = 0) -> Path:
+    """A random-weight F32 model with :func:`chat_vocab` and ``template`` as its
+    ``tokenizer.chat_template``; the end-of-turn token of the template's style is its EOT token.
+    ``arch`` ``gemma3`` gives it Gemma 3's sliding-window layers (5 of every 6), which see the last
+    ``sliding_window`` positions (0: all of them)."""
     path = Path(path)
     rng = np.random.default_rng(seed)
-    tensors: Dict[str, np.ndarray] = _random_weights(VOCAB_SIZE, N_EMBD, 2 * N_EMBD, n_layer, "llama", rng)
+    tensors: Dict[str, np.ndarray] = _random_weights(VOCAB_SIZE, N_EMBD, 2 * N_EMBD, n_layer, arch, rng)
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-    writer = gguf.GGUFWriter(partial, "llama")
+    writer = gguf.GGUFWriter(partial, arch)
     writer.add_name(f"tiny-chat-s{seed}")
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_vocab_size(VOCAB_SIZE)
@@ -153,6 +155,8 @@ def write_tiny_chat_gguf(path: PathLike, template: str = GEMMA4_STYLE, seed: int
     writer.add_rope_dimension_count(8)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-6)
+    if arch == "gemma3":
+        writer.add_sliding_window(sliding_window or 4096)
     tokens, types = chat_vocab()
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")

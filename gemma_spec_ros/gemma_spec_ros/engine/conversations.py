@@ -2,9 +2,9 @@
 
 One planner talking to the node needs nothing of this: the target's KV cache still holds its last
 turn (prompt + reply), and prompt reuse keeps the common prefix. Several planners (or a planner with
-several conversations) take turns, and each turn would find another conversation's KV. So when a
-turn ends, the sequence's state is copied out (llama.cpp's ``llama_state_seq_get_data``: the KV
-cells of the request's sequence, ~9.4 KiB a token for Gemma 3 270M) and kept under its tokens; when a turn
+several conversations) take turns, and each turn would find another conversation's KV. So once a
+turn's prompt is decoded, the sequence's state is copied out (llama.cpp's ``llama_state_seq_get_data``:
+the KV cells of the request's sequence, ~9.4 KiB a token for Gemma 3 270M) and kept under its tokens; when a turn
 starts, the snapshot whose tokens share the longest prefix with the new prompt is copied back in
 (``llama_state_seq_set_data``, into whichever sequence the turn runs in: several requests at once
 each have one) if it shares more than what the sequence holds now. The store keeps at
@@ -32,6 +32,7 @@ class Snapshot:
     tokens: Tuple[int, ...]
     data: Any  # a ctypes byte array llama.cpp filled
     size: int
+    first: int = 0  # the lowest position its sliding-window cells hold (LlamaModel.saved_window_start)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -51,7 +52,16 @@ class ConversationCache:
     """Snapshots of a sequence's KV by the tokens they hold, at most ``max_bytes``, LRU.
 
     A backend is the target (its sequence 0) or one sequence of it (llama/model.py SequenceView):
-    ``seq``, ``kv_tokens`` (settable), ``clear()`` and ``handles``.
+    ``seq``, ``kv_tokens`` (settable), ``clear()``, ``handles``, and what the sliding window keeps
+    (``saved_window_start()``, ``window_kept(first, n)``, ``reusable_prefix(tokens, keep_last=)``).
+
+    A snapshot holds a sliding-window layer's cells only for the positions the sequence's window
+    still saw when it was taken (llama.cpp's ``llama_state_seq_get_data`` leaves the others out),
+    so a snapshot longer than the window serves only a prompt that keeps it whole: restored and
+    cut shorter, the next tokens would attend without the positions it left out. A chat turn is
+    therefore kept as its prompt, right after the prompt pass (the conversation's next turn starts
+    with that prompt, whatever the template makes of the reply), and a snapshot is restored only
+    where the window of the prefix it keeps is in it.
 
     ``min_gain``: a snapshot is restored only if it shares at least this many more tokens with the
     prompt than the cache's own content does (a copy is not free). Thread-safe; the backend is used
@@ -75,7 +85,9 @@ class ConversationCache:
         return len(self._snapshots)
 
     def save(self, backend: Any) -> bool:
-        """Keep what the backend's cache holds now (a turn ended); False if it does not fit."""
+        """Keep what the backend's cache holds now (a turn's prompt was decoded); False if it does
+        not fit, or the copy failed (a snapshot saves time, it is never needed: a failure to make
+        one, a MemoryError included, leaves the request and the store as they were)."""
         tokens = tuple(backend.kv_tokens)
         if not tokens or self.max_bytes <= 0:
             return False
@@ -83,16 +95,19 @@ class ConversationCache:
 
         _, ctx = backend.handles
         seq = backend.seq
-        size = int(llama_cpp.llama_state_seq_get_size(ctx, seq))
-        if size > self.max_bytes:
+        try:
+            size = int(llama_cpp.llama_state_seq_get_size(ctx, seq))
+            if size > self.max_bytes:
+                return False
+            data = (ctypes.c_uint8 * size)()
+            written = int(llama_cpp.llama_state_seq_get_data(ctx, data, size, seq))
+        except (MemoryError, OSError):
             return False
-        data = (ctypes.c_uint8 * size)()
-        written = int(llama_cpp.llama_state_seq_get_data(ctx, data, size, seq))
         if written <= 0:
             return False
         with self._lock:
             self._drop_covered(tokens)
-            self._snapshots[tokens] = Snapshot(tokens, data, written)
+            self._snapshots[tokens] = Snapshot(tokens, data, written, backend.saved_window_start())
             self._bytes += written
             self.saved += 1
             while self._bytes > self.max_bytes and self._snapshots:
@@ -109,21 +124,30 @@ class ConversationCache:
         for key in [k for k in self._snapshots if len(k) - common_prefix(k, tokens) <= self.min_gain]:
             self._bytes -= self._snapshots.pop(key).size
 
-    def best(self, prompt: Sequence[int]) -> Tuple[Optional[Snapshot], int]:
-        """The snapshot sharing the longest prefix with ``prompt``, and that length."""
+    def best(self, prompt: Sequence[int], backend: Any) -> Tuple[Optional[Snapshot], int]:
+        """The snapshot that serves the longest prefix of ``prompt`` (its last token is decoded
+        again, as prompt reuse does), and that length: the prefix it shares with the prompt, where
+        the backend's sliding window of that prefix is in it."""
+        limit = len(prompt) - 1
         with self._lock:
-            scored = [(common_prefix(s.tokens, prompt), s) for s in self._snapshots.values()]
+            snapshots = list(self._snapshots.values())
+        scored = []
+        for snapshot in snapshots:
+            kept = min(common_prefix(snapshot.tokens, prompt), limit)
+            if kept < len(snapshot.tokens) and not backend.window_kept(snapshot.first, kept):
+                kept = 0
+            scored.append((kept, snapshot))
         if not scored:
             return None, 0
         length, snapshot = max(scored, key=lambda pair: pair[0])
         return snapshot, length
 
     def restore_for(self, backend: Any, prompt: Sequence[int]) -> int:
-        """Copy back in the snapshot that serves ``prompt`` best, if it beats what the cache holds
-        by ``min_gain`` tokens; returns the tokens it shares with the prompt (0: nothing restored).
+        """Copy back in the snapshot that serves ``prompt`` best, if it serves ``min_gain`` tokens
+        more than the cache does now; returns the prompt tokens it serves (0: nothing restored).
         The backend's ``kv_tokens`` then say what its cache holds; prompt reuse does the rest."""
-        snapshot, length = self.best(prompt)
-        here = common_prefix(backend.kv_tokens, prompt)
+        snapshot, length = self.best(prompt, backend)
+        here = backend.reusable_prefix(prompt, keep_last=1)
         if snapshot is None or length < here + self.min_gain:
             return 0
         import llama_cpp  # noqa: WPS433

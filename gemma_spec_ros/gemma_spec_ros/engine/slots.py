@@ -33,7 +33,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from .conversations import common_prefix
 from .errors import EngineError
 from .policy.length import PassShare
 from .request import CountedPrompt, GenerationRequest, Step
@@ -205,16 +204,17 @@ class SlotScheduler:
         return True
 
     def _free_slot(self, prompt: Sequence[int]) -> _Slot:
-        """The free slot whose sequence shares the longest prefix with ``prompt``."""
+        """The free slot whose sequence can keep the longest prefix of ``prompt`` (its sliding
+        window included: LlamaModel.reusable_prefix)."""
         return max((slot for slot in self._slots if slot.ticket is None),
-                   key=lambda slot: common_prefix(slot.kv.kv_tokens, prompt))
+                   key=lambda slot: slot.kv.reusable_prefix(prompt, keep_last=1))
 
     def _begin_prompt(self, slot: _Slot) -> None:
         """The slot's prompt is next to decode: where another slot's sequence (running or not)
         holds a longer prefix of it, those cells become this slot's too (LlamaModel.share_prefix:
         a system prompt every client sends is decoded once); then what is left to decode."""
         prompt = slot.state.prompt
-        shared = {other.seq: common_prefix(other.kv.kv_tokens, prompt) for other in self._slots}
+        shared = {other.seq: other.kv.reusable_prefix(prompt, keep_last=1) for other in self._slots}
         donor = max(self._slots, key=lambda other: shared[other.seq])
         if shared[donor.seq] - shared[slot.seq] >= self._prompt_chunk:  # worth more than a chunk
             self._steps.target.share_prefix(donor.seq, slot.seq, shared[donor.seq])

@@ -196,6 +196,9 @@ class Steps:
             drafting.drafter.begin(state.prompt, sampling, draft_rng)
             drafting.policy.new_request()
         state.context, state.pending = list(state.prompt), first
+        if state.turn is not None and state.request.reuse_prompt:
+            # the conversation's KV as its next turn starts: this prompt (conversations.py)
+            self.conversations.save(state.kv)
         return first
 
     def _keep_prompt_prefix(self, kv: Any, prompt: Sequence[int], reuse: bool, chat: bool = False) -> int:
@@ -309,9 +312,6 @@ class Steps:
             fault = drafter.take_fault()
             if fault:
                 self._faults.append(fault)
-        if state.turn is not None and state.request.reuse_prompt:
-            # the conversation's KV (a failed request cleared the cache: nothing is kept then)
-            self.conversations.save(state.kv)
 
 
 __all__ = ["MAX_VERIFY_ROWS", "PlannedStep", "Steps"]

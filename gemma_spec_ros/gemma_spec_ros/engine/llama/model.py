@@ -110,6 +110,18 @@ class LlamaModel:
     position, whatever was rolled back) where output must be bit-identical, i.e. under the exact
     build or with F16/F32/BF16 weights (:func:`exact_output_expected`); the window cache otherwise
     (quantized weights on the fast build, where logits already depend on batch shapes).
+
+    Several sequences: even the full cache loses positions. llama.cpp's sliding-window cache takes
+    a cell held by one sequence whose position that sequence's window has passed as a free cell
+    (``find_slot``, full size or not), and then drops that sequence's positions up to it, so that
+    each sequence's positions stay contiguous. A sequence longer than the window (a chat turn with
+    tools) thus loses its oldest sliding-window cells to another sequence's rows while its
+    full-attention cells and its ``kv_tokens`` stay. Going on from its end is safe (those
+    positions are outside its window); keeping a shorter prefix is not: the next request's
+    tokens would attend without them (its BOS first) and write another model's text, silently,
+    in every request the slot serves afterwards. So every rollback checks the window whatever
+    the cache (:meth:`_window_intact`, one llama.cpp call), prompt reuse then starts over, and a
+    prefix shared from another sequence (:meth:`share_prefix`) is kept only with its window.
     """
 
     #: the sequence the one-sequence API (decode, rollback, kv_tokens, ...) speaks of by default
@@ -185,8 +197,9 @@ class LlamaModel:
             self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
             self.add_eos = bool(llama_cpp.llama_vocab_get_add_eos(self._vocab))
             self.vocab_type = int(llama_cpp.llama_vocab_type(self._vocab))
-            # positions a sliding-window layer sees (0: none); what a rollback must leave in place
-            self.n_swa = 0 if full_swa_cache else int(llama_cpp.llama_model_n_swa(self._model))
+            # positions a sliding-window layer sees (0: none): what a rollback must leave in place,
+            # with the full cache too (see the class docstring, "Several sequences")
+            self.n_swa = int(llama_cpp.llama_model_n_swa(self._model))
         except Exception:
             self.close()
             raise
@@ -496,20 +509,45 @@ class LlamaModel:
                                   f"no longer hold the {self.n_swa} positions before it ({self.path}); "
                                   f"the cache was cleared")
 
+    def window_start(self, seq: int = 0) -> int:
+        """The lowest position sequence ``seq``'s sliding-window cells hold (llama.cpp keeps a
+        sequence's positions contiguous from there on); -1 for an empty sequence."""
+        return int(self._llama_cpp.llama_memory_seq_pos_min(self._mem, seq))
+
+    def saved_window_start(self, seq: int = 0) -> int:
+        """The lowest position whose sliding-window cells a copy of sequence ``seq``'s state holds
+        (``llama_state_seq_get_data`` leaves out the cells the sequence's window has passed)."""
+        first = self.window_start(seq)
+        return max(first, len(self._seq_tokens[seq]) - self.n_swa) if self.n_swa else first
+
+    def window_kept(self, first: int, n: int) -> bool:
+        """Whether a sequence whose sliding-window cells start at position ``first`` holds the
+        whole window of position ``n`` (True without sliding-window layers)."""
+        return not self.n_swa or n == 0 or 0 <= first <= max(0, n - self.n_swa + 1)
+
     def _window_intact(self, seq: int = 0) -> bool:
         """Whether the next position's sliding window of sequence ``seq`` is all in the KV cache
-        (True without a window limit). llama.cpp keeps each sequence's positions contiguous, from
-        its minimum on."""
+        (True without a window limit)."""
         n = len(self._seq_tokens[seq])
-        if not self.n_swa or n == 0:
-            return True
-        first = int(self._llama_cpp.llama_memory_seq_pos_min(self._mem, seq))
-        return 0 <= first <= max(0, n - self.n_swa + 1)
+        return not self.n_swa or n == 0 or self.window_kept(self.window_start(seq), n)
+
+    def reusable_prefix(self, tokens: Sequence[int], *, keep_last: int = 0, seq: int = 0) -> int:
+        """The prefix of ``tokens`` that :meth:`reuse_prefix` would keep, without changing anything:
+        the common prefix with sequence ``seq`` (less ``keep_last``), or 0 where the sliding window
+        before it is no longer in the cache."""
+        kv = self._seq_tokens[seq]
+        limit = min(len(kv), len(tokens) - keep_last)
+        n = 0
+        while n < limit and kv[n] == tokens[n]:
+            n += 1
+        if n < len(kv) and not self.window_kept(self.window_start(seq), n):
+            return 0
+        return n
 
     def reuse_prefix(self, tokens: Sequence[int], *, keep_last: int = 0, seq: int = 0) -> int:
         """Keep the longest common prefix of sequence ``seq``'s KV cache and ``tokens`` (minus
-        ``keep_last`` tokens that must be re-decoded, e.g. to get their logits); return how many
-        tokens remain to decode from ``tokens``."""
+        ``keep_last`` tokens that must be re-decoded, e.g. to get their logits); return its length
+        (0, the cache emptied, where the sliding window before it is no longer in the cache)."""
         kv = self._seq_tokens[seq]
         limit = min(len(kv), len(tokens) - keep_last)
         n = 0
@@ -533,6 +571,8 @@ class LlamaModel:
         if n:
             llama_cpp.llama_memory_seq_cp(self._mem, source, seq, 0, n)
             self._seq_tokens[seq] = list(self._seq_tokens[source][:n])
+            if not self._window_intact(seq):  # the source's oldest sliding-window cells are gone
+                self.clear(seq)
 
     def clear(self, seq: Optional[int] = None) -> None:
         """Empty the KV cache: every sequence (None), or one. With a single sequence both are the
@@ -606,6 +646,18 @@ class SequenceView:
 
     def reuse_prefix(self, tokens: Sequence[int], *, keep_last: int = 0) -> int:
         return self.model.reuse_prefix(tokens, keep_last=keep_last, seq=self.seq)
+
+    def reusable_prefix(self, tokens: Sequence[int], *, keep_last: int = 0) -> int:
+        return self.model.reusable_prefix(tokens, keep_last=keep_last, seq=self.seq)
+
+    def window_start(self) -> int:
+        return self.model.window_start(self.seq)
+
+    def saved_window_start(self) -> int:
+        return self.model.saved_window_start(self.seq)
+
+    def window_kept(self, first: int, n: int) -> bool:
+        return self.model.window_kept(first, n)
 
     def clear(self) -> None:
         self.model.clear(self.seq)
