@@ -394,3 +394,50 @@ def test_replays_llama_lookup_stats_exactly(tmp_path: Path, embedded_model_path:
                                chunk_size, max_draft)
     assert native[0] > 100  # the text is repetitive enough to draft a lot
     assert ours == native
+
+
+TAG_40 = "vocab-1-40-" + "ab" * 20  # a vocabulary of 40 tokens: ids 0..39
+
+
+def test_no_draft_holds_an_id_outside_the_vocabulary() -> None:
+    """Q7, defence in depth: a static cache of another model (llama-lookup-create run on another
+    GGUF) drafted ids the target lacks, and llama.cpp refused the whole batch. With the vocabulary
+    known (given, or named by the tag), a draft ends before the first such id; a slot's too."""
+    static = cache_of([3, 4, 6, 40, 3, 4, 6, 40], 2, 2)  # "3 4" -> 6, "4 6" -> 40 (twice each)
+    unbounded = LookupDrafter(LookupConfig(), static_cache=static)
+    unbounded.begin([8, 3, 4])
+    assert unbounded.propose([8, 3, 4], 4).tokens[:2] == (6, 40)  # what the cache holds
+    for lookup in (LookupDrafter(LookupConfig(), static_cache=static, n_vocab=40),
+                   LookupDrafter(LookupConfig(), static_cache=static, vocab_tag=TAG_40)):
+        assert lookup.n_vocab == 40
+        for one in (lookup, lookup.for_slot(1)):
+            one.begin([8, 3, 4])
+            draft = one.propose([8, 3, 4], 4)
+            assert draft.tokens == (6,) and len(draft.evidence) == 1
+            assert one.propose([8, 3, 4, 6], 4) is EMPTY_DRAFT
+            one.end([8, 3, 4, 6])
+
+
+def test_a_static_cache_file_with_ids_outside_the_vocabulary_is_refused(tmp_path: Path) -> None:
+    """Q7: a static cache file is llama.cpp's plain format (no vocabulary named), so one built for
+    another model loaded; a token id past this model's vocabulary tells it apart."""
+    static_path = tmp_path / "other-model.lcd"
+    cache_of([3, 4, 6, 40, 3, 4, 6, 40], 2, 2).save(static_path)
+    for options in ({"vocab_tag": TAG_40}, {"n_vocab": 40}):
+        with pytest.raises(CacheFormatError, match="outside this model's vocabulary of 40 tokens"):
+            LookupDrafter(LookupConfig(static_path=str(static_path)), **options)
+    assert len(LookupDrafter(LookupConfig(static_path=str(static_path)), n_vocab=41).static_cache) > 0
+
+
+def test_a_learned_cache_with_ids_outside_the_vocabulary_is_moved_aside(tmp_path: Path) -> None:
+    """Q7: a learned file of this vocabulary's tag whose records hold an id past it is damaged:
+    moved aside with a warning as a broken one is, and learning starts again."""
+    dynamic_path = tmp_path / "dynamic.bin"
+    learned_cache.save(cache_of([3, 4, 6, 40, 3, 4, 6, 40]), dynamic_path, TAG_40)
+    data = dynamic_path.read_bytes()
+    lookup = LookupDrafter(LookupConfig(dynamic_path=str(dynamic_path)), vocab_tag=TAG_40)
+    assert len(lookup.dynamic_cache) == 0 and len(lookup.warnings) == 1, lookup.warnings
+    assert "outside this model's vocabulary of 40 tokens" in lookup.warnings[0]
+    assert "moved it to" in lookup.warnings[0]
+    aside = [p for p in tmp_path.iterdir() if ".corrupt-" in p.name]
+    assert len(aside) == 1 and aside[0].read_bytes() == data and not dynamic_path.exists()

@@ -307,3 +307,23 @@ def test_same_file_content_as_llama_lookup_create(tmp_path: Path,
     assert len(native) > 20
     assert native == ours  # same n-grams, same counts (record order is llama.cpp's hash order)
     assert native_file.stat().st_size == our_file.stat().st_size
+
+
+@pytest.mark.parametrize("data,offset", [
+    (record([1], [(2, 1)]) + record([50, 3], [(4, 1)]), 28),  # in an n-gram
+    (record([1], [(2, 1), (40, 1)]), 28),  # a continuation: n_vocab itself is outside
+    (record([3, 39, 2147483647], [(1, 1)]), 0),
+], ids=["ngram", "continuation", "int32-max"])
+def test_token_ids_outside_the_vocabulary_are_refused_with_n_vocab(data: bytes, offset: int) -> None:
+    """Q7: a cache of another model (llama-lookup-create run on another GGUF) loaded, and its drafts
+    failed the target's whole batch in llama_decode. Its records are valid: only the vocabulary
+    size tells them apart, and only the offset is named, never the id."""
+    assert len(NgramCache.from_bytes(data)) > 0  # without a vocabulary: nothing to compare
+    with pytest.raises(CacheFormatError, match="outside this model's vocabulary of 40 tokens") as error:
+        NgramCache.from_bytes(data, source="other-model.lcd", n_vocab=40)
+    message = str(error.value)
+    assert "other-model.lcd: " in message and f"at byte offset {offset}:" in message
+    assert not any(number in message for number in ("50", "2147483647")), message
+    largest = max(np.frombuffer(data, dtype="<i4").tolist())
+    if largest < 2**31 - 1:  # one more token in the vocabulary: the same file loads
+        assert len(NgramCache.from_bytes(data, n_vocab=largest + 1)) > 0

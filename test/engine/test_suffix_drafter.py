@@ -294,3 +294,41 @@ def test_drafts_an_earlier_plan_in_the_embedded_models_tokens(embedded_model_pat
     # plans' objects: the history's object is a value, not structure
     assert draft.evidence[0] == ("history", True, False, False)
     assert ("history", True, False, True) in draft.evidence  # the structure after the object
+
+
+def test_a_history_with_ids_outside_the_vocabulary_is_moved_aside_with_a_warning(tmp_path: Path) -> None:
+    """Q7: ids 262149 and 2**31 - 1 after a common context, in a file with a valid header and
+    checksum: the drafter loaded them and drafted them, and llama.cpp refused every such batch.
+    The file is damaged for the vocabulary its tag names (262144 tokens): moved aside, as a broken
+    checksum is, and the history starts empty."""
+    path = tmp_path / "suffix.bin"
+    suffix_history.save([PLAN + [262149, 2147483647]], path, TAG)
+    data = path.read_bytes()
+    drafter = SuffixDrafter(SuffixConfig(history_path=str(path), match_factor=0), vocab_tag=TAG)
+    assert drafter.n_vocab == 262144
+    assert drafter.history_tokens == 0 and len(drafter.warnings) == 1, drafter.warnings
+    assert "outside the vocabulary of 262144 tokens" in drafter.warnings[0] and "moved it to" in drafter.warnings[0]
+    aside = [p for p in tmp_path.iterdir() if ".corrupt-" in p.name]
+    assert len(aside) == 1 and aside[0].read_bytes() == data and not path.exists()
+    drafter.begin([1])
+    assert drafter.propose([1] + PLAN, 4) is EMPTY_DRAFT
+
+
+def test_no_draft_holds_an_id_outside_the_vocabulary() -> None:
+    """Defence in depth (Q7): whatever the history and the request hold, a draft ends before the
+    first id outside [0, n_vocab), given or named by the vocabulary tag; a slot's drafter too."""
+    output = PLAN[:5] + [50, 2147483647, 7]  # 40..44, then two ids a 50-token vocabulary lacks
+    for drafter in (SuffixDrafter(SuffixConfig(match_factor=0), n_vocab=50),
+                    SuffixDrafter(SuffixConfig(match_factor=0), vocab_tag="vocab-1-50-" + "ab" * 20)):
+        assert drafter.n_vocab == 50
+        run_request(drafter, [1], output)
+        for one in (drafter, drafter.for_slot(1)):
+            one.begin([2])
+            draft = one.propose([2, 40, 41, 42], 5)
+            assert draft.tokens == (43, 44) and len(draft.evidence) == 2
+            assert one.propose([2, 40, 41, 42, 43, 44], 5) is EMPTY_DRAFT
+            one.end([2])
+    unbounded = SuffixDrafter(SuffixConfig(match_factor=0))  # no vocabulary known: drafted as found
+    run_request(unbounded, [1], output)
+    unbounded.begin([2])
+    assert unbounded.propose([2, 40, 41, 42], 5).tokens == (43, 44, 50, 2147483647, 7)

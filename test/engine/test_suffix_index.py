@@ -5,6 +5,7 @@ from __future__ import annotations
 import doctest
 import os
 import random
+import tracemalloc
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
@@ -218,3 +219,38 @@ def test_a_fifo_is_refused_without_hanging(tmp_path: Path) -> None:
         suffix_history.check_loadable(fifo)
     with pytest.raises(learned_cache.CacheFormatError):
         suffix_history.load(fifo, TAG)
+
+
+def test_a_history_with_token_ids_outside_the_vocabulary_is_damaged(tmp_path: Path) -> None:
+    """Q7: a history with a valid header and checksum whose ids lie past the vocabulary its tag
+    names loaded, and every request whose context matched failed in llama_decode (the drafter
+    drafted a token the target cannot decode: llama.cpp refuses the whole batch)."""
+    path = tmp_path / "history.bin"
+    suffix_history.save([[1, 2, 3], [5, 6, 7, 262149, 2147483647]], path, TAG)  # TAG: 262144 tokens
+    for max_tokens in (None, 4, 1):  # a bad id in the part cut off too: the file is damaged
+        with pytest.raises(learned_cache.CorruptLearnedCacheError,
+                           match="suffix history .*outside the vocabulary of 262144 tokens") as error:
+            suffix_history.load(path, TAG, max_tokens)
+        assert "262149" not in str(error.value) and "2147483647" not in str(error.value)
+    suffix_history.save([[1, 2, 3], [5, 6, 262143]], path, TAG)  # the last id of the vocabulary
+    assert suffix_history.load(path, TAG) == [[1, 2, 3], [5, 6, 262143]]
+    with pytest.raises(learned_cache.CorruptLearnedCacheError, match="vocabulary of 200 tokens"):
+        suffix_history.load(path, TAG, n_vocab=200)  # a size given apart from the tag's
+    suffix_history.save([[5, 6, 262149]], path, "vocab-x")  # a tag naming no size: no bound
+    assert suffix_history.load(path, "vocab-x") == [[5, 6, 262149]]
+
+
+def test_loading_makes_python_ints_of_the_kept_tokens_only() -> None:
+    """Decoding turned every token of the file into a Python int (~36 bytes each) before the newest
+    ``history_max_tokens`` were kept: a 64 MiB history of a larger bound cost ~0.6 GiB to keep
+    a few tokens."""
+    tokens = list(range(1000, 251_000)) * 2  # ids past the small-int cache: each a new object
+    data = suffix_history.encode([tokens[:250_000], tokens[250_000:]], TAG)
+    tracemalloc.start()
+    try:
+        kept = suffix_history.decode(data, "<bytes>", TAG, max_tokens=10)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert kept == [tokens[-10:]]
+    assert peak < 2_000_000, f"{peak} bytes at the peak for 10 kept tokens of {len(tokens)}"

@@ -25,7 +25,7 @@ import struct
 import tempfile
 import time
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from .ngram_cache import NgramCache, read_cache_file
 from ..files import PathLike, write_atomically
@@ -47,6 +47,37 @@ class VocabularyMismatchError(CacheFormatError):
 
 class CorruptLearnedCacheError(CacheFormatError):
     """A learned cache (it has the header) whose records are broken: the owner may move it aside."""
+
+
+def tag_vocab_size(tag: str) -> Optional[int]:
+    """The number of tokens of the vocabulary a tag names (a tag of ``llama/vocab.py``'s
+    ``vocab_tag``: ``vocab-<type>-<size>-<digest>``), None for any other tag (tests' "vocab-x", "").
+    A file's token ids must lie below it: one at or past it is no token of this vocabulary, and a
+    draft of it would fail the target's whole batch (llama.cpp refuses it).
+
+    >>> tag_vocab_size("vocab-1-262144-" + "ab" * 20), tag_vocab_size("vocab-x"), tag_vocab_size("")
+    (262144, None, None)
+    """
+    parts = tag.split("-")
+    if len(parts) == 4 and parts[0] == "vocab" and parts[2].isdigit() and parts[2].isascii():
+        return int(parts[2]) or None
+    return None
+
+
+def in_vocabulary(tokens: Sequence[int], n_vocab: Optional[int]) -> int:
+    """How many of ``tokens``, from the first, are ids of a vocabulary of ``n_vocab`` tokens (all
+    of them if ``n_vocab`` is None): where a drafter cuts a draft (the first id outside would fail
+    the target's whole batch; those after it continue that token).
+
+    >>> in_vocabulary([5, 39, 40, 3], 40), in_vocabulary([5, 40], None), in_vocabulary([-1], 40)
+    (2, 2, 0)
+    """
+    if n_vocab is None:
+        return len(tokens)
+    for i, token in enumerate(tokens):
+        if not 0 <= token < n_vocab:
+            return i
+    return len(tokens)
 
 
 def encode(cache: NgramCache, tag: str) -> bytes:
@@ -84,18 +115,21 @@ def _split(data: bytes, source: str) -> Tuple[str, bytes]:
     return raw_tag.decode("ascii"), data[body_start:]
 
 
-def _records(body: bytes, source: str, max_ngrams: Optional[int]) -> NgramCache:
+def _records(body: bytes, source: str, max_ngrams: Optional[int], n_vocab: Optional[int]) -> NgramCache:
+    """The records of a file; a token id ``>= n_vocab`` makes the file damaged, as a broken record does."""
     try:
-        return NgramCache.from_bytes(body, source=source, max_ngrams=max_ngrams)
+        return NgramCache.from_bytes(body, source=source, max_ngrams=max_ngrams, n_vocab=n_vocab)
     except CacheFormatError as error:
         raise CorruptLearnedCacheError(str(error)) from None
 
 
-def decode(data: bytes, source: str, tag: str, max_ngrams: Optional[int] = None) -> NgramCache:
+def decode(data: bytes, source: str, tag: str, max_ngrams: Optional[int] = None,
+           n_vocab: Optional[int] = None) -> NgramCache:
     """The n-grams of a learned-cache file of the vocabulary ``tag``.
 
     Raises :class:`ForeignFileError` without the header, :class:`VocabularyMismatchError` for
-    another vocabulary, :class:`CorruptLearnedCacheError` for broken records (or too many of them).
+    another vocabulary, :class:`CorruptLearnedCacheError` for broken records (or too many of them,
+    or a token id at or past ``n_vocab``, by default the size ``tag`` names: :func:`tag_vocab_size`).
     The messages never quote the file's content.
     """
     file_tag, body = _split(data, source)
@@ -103,30 +137,37 @@ def decode(data: bytes, source: str, tag: str, max_ngrams: Optional[int] = None)
         raise VocabularyMismatchError(
             f"learned n-gram cache {source} was learned with another vocabulary (another model "
             "family): it is left untouched and not used; give this model its own lookup.dynamic_path")
-    return _records(body, source, max_ngrams)
+    return _records(body, source, max_ngrams, tag_vocab_size(tag) if n_vocab is None else n_vocab)
 
 
 def read(path: PathLike) -> Tuple[str, NgramCache]:
     """(vocabulary tag, n-grams) of the learned-cache file ``path``, whatever its vocabulary
     (tools that inspect a file); raises as :func:`decode`."""
     file_tag, body = _split(read_cache_file(path), os.fspath(path))
-    return file_tag, _records(body, os.fspath(path), None)
+    return file_tag, _records(body, os.fspath(path), None, tag_vocab_size(file_tag))
 
 
-def load(path: PathLike, tag: str, max_ngrams: Optional[int] = None) -> NgramCache:
+def load(path: PathLike, tag: str, max_ngrams: Optional[int] = None, n_vocab: Optional[int] = None) -> NgramCache:
     """The learned cache at ``path``; an empty one if the file does not exist yet (the first
     :func:`save` creates it). Raises as :func:`decode`, or CacheFormatError if it cannot be read."""
     if not os.path.lexists(os.fspath(path)):
         return NgramCache()
-    return decode(read_cache_file(path), os.fspath(path), tag, max_ngrams)
+    return decode(read_cache_file(path), os.fspath(path), tag, max_ngrams, n_vocab)
 
 
-def load_static(path: PathLike, tag: str, max_ngrams: Optional[int] = None) -> NgramCache:
-    """A static cache: llama.cpp's plain format, or a learned-cache file (of the vocabulary ``tag``)."""
+def load_static(path: PathLike, tag: str, max_ngrams: Optional[int] = None,
+                n_vocab: Optional[int] = None) -> NgramCache:
+    """A static cache: llama.cpp's plain format, or a learned-cache file (of the vocabulary ``tag``).
+
+    A plain file names no vocabulary, but one holding a token id at or past ``n_vocab`` (by default
+    the size ``tag`` names: :func:`tag_vocab_size`) was built for another model: it is refused
+    (CacheFormatError), as a broken one is."""
     data = read_cache_file(path)
+    if n_vocab is None:
+        n_vocab = tag_vocab_size(tag)
     if _is_learned(data):
-        return decode(data, os.fspath(path), tag, max_ngrams)
-    return NgramCache.from_bytes(data, source=os.fspath(path), max_ngrams=max_ngrams)
+        return decode(data, os.fspath(path), tag, max_ngrams, n_vocab)
+    return NgramCache.from_bytes(data, source=os.fspath(path), max_ngrams=max_ngrams, n_vocab=n_vocab)
 
 
 def owned_file(path: PathLike, magic: bytes, what: str) -> Optional[bool]:

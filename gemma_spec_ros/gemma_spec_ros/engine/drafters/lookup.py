@@ -222,8 +222,15 @@ class LookupDrafter:
     several drafters) instead of loading them from ``config``'s paths; a given ``dynamic_cache``
     is still saved to ``config.dynamic_path`` if that is set.
 
+    ``n_vocab``: the target's vocabulary size (default: the one ``vocab_tag`` names, else unknown).
+    A cache file holding a token id at or past it was made for another model: a static one is
+    refused, a learned one is moved aside as damaged. No draft holds a token id outside
+    ``[0, n_vocab)`` whatever the caches hold (given ones too): the first one ends it (llama.cpp
+    refuses a batch with such an id whole, so the step, and the request, would fail).
+
     Raises :class:`~gemma_spec_ros.engine.errors.CacheFormatError` if the static cache file is
-    missing or corrupt, or the dynamic cache file exists but is corrupt.
+    missing or corrupt (or of another vocabulary), or the dynamic cache file exists but is not
+    this engine's or of another vocabulary.
     """
 
     name = "lookup"
@@ -234,17 +241,21 @@ class LookupDrafter:
     cuts_constrained_drafts = False
 
     def __init__(self, config: LookupConfig, static_cache: Optional[NgramCache] = None,
-                 dynamic_cache: Optional[NgramCache] = None, vocab_tag: str = "") -> None:
+                 dynamic_cache: Optional[NgramCache] = None, vocab_tag: str = "",
+                 n_vocab: Optional[int] = None) -> None:
         if static_cache is not None and config.static_path:
             raise ValueError("pass either a static cache or LookupConfig.static_path, not both")
         self.config = config
         self._vocab_tag = vocab_tag  # the learned cache file belongs to this vocabulary
+        #: token ids a draft may hold are below it (None: unknown, no bound)
+        self.n_vocab = n_vocab if n_vocab is not None else learned_cache.tag_vocab_size(vocab_tag)
         self._static_path = expand_path(config.static_path)
         self._dynamic_path = expand_path(config.dynamic_path)
         if static_cache is not None:
             self._static_cache = static_cache
         else:  # a configured static cache must exist: it was built on purpose
-            self._static_cache = (learned_cache.load_static(self._static_path, vocab_tag, MAX_STATIC_NGRAMS)
+            self._static_cache = (learned_cache.load_static(self._static_path, vocab_tag, MAX_STATIC_NGRAMS,
+                                                            self.n_vocab)
                                   if self._static_path else NgramCache())
         self.warnings: List[str] = []  # for the owner to log (e.g. a corrupt cache moved aside)
         if self._dynamic_path:  # its folder: created inside lookup.cache_dir, else it must exist
@@ -272,7 +283,7 @@ class LookupDrafter:
             return NgramCache()
         bound = self.config.dynamic_max_ngrams
         try:
-            cache = learned_cache.load(path, self._vocab_tag, DYNAMIC_LOAD_MARGIN * bound)
+            cache = learned_cache.load(path, self._vocab_tag, DYNAMIC_LOAD_MARGIN * bound, self.n_vocab)
         except learned_cache.CorruptLearnedCacheError as error:
             aside = learned_cache.move_aside(path)
             self.warnings.append(f"{error}; moved it to {aside} and started an empty one")
@@ -331,6 +342,8 @@ class LookupDrafter:
         tokens, evidence = draft_with_evidence(context, max_tokens, self.config.ngram_min,
                                                self.config.ngram_max, self._context_cache,
                                                self._dynamic_cache, self._static_cache)
+        keep = learned_cache.in_vocabulary(tokens, self.n_vocab)  # never an id the target lacks
+        tokens, evidence = tokens[:keep], evidence[:keep]
         if not tokens:
             return EMPTY_DRAFT
         return Draft(tokens=tuple(tokens), probs=None, source=self.name, evidence=tuple(evidence))
@@ -384,7 +397,8 @@ class LookupDrafter:
         its requests teach lands in the shared dynamic cache, which this drafter prunes and saves."""
         other = LookupDrafter(LookupConfig(ngram_min=self.config.ngram_min, ngram_max=self.config.ngram_max,
                                            dynamic_max_ngrams=self.config.dynamic_max_ngrams, save_period=0.0),
-                              static_cache=self._static_cache, dynamic_cache=self._dynamic_cache)
+                              static_cache=self._static_cache, dynamic_cache=self._dynamic_cache,
+                              n_vocab=self.n_vocab)
         other._owner = self
         return other
 

@@ -237,16 +237,17 @@ class NgramCache:
         return wide.astype(_INT32).tobytes()
 
     @classmethod
-    def from_bytes(cls, data: bytes, source: str = "<bytes>",
-                   max_ngrams: Optional[int] = None) -> "NgramCache":
+    def from_bytes(cls, data: bytes, source: str = "<bytes>", max_ngrams: Optional[int] = None,
+                   n_vocab: Optional[int] = None) -> "NgramCache":
         """Parse llama.cpp's file format. ``source`` names the data in error messages.
 
         Raises :class:`CacheFormatError` naming ``source`` and the byte offset of a record that
         is truncated or invalid (n-gram not 1-4 tokens >= 0 then -1 padding,
         continuation count ``n < 1`` or larger than the bytes left, a token < 0 or count < 1,
-        a token or n-gram repeated), or holding more than ``max_ngrams`` n-grams; never anything
-        else. The messages never quote a value read from the data: a path a peer names may be any
-        file, and the reason is published (on /diagnostics).
+        a token or n-gram repeated), or holding more than ``max_ngrams`` n-grams, or (with
+        ``n_vocab``) a token id ``>= n_vocab`` (a cache of another model, whose drafts the target
+        could not even decode); never anything else. The messages never quote a value read from
+        the data: a path a peer names may be any file, and the reason is published (on /diagnostics).
 
         Memory: the records are found and checked on the buffer itself (no Python object per word),
         and the table is built a chunk of records at a time, so a file that is not a cache costs
@@ -310,6 +311,8 @@ class NgramCache:
             problems.append((pair_word, "invalid continuation (token < 0 or count < 1)"))
         if problems:
             raise fail(*min(problems))
+        if n_vocab is not None:
+            _check_vocabulary(ngram_words, pairs, starts, is_pair_word, n_vocab, source)
 
         # 3. Build the table, a chunk of records at a time (no list of the whole file).
         cache = cls()
@@ -351,6 +354,24 @@ class NgramCache:
         ``max_ngrams`` n-grams.
         """
         return cls.from_bytes(read_cache_file(path), source=os.fspath(path), max_ngrams=max_ngrams)
+
+
+def _check_vocabulary(ngram_words: np.ndarray, pairs: np.ndarray, starts: np.ndarray,
+                      is_pair_word: np.ndarray, n_vocab: int, source: str) -> None:
+    """Raise CacheFormatError at the first token id ``>= n_vocab`` of the checked records (the
+    arrays of :meth:`NgramCache.from_bytes`, step 2: the -1 padding is below any vocabulary)."""
+    offsets: List[int] = []
+    bad_ngram = (ngram_words >= n_vocab).any(axis=1)
+    if bad_ngram.any():
+        offsets.append(int(starts[int(np.argmax(bad_ngram))]))
+    bad_pair = pairs[:, 0] >= n_vocab
+    if bad_pair.any():
+        offsets.append(int(np.flatnonzero(is_pair_word)[2 * int(np.argmax(bad_pair))]))
+    if offsets:
+        raise CacheFormatError(
+            f"n-gram cache {source}: a token id outside this model's vocabulary of {n_vocab} tokens "
+            f"at byte offset {min(offsets) * _WORD_BYTES}: the file holds tokens of another model "
+            "(a static cache is built per model with gemma-spec-lookup-create)")
 
 
 def read_cache_file(path: PathLike) -> bytes:

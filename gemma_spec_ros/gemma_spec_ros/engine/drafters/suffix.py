@@ -214,7 +214,12 @@ class SuffixDrafter:
 
     Raises :class:`~gemma_spec_ros.engine.errors.CacheFormatError` if ``history_path`` names a file
     this engine did not write or one of another vocabulary (both left untouched); a damaged one of
-    its own is moved aside with a warning and the history starts empty.
+    its own (a token id outside the vocabulary included) is moved aside with a warning and the
+    history starts empty.
+
+    ``n_vocab``: the target's vocabulary size (default: the one ``vocab_tag`` names, else unknown).
+    No draft holds a token id outside ``[0, n_vocab)``: the first one ends it (llama.cpp refuses a
+    batch with such an id whole, so the step, and the request, would fail).
     """
 
     name = "suffix"
@@ -225,9 +230,12 @@ class SuffixDrafter:
     #: 1.94x -> 2.02x with design.md's decode shape
     cuts_constrained_drafts = True
 
-    def __init__(self, config: SuffixConfig, vocab_tag: str = "", request_room: int = REQUEST_ROOM) -> None:
+    def __init__(self, config: SuffixConfig, vocab_tag: str = "", request_room: int = REQUEST_ROOM,
+                 n_vocab: Optional[int] = None) -> None:
         self.config = config
         self._vocab_tag = vocab_tag
+        #: token ids a draft may hold are below it (None: unknown, no bound)
+        self.n_vocab = n_vocab if n_vocab is not None else learned_cache.tag_vocab_size(vocab_tag)
         self._path = expand_path(config.history_path)
         self.warnings: List[str] = []
         #: a periodic save's failure not yet taken by the owner (see LookupDrafter.save_error)
@@ -252,7 +260,7 @@ class SuffixDrafter:
         if not path:
             return []
         try:
-            return suffix_history.load(path, self._vocab_tag, self.config.history_max_tokens)
+            return suffix_history.load(path, self._vocab_tag, self.config.history_max_tokens, self.n_vocab)
         except learned_cache.CorruptLearnedCacheError as error:
             aside = learned_cache.move_aside(path)
             self.warnings.append(f"{error}; moved it to {aside} and started an empty history")
@@ -289,6 +297,8 @@ class SuffixDrafter:
         self._request.sync(context, whole=not self._synced)
         self._synced = True
         tokens, evidence = draft_with_evidence(self._pair, context, max_tokens, self.config)
+        keep = learned_cache.in_vocabulary(tokens, self.n_vocab)  # never an id the target lacks
+        tokens, evidence = tokens[:keep], evidence[:keep]
         if not tokens:
             return EMPTY_DRAFT
         return Draft(tokens=tuple(tokens), probs=None, source=self.name, evidence=tuple(evidence))

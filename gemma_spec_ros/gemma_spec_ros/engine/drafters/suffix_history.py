@@ -4,7 +4,9 @@ The same rules as the learned n-gram cache (:mod:`.learned_cache`), whose folder
 reads, moves aside or overwrites only a file that starts with this header (one it wrote); any other
 file is refused with a reason and left untouched. The header names the vocabulary (token ids of one
 mean nothing in another) and carries a CRC-32 of the body, so a damaged file (a disk error, a cut
-write of another tool) is told from a good one and moved aside instead of drafting junk.
+write of another tool) is told from a good one and moved aside instead of drafting junk. So is one
+holding a token id the vocabulary lacks (at or past the size its tag names): its drafts would fail
+the target's whole batch (llama.cpp refuses an id it does not know).
 
 File layout (little-endian)::
 
@@ -24,8 +26,10 @@ import zlib
 from array import array
 from typing import List, Optional, Sequence
 
+import numpy as np
+
 from .learned_cache import (MAX_TAG_BYTES, CorruptLearnedCacheError, ForeignFileError, VocabularyMismatchError,
-                            owned_file)
+                            owned_file, tag_vocab_size)
 from ..files import PathLike, write_atomically
 from .ngram_cache import read_cache_file
 
@@ -42,14 +46,6 @@ def _words(values: Sequence[int], typecode: str) -> bytes:
     if not _LITTLE:
         words.byteswap()
     return words.tobytes()
-
-
-def _read_words(data: bytes, typecode: str) -> array:
-    words = array(typecode)
-    words.frombytes(data)
-    if not _LITTLE:
-        words.byteswap()
-    return words
 
 
 def encode(sequences: Sequence[Sequence[int]], tag: str) -> bytes:
@@ -78,14 +74,24 @@ def _corrupt(source: str, problem: str) -> CorruptLearnedCacheError:
     return CorruptLearnedCacheError(f"suffix history {source}: {problem}")
 
 
-def decode(data: bytes, source: str, tag: str, max_tokens: Optional[int] = None) -> List[List[int]]:
+def decode(data: bytes, source: str, tag: str, max_tokens: Optional[int] = None,
+           n_vocab: Optional[int] = None) -> List[List[int]]:
     """The sequences of a history file of the vocabulary ``tag``: all, or the newest that hold
-    at most ``max_tokens`` tokens together (a bound lowered since the file was saved).
+    at most ``max_tokens`` tokens together (a bound lowered since the file was saved; only those
+    become Python lists).
 
     Raises :class:`~.learned_cache.ForeignFileError` without the header,
     :class:`~.learned_cache.VocabularyMismatchError` for another vocabulary and
-    :class:`~.learned_cache.CorruptLearnedCacheError` for a damaged one (header, checksum, sizes).
-    The messages never quote the file's content.
+    :class:`~.learned_cache.CorruptLearnedCacheError` for a damaged one (header, checksum, sizes, a
+    token id below 0 or at or past ``n_vocab``, by default the size ``tag`` names
+    (:func:`~.learned_cache.tag_vocab_size`): the target could not decode its drafts). The messages
+    never quote the file's content.
+
+    >>> try:
+    ...     decode(encode([[1, 2], [39, 40]], "vocab-1-40-ab"), "<bytes>", "vocab-1-40-ab")
+    ... except CorruptLearnedCacheError as error:
+    ...     print(error)
+    suffix history <bytes>: a token id outside the vocabulary of 40 tokens (the file is damaged)
     """
     if data[:len(MAGIC)] != MAGIC:
         raise _not_ours(source)
@@ -102,51 +108,49 @@ def decode(data: bytes, source: str, tag: str, max_tokens: Optional[int] = None)
             f"suffix history {source} was written for another vocabulary (another model family): "
             "it is left untouched and not used; give this model its own suffix.history_path")
     (crc,) = _WORD.unpack_from(data, crc_at)
-    body = data[crc_at + _WORD.size:]
+    body = memoryview(data)[crc_at + _WORD.size:]
     if zlib.crc32(body) != crc:
         raise _corrupt(source, "checksum mismatch (the file is damaged)")
-    return _sequences(body, source, max_tokens)
+    return _sequences(body, source, max_tokens, tag_vocab_size(tag) if n_vocab is None else n_vocab)
 
 
-def _sequences(body: bytes, source: str, max_tokens: Optional[int]) -> List[List[int]]:
+def _sequences(body: memoryview, source: str, max_tokens: Optional[int],
+               n_vocab: Optional[int]) -> List[List[int]]:
     (count,) = _WORD.unpack_from(body)
     lengths_end = _WORD.size * (1 + count)
     if lengths_end > len(body):
         raise _corrupt(source, f"{count} sequences announced, the file is shorter")
-    lengths = _read_words(body[_WORD.size:lengths_end], "I")
-    if lengths_end + 4 * sum(lengths) != len(body):
+    lengths = np.frombuffer(body, dtype="<u4", count=count, offset=_WORD.size).astype(np.int64)
+    ends = np.cumsum(lengths)  # each sequence's end, in tokens
+    total = int(ends[-1]) if count else 0
+    if lengths_end + 4 * total != len(body):
         raise _corrupt(source, "sequence lengths do not add up to the file's size")
-    tokens = _read_words(body[lengths_end:], "i")
-    if tokens and min(tokens) < 0:
+    tokens = np.frombuffer(body, dtype="<i4", offset=lengths_end)  # a view: no copy, no int objects
+    if tokens.size and int(tokens.min()) < 0:
         raise _corrupt(source, "a negative token id")
-    out: List[List[int]] = []
-    offset = 0
-    for length in lengths:
-        out.append(tokens[offset:offset + length].tolist())
-        offset += length
-    return _newest(out, max_tokens)
-
-
-def _newest(sequences: List[List[int]], max_tokens: Optional[int]) -> List[List[int]]:
-    """The newest sequences holding at most ``max_tokens`` tokens (the oldest kept may be cut)."""
-    if max_tokens is None:
-        return sequences
+    if tokens.size and n_vocab is not None and int(tokens.max()) >= n_vocab:
+        raise _corrupt(source, f"a token id outside the vocabulary of {n_vocab} tokens (the file is damaged)")
+    # the newest sequences holding at most max_tokens tokens (the oldest kept may be cut), found on
+    # the lengths: only the kept tokens become Python ints
+    room = total + 1 if max_tokens is None else max_tokens
     kept: List[List[int]] = []
-    room = max_tokens
-    for sequence in reversed(sequences):
+    for index in range(count - 1, -1, -1):
         if room <= 0:
             break
-        kept.append(sequence[max(0, len(sequence) - room):])
-        room -= len(sequence)
+        end = int(ends[index])
+        start = end - int(lengths[index])
+        kept.append(tokens[max(start, end - room):end].tolist())
+        room -= end - start
     return kept[::-1]
 
 
-def load(path: PathLike, tag: str, max_tokens: Optional[int] = None) -> List[List[int]]:
+def load(path: PathLike, tag: str, max_tokens: Optional[int] = None,
+         n_vocab: Optional[int] = None) -> List[List[int]]:
     """The history at ``path``; none if the file does not exist yet (the first :func:`save` creates
     it). Raises as :func:`decode`, or CacheFormatError if it cannot be read."""
     if not os.path.lexists(os.fspath(path)):
         return []
-    return decode(read_cache_file(path), os.fspath(path), tag, max_tokens)
+    return decode(read_cache_file(path), os.fspath(path), tag, max_tokens, n_vocab)
 
 
 def _owned(path: PathLike) -> Optional[bool]:
