@@ -418,3 +418,22 @@ def test_a_templated_prompt_of_angle_brackets_counts_as_fast_as_plain_text(embed
             return best
         plain, brackets = seconds("a b " * 16384), seconds("<" * 65536)
     assert brackets < 10 * plain + 0.05, (brackets, plain)
+
+
+def test_a_long_run_of_punctuation_tokenizes_without_overflowing_the_stack(tiny_dir: Path, venv_python: Path) -> None:
+    """llama.cpp's ``default`` pre-tokenizer (the tiny test vocabulary's, as ``falcon``'s and
+    others') matches with std::regex, which recursed once per character of a run: 40,000 ``<`` in a
+    prompt overflowed the thread's 8 MiB stack and the process died of SIGSEGV. Long texts are
+    tokenized on a thread with a deep stack (in a child process here: the old code crashed it)."""
+    from support.tiny_chat_gguf import write_tiny_chat_gguf
+
+    path = write_tiny_chat_gguf(tiny_dir / "bpe-default.gguf")
+    script = textwrap.dedent(f"""
+        from gemma_spec_ros.engine.config import ModelConfig
+        from gemma_spec_ros.engine.llama.model import LlamaModel
+        model = LlamaModel(ModelConfig({str(path)!r}, n_ctx=64, n_threads=1))
+        print(len(model.tokenize("<" * 200000, add_special=False)))
+    """)
+    proc = subprocess.run([str(venv_python), "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "200000"

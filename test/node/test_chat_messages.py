@@ -17,7 +17,7 @@ from gemma_spec_ros.node.chat_messages import (chat_result, check_chat_bounds, c
 from gemma_spec_ros.node.messages import GoalRejected
 from support.chat import SKILLS_JSON
 
-LIMITS = {"limits.max_prompt_bytes": 4096, "limits.max_grammar_bytes": 2048}
+LIMITS = {"limits.max_prompt_bytes": 4096, "limits.max_grammar_bytes": 2048, "limits.max_prompt_tokens": 1536}
 
 
 def test_module_doctests() -> None:
@@ -65,6 +65,22 @@ def test_sizes_are_bounded_before_parsing() -> None:
                                ChatMessage(role="user", content="y" * 1200)), LIMITS)
     with pytest.raises(GoalRejected, match="exceed limits.max_grammar_bytes=2048"):
         check_chat_bounds(goal(ChatMessage(role="user", content="x"), tools=" " * 3000), LIMITS)
+
+
+def test_empty_messages_are_not_free() -> None:
+    """Each message and call counts its markup, and there are at most limits.max_prompt_tokens of
+    them: 40,000 empty messages (0 bytes: they passed, then cost a minute to render and tokenize)
+    are refused before anything parses them."""
+    empty = ChatMessage(role="user", content="")
+    check_chat_bounds(goal(*[empty] * 100), LIMITS)
+    with pytest.raises(GoalRejected, match="counting 32 for each message and call"):
+        check_chat_bounds(goal(*[empty] * 200), LIMITS)
+    with pytest.raises(GoalRejected, match="40000 messages and calls, more than limits.max_prompt_tokens=1536"):
+        check_chat_bounds(goal(*[empty] * 40000), dict(LIMITS, **{"limits.max_prompt_bytes": 1 << 26}))
+    calls = [ToolCall(id=f"c{i}", name="go", arguments="") for i in range(2000)]
+    with pytest.raises(GoalRejected, match="2001 messages and calls"):
+        check_chat_bounds(goal(ChatMessage(role="assistant", tool_calls=calls)),
+                          dict(LIMITS, **{"limits.max_prompt_bytes": 1 << 26}))
 
 
 def test_a_reply_becomes_the_result() -> None:

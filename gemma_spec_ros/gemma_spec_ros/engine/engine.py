@@ -114,10 +114,11 @@ class Engine:
                 self._add_drafter(model_drafter(config.draft, self.target, n_slots))
             lookup = config.lookup
             tag = self.target.vocab_tag() if lookup.dynamic_path or lookup.static_path else ""
-            self._add_drafter(LookupDrafter(lookup, vocab_tag=tag))
+            self._add_drafter(LookupDrafter(lookup, vocab_tag=tag, n_vocab=self.target.n_vocab))
             suffix = config.suffix  # its history learns in every mode; it drafts in its modes' steps
             tag = self.target.vocab_tag() if suffix.history_path else ""
-            self._add_drafter(SuffixDrafter(suffix, vocab_tag=tag, request_room=config.target.n_ctx))
+            self._add_drafter(SuffixDrafter(suffix, vocab_tag=tag, request_room=config.target.n_ctx,
+                                            n_vocab=self.target.n_vocab))
             if config.chat.template_path:
                 self._chat_template = template_file(expand_path(config.chat.template_path))
             if config.prepare_grammar:
@@ -221,6 +222,7 @@ class Engine:
         if scheduler is not None:
             counts = scheduler.counts
             values.update({
+                "scheduler": "running" if scheduler.alive or self._closing.is_set() else "stopped",
                 "requests running": f"{scheduler.running()} of {scheduler.limit}",
                 "requests at once": scheduler.why,
                 "requests per pass": round(counts.requests_per_pass, 2),

@@ -171,12 +171,30 @@ class SlotScheduler:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
+    @property
+    def alive(self) -> bool:
+        """The scheduler's thread runs (it ends only when the engine closes)."""
+        return self._thread.is_alive()
+
     # -- the scheduler's thread ------------------------------------------------------------------
     def _run(self) -> None:
+        """Rounds until the engine closes. A fault outside any one request's step (which
+        :meth:`_round` gives to that request) ends the requests in the slots with it, is reported,
+        and the rounds go on: this thread is the only one that serves, and the models are freed
+        only when the engine closes."""
         with self._lock:  # the models are the scheduler's until it ends
             try:
-                while self._next_round():
-                    self._round()
+                while True:
+                    try:
+                        if not self._next_round():
+                            break
+                        self._round()
+                    except Exception as exc:  # noqa: BLE001  see the docstring
+                        self._steps.report(f"several requests at once: a round failed and the "
+                                           f"scheduler goes on: {exc!r}")
+                        for slot in self._slots:
+                            if slot.ticket is not None:
+                                self._fail(slot, exc)
             finally:
                 self._end_all()
                 self._on_exit()  # the engine is closing (that ended the rounds): its models go
@@ -242,6 +260,9 @@ class SlotScheduler:
         prompting = [slot for slot in self._slots if slot.state is not None and slot.prompting]
         decoding = [slot for slot in decoding if not self._stopped_between_passes(slot)]
         prompting = [slot for slot in prompting if not self._stopped_between_passes(slot)]
+        # (a request whose end failed there has ended with its error; a slot left is one that runs)
+        decoding = [slot for slot in decoding if slot.state is not None]
+        prompting = [slot for slot in prompting if slot.state is not None]
         chunk_slot = prompting[0] if prompting else None
         chunk: List[int] = []
         if chunk_slot is not None and chunk_slot.rest is None:
@@ -320,23 +341,31 @@ class SlotScheduler:
 
     def _stopped_between_passes(self, slot: _Slot) -> bool:
         """End the slot's request here if a stop was asked (cancel, the reader left) or, in its
-        prompt, its time budget ran out; True if it ended."""
+        prompt, its time budget ran out; True if it ended (with its error, if its last step could
+        not be made: a chat turn's reply is read there)."""
         state = slot.state
-        if state.ends.stop_requested():
-            finish = "cancelled"
-        elif slot.prompting and state.over_budget():
-            finish = "timeout"
-        else:
-            return False
-        self._deliver(slot, state.step(self._steps.spec, finish))
+        try:
+            if state.ends.stop_requested():
+                finish = "cancelled"
+            elif slot.prompting and state.over_budget():
+                finish = "timeout"
+            else:
+                return False
+            last = state.step(self._steps.spec, finish)
+        except Exception as exc:  # noqa: BLE001  one request's fault is its own
+            self._fail(slot, exc)
+            return True
+        self._deliver(slot, last)
         return True
 
     def _deliver(self, slot: _Slot, step: Step) -> None:
         """Hand ``step`` to the request's reader; the last one frees the slot."""
         slot.ticket.out.put(step)
         if step.finish_reason is not None:
-            self._end_request(slot)
-            self._release(slot)
+            try:
+                self._end_request(slot)
+            finally:
+                self._release(slot)
 
     def _fail(self, slot: _Slot, exc: BaseException) -> None:
         """The request ends with ``exc``: its sequence is emptied (the cache may not hold what its
@@ -344,13 +373,21 @@ class SlotScheduler:
         try:
             slot.kv.clear()
         finally:
-            self._end_request(slot)
-            self._release(slot, exc)
+            try:
+                self._end_request(slot)
+            finally:
+                self._release(slot, exc)
 
     def _end_request(self, slot: _Slot) -> None:
+        """The request's end (its drafters learn, its stats roll up); a failure there is the
+        engine's to report (the request has its last step or its error already), never the
+        scheduler's end."""
         if slot.state is not None:
             state, slot.state = slot.state, None
-            self._steps.end_request(state)
+            try:
+                self._steps.end_request(state)
+            except Exception as exc:  # noqa: BLE001
+                self._steps.report(f"the end of a request failed: {exc!r}")
 
     def _release(self, slot: _Slot, exc: Optional[BaseException] = None) -> None:
         ticket, slot.ticket = slot.ticket, None

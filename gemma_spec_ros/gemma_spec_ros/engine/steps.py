@@ -124,6 +124,11 @@ class Steps:
         """The engine is closing, or ``cancel`` (anything with ``is_set``) is set."""
         return self.closing or (cancel is not None and cancel.is_set())
 
+    def report(self, fault: str) -> None:
+        """A problem outside any request's result (a drafter's failed save, a scheduler fault),
+        for the engine's owner (Engine.take_faults)."""
+        self._faults.append(fault)
+
     def rolling_stats(self) -> SpecStats:
         """SpecStats over every request that ended (a copy)."""
         with self._stats_lock:
@@ -311,7 +316,7 @@ class Steps:
             drafter.end(state.prompt + state.generated)  # learns; a failed save is kept, never raised
             fault = drafter.take_fault()
             if fault:
-                self._faults.append(fault)
+                self.report(fault)
 
 
 __all__ = ["MAX_VERIFY_ROWS", "PlannedStep", "Steps"]

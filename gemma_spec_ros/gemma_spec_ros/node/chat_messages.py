@@ -33,15 +33,28 @@ def chat_request_from_goal(goal: Any, values: Mapping[str, Any]) -> GenerationRe
                         json_schema=goal.json_schema)
 
 
+#: Bytes a message or a call counts on top of its strings: the template's markup around it (a
+#: turn's markers, a call's name and braces). An empty message is not free to render and tokenize.
+ITEM_OVERHEAD_BYTES = 32
+
+
 def check_chat_bounds(goal: Any, values: Mapping[str, Any]) -> None:
-    """GoalRejected if the conversation's text (every message's strings, and the tools) exceeds
-    ``limits.max_prompt_bytes``, or a tools text ``limits.max_grammar_bytes`` (the tools become a
-    grammar); cheap, before anything parses or tokenizes it."""
+    """GoalRejected if the conversation's text (every message's strings and the tools, each
+    message and call counting :data:`ITEM_OVERHEAD_BYTES` more) exceeds ``limits.max_prompt_bytes``,
+    if it has more messages and calls than ``limits.max_prompt_tokens`` (each renders to one token
+    at least), or if a tools text exceeds ``limits.max_grammar_bytes`` (the tools become a grammar);
+    cheap, before anything parses or tokenizes it."""
+    items = len(goal.messages) + sum(len(m.tool_calls) for m in goal.messages)
+    if items > values["limits.max_prompt_tokens"]:
+        raise GoalRejected(f"the conversation has {items} messages and calls, more than "
+                           f"limits.max_prompt_tokens={values['limits.max_prompt_tokens']} (each "
+                           "takes one prompt token at least)")
     size = sum(len(s.encode("utf-8", "replace")) for m in goal.messages
                for s in (m.content, m.name, m.tool_call_id, *(c.arguments for c in m.tool_calls)))
-    size += len(goal.tools.encode("utf-8", "replace"))
+    size += len(goal.tools.encode("utf-8", "replace")) + items * ITEM_OVERHEAD_BYTES
     if size > values["limits.max_prompt_bytes"]:
-        raise GoalRejected(f"the conversation's messages and tools take {size} bytes, more than "
+        raise GoalRejected(f"the conversation's messages and tools take {size} bytes (counting "
+                           f"{ITEM_OVERHEAD_BYTES} for each message and call), more than "
                            f"limits.max_prompt_bytes={values['limits.max_prompt_bytes']}")
     tools = len(goal.tools.encode("utf-8", "replace"))
     if tools > values["limits.max_grammar_bytes"]:
@@ -112,5 +125,5 @@ def chat_result(reply: Optional[AssistantReply], text: str, finish_reason: str, 
                                spec_mode=plain.spec_mode, stats=plain.stats, error=plain.error)
 
 
-__all__ = ["chat_feedback", "chat_request_from_goal", "chat_result", "chat_result_of", "check_chat_bounds",
+__all__ = ["ITEM_OVERHEAD_BYTES", "chat_feedback", "chat_request_from_goal", "chat_result", "chat_result_of", "check_chat_bounds",
            "conversation_from_goal", "message_msg"]

@@ -231,6 +231,9 @@ def _spec_level(view: NodeView, log: RequestLog, window: Optional[SpecStats]) ->
         return ERROR, f"configure failed: {view.configure_error}"
     if view.lifecycle_state != "active":
         return OK, view.lifecycle_state
+    if view.dispatcher == "stopped" or view.backend.get("scheduler") == "stopped":
+        which = "goal dispatcher" if view.dispatcher == "stopped" else "scheduler of requests at once"
+        return ERROR, f"the {which} stopped: no goal can run (cleanup and configure restart it)"
     if log.last_failed:
         return ERROR, f"last request failed: {log.last_error}"
     warnings = []

@@ -233,17 +233,18 @@ PARAMETERS: Tuple[ParamSpec, ...] = (
               "lookup.dynamic_path; '' = memory only"),
     ParamSpec("suffix.history_max_tokens", _SUFFIX.history_max_tokens,
               "tokens of earlier outputs the suffix history keeps (~0.35 KB each in memory); the "
-              "oldest are evicted first; 0 = none (the request's own tokens only)", (0, 1 << 24)),
+              "oldest are evicted first; 0 = none (the request's own tokens only)", (0, 1 << 20)),
     ParamSpec("suffix.save_period", _SUFFIX.save_period,
               "seconds between atomic saves of the suffix history while serving; 0 = only at "
               "cleanup/shutdown", (0.0, 86_400.0)),
     ParamSpec("chat.template_path", _CHAT.template_path,
               "Jinja chat template file for ~/generate_chat turns instead of the model's own "
-              "(tokenizer.chat_template), e.g. for a base model without one; '' = the model's own"),
+              "(tokenizer.chat_template), e.g. for a base model without one: a regular file of at most "
+              "256 KiB that renders `messages`; '' = the model's own"),
     ParamSpec("chat.conversation_cache_mb", _CHAT.conversation_cache_bytes >> 20,
               "host memory (MiB) for recent conversations' KV: a follow-up turn after another "
               "conversation's evaluates only its new tokens; least recently used out first; 0 = none",
-              (0, 1 << 20)),
+              (0, 1 << 12)),
     ParamSpec("generation.max_tokens", 128,
               "tokens generated when a goal's max_tokens is 0; <= limits.max_tokens", (1, 1 << 20)),
     ParamSpec("generation.temperature", _SAMPLING.temperature,

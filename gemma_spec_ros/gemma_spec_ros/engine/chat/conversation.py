@@ -12,7 +12,8 @@ Checks (each one a refusal at goal time, before anything is tokenized):
   (and its ``name``, when given, that call's tool);
 - a call's arguments are a JSON object; tool names are OpenAI's (``[A-Za-z0-9_-]{1,64}``), unique;
 - each tool's ``parameters`` is a JSON Schema of an object (checked with jsonschema's own
-  meta-schema check, the API of jsonschema 3.2 and later);
+  meta-schema check, the API of jsonschema 3.2 and later) whose ``$ref`` values point inside it
+  (``#`` or ``#/...``: the reply's grammar and its validation then read the same schema);
 - ``tool_choice`` is ``auto``, ``none``, ``required`` or a tool's name, and needs tools unless it is
   auto or none.
 """
@@ -124,6 +125,58 @@ def check_schema(schema: Mapping[str, Any], what: str) -> None:
                          + (f" (at {where})" if where else "")) from None
 
 
+def check_references(schema: Mapping[str, Any], what: str) -> None:
+    """ValueError unless every ``$ref`` of ``schema`` is a JSON pointer into ``schema`` itself
+    (``#``, ``#/$defs/point``...) that leads to a schema there: a reference to another document, to
+    an anchor, or to nothing would be read one way by the grammar and another (or not at all) by
+    validation.
+
+    >>> check_references({"$defs": {"p": {"type": "number"}}, "properties": {"x": {"$ref": "#/$defs/p"}}}, "s")
+    >>> check_references({"properties": {"x": {"$ref": "#/properties/name"}}}, "the parameters")
+    Traceback (most recent call last):
+    ...
+    ValueError: the parameters: $ref '#/properties/name' points to nothing in the parameters themselves
+    """
+    stack: List[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        ref = node.get("$ref")
+        if isinstance(ref, str):  # (a dict there is a property named "$ref")
+            if not (ref == "#" or ref.startswith("#/")):
+                raise ValueError(f"{what}: $ref {_quote(ref)} is not a reference within the "
+                                 "parameters themselves ('#' or '#/...'); other documents and anchors "
+                                 "are not supported")
+            if not isinstance(json_pointer(schema, ref[1:]), dict):
+                raise ValueError(f"{what}: $ref {_quote(ref)} points to nothing in the parameters themselves")
+        stack.extend(value for key, value in node.items() if key not in ("const", "enum", "default", "examples"))
+
+
+def json_pointer(document: Any, pointer: str) -> Any:
+    """The value at a JSON pointer (RFC 6901, as a URI fragment: percent-escapes decoded), None
+    where it points to nothing.
+
+    >>> json_pointer({"a": [{"b~c": 1}]}, "/a/0/b~0c"), json_pointer({"a": 1}, "/b")
+    (1, None)
+    """
+    from urllib.parse import unquote  # noqa: WPS433
+
+    node = document
+    for raw in (pointer.split("/")[1:] if pointer else []):
+        key = unquote(raw).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and key in node:
+            node = node[key]
+        elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
+            node = node[int(key)]
+        else:
+            return None
+    return node
+
+
 def parse_tools(text: str) -> Tuple[Tool, ...]:
     """The tools of a goal (a JSON array of OpenAI function tools; '' = none), checked.
 
@@ -166,6 +219,7 @@ def _tool(entry: Any, index: int) -> Tool:
     if not isinstance(parameters, dict):
         raise ValueError(f"tool {name!r}: parameters must be a JSON Schema object")
     check_schema(parameters, f"the parameters of tool {name!r}")
+    check_references(parameters, f"the parameters of tool {name!r}")
     if parameters.get("type", "object") != "object":
         raise ValueError(f"tool {name!r}: parameters must describe an object (\"type\": \"object\"), "
                          f"not {parameters.get('type')!r}")
@@ -271,5 +325,5 @@ def _message(entry: Any, index: int) -> ChatMessage:
                        str(entry.get("name") or ""), str(entry.get("tool_call_id") or ""), tuple(calls))
 
 
-__all__ = ["ChatMessage", "Conversation", "ROLES", "TOOL_CHOICES", "Tool", "ToolCall", "check_schema",
+__all__ = ["ChatMessage", "Conversation", "ROLES", "TOOL_CHOICES", "Tool", "ToolCall", "check_references", "check_schema",
            "conversation_from_json", "json_object", "parse_tools"]

@@ -154,8 +154,14 @@ def validated(conversation: Conversation, parsed: Parsed) -> Tuple[Tuple[ToolCal
             errors.append(f"the reply calls {name!r}, which is not a tool offered this turn")
             continue
         schema = dict(tool.parameters)
-        error = jsonschema.exceptions.best_match(
-            jsonschema.validators.validator_for(schema)(schema).iter_errors(arguments))
+        try:
+            error = jsonschema.exceptions.best_match(
+                jsonschema.validators.validator_for(schema)(schema).iter_errors(arguments))
+        except Exception as exc:  # noqa: BLE001  a schema jsonschema cannot apply (an unresolvable
+            # $ref, recursion too deep): the call is left out with the reason, the turn ends normally
+            errors.append(f"the arguments of {name!r} could not be checked against its schema: "
+                          f"{type(exc).__name__}: {str(exc)[:200]}")
+            continue
         if error is not None:
             where = "/".join(str(p) for p in error.path)
             errors.append(f"the arguments of {name!r} do not follow its schema: {error.message}"

@@ -8,8 +8,9 @@ writes):
   Gemma's template sorts them (``dictsort``: case-insensitive), numbers, ``true``, ``false``,
   ``null``, ``[...]`` and ``{...}`` as in JSON. A tool's JSON Schema becomes a grammar of that
   syntax here (:class:`_GemmaArguments`: types, properties and required keys, enum, const,
-  anyOf / oneOf, items, string lengths); other keywords (bounds, patterns, ``$ref``) are not in the
-  grammar, so arguments are validated against the schema after generation as always.
+  anyOf / oneOf, items, string lengths, ``$ref`` into the parameters, recursive ones included);
+  other keywords (bounds, patterns) are not in the grammar, so arguments are validated against the
+  schema after generation as always.
 - :data:`TAGGED_JSON_CALLS`: ``<tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>``, plain
   text (the syntax of Hermes and Qwen templates, and of this package's fallback for templates
   without tools, which :meth:`TaggedJsonCalls.describe` explains to the model). The arguments go
@@ -151,12 +152,36 @@ class TaggedJsonCalls(CallSyntax):
 def _call_schema(tool: Any) -> Dict[str, Any]:
     """The JSON Schema of one call of ``tool``: ``{"name": its name, "arguments": its parameters}``
     with the engine's JSON layout; the parameters' ``$defs`` / ``definitions`` lifted to the top,
-    where their ``#/$defs/...`` references point, and objects closed (:func:`closed`)."""
-    parameters = closed(dict(tool.parameters))
+    where their ``#/$defs/...`` references point, every other reference into the parameters
+    (``#``, ``#/properties/...``) pointed at them under ``arguments`` (:func:`rebased`), and objects
+    closed (:func:`closed`). Validation reads the parameters themselves: both see one schema."""
+    parameters = closed(rebased(dict(tool.parameters)))
     lifted = {key: parameters.pop(key) for key in ("$defs", "definitions") if key in parameters}
     return {"x-guidance": dict(JSON_OPTIONS), "type": "object", **lifted,
             "properties": {"name": {"const": tool.name}, "arguments": parameters},
             "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def rebased(schema: Any, at: str = "#/properties/arguments") -> Any:
+    """``schema`` with its references into itself made references into the call schema, where it
+    sits at ``at``; those into ``$defs`` / ``definitions`` stay (they are lifted to the top).
+
+    >>> rebased({"items": {"$ref": "#"}, "x": {"$ref": "#/$defs/p"}, "y": {"$ref": "#/properties/a"}})
+    ... # doctest: +NORMALIZE_WHITESPACE
+    {'items': {'$ref': '#/properties/arguments'}, 'x': {'$ref': '#/$defs/p'},
+     'y': {'$ref': '#/properties/arguments/properties/a'}}
+    """
+    if isinstance(schema, list):
+        return [rebased(item, at) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: (value if key in ("const", "enum", "default", "examples") else rebased(value, at))
+           for key, value in schema.items()}
+    ref = out.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")) \
+            and not ref.startswith(("#/$defs/", "#/definitions/")):
+        out["$ref"] = at + ref[1:]
+    return out
 
 
 def closed(schema: Any) -> Any:
@@ -216,7 +241,7 @@ class GemmaCalls(CallSyntax):
                              f"no control token {missing[0]!r}")
         opener, closer, quote = (f"<[{ids[t]}]>" for t in (self.opener, self.closer, self.quote))
         rules = _GemmaArguments(quote)
-        functions = [f'fn{i}: "call:{tool.name}" {rules.value(closed(dict(tool.parameters)))}'
+        functions = [f'fn{i}: "call:{tool.name}" {rules.arguments(closed(dict(tool.parameters)))}'
                      for i, tool in enumerate(tools)]
         one = f"{opener} ({' | '.join(f'fn{i}' for i in range(len(tools)))}) {closer}"
         if must_call:
@@ -256,16 +281,42 @@ class _GemmaArguments:
     quote: str  # the ``<|"|>`` token as Lark writes a token: <[id]>
     lines: List[str] = field(default_factory=list)
     _generic: str = ""
+    _root: Any = None  # the parameters being written: where their ``$ref``s point
+    _refs: Dict[str, str] = field(default_factory=dict)  # a reference -> its rule, for this root
+    _named: int = 0
 
     def _rule(self, body: str) -> str:
         name = f"v{len(self.lines)}"
         self.lines.append(f"{name}: {body}")
         return name
 
+    def arguments(self, parameters: Mapping[str, Any]) -> str:
+        """The rule of a tool's arguments, ``parameters`` the root its references point into."""
+        self._root, self._refs = parameters, {}
+        return self.value(parameters)
+
+    def reference(self, ref: str) -> str:
+        """The rule of the schema ``ref`` points to in the parameters (a JSON pointer; the goal
+        check refused any other): named before its body is written, so a schema may refer to
+        itself."""
+        from .conversation import json_pointer  # noqa: WPS433
+
+        name = self._refs.get(ref)
+        if name is None:
+            target = json_pointer(self._root, ref[1:]) if ref.startswith("#") else None
+            if not isinstance(target, dict):
+                return self.generic()
+            self._named += 1
+            name = self._refs[ref] = f"r{self._named}"
+            self.lines.append(f"{name}: {self.value(target)}")
+        return name
+
     def value(self, schema: Any) -> str:
         """The rule of one value that follows ``schema``."""
         if not isinstance(schema, dict):
             return self.generic() if schema is not False else self._rule('"null"')
+        if isinstance(schema.get("$ref"), str):
+            return self.reference(schema["$ref"])
         if "const" in schema:
             return self._rule(self.literal(schema["const"]))
         if "enum" in schema:

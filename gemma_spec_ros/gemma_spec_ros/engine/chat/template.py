@@ -31,15 +31,18 @@ role joined (templates such as Gemma 3's require alternating roles).
 """
 from __future__ import annotations
 
+import ctypes
 import datetime
 import json
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .conversation import ChatMessage, Conversation, Tool
 from .syntax import GEMMA_CALLS, TAGGED_JSON_CALLS, CallSyntax, syntax_of_template
 from ..llama.chat_prompt import split_at_control_tokens, tokens_of_parts
+from ..llama.special_texts import SpecialTexts
 
 #: A slot: a private-use character, the slot's number, another one (no template writes these, no
 #: vocabulary parses them as a control token, and trim, upper and JSON escaping leave them alone).
@@ -68,6 +71,8 @@ class ChatVocab:
         self._llama_cpp = llama_cpp
         self._control = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL
         self.bos, self.eos = backend.bos, backend.eos
+        #: the vocabulary's special texts, split in one scan of a text (None: llama.cpp's parsing)
+        self._special = SpecialTexts.of(backend)
 
     def token_text(self, token: int) -> str:
         return self._backend.token_text(token).decode("utf-8", "replace")
@@ -91,7 +96,10 @@ class ChatVocab:
         return None
 
     def split(self, text: str) -> List[Part]:
-        """``text`` split at the control tokens llama.cpp's special-token parsing finds in it."""
+        """``text`` split at the control tokens llama.cpp's special-token parsing finds in it (in
+        one scan of the text: llama.cpp's own parsing scans it once per special token)."""
+        if self._special is not None:
+            return self._special.split(text)
         return split_at_control_tokens(self._backend, text)
 
     def tokens(self, parts: Sequence[Part]) -> List[int]:
@@ -139,16 +147,18 @@ class ChatTemplate:
         import jinja2.sandbox  # noqa: WPS433
 
         self.source, self.origin = source, origin
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        env = _BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
         try:
             self._template = env.from_string(source)
-            takes_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
+            variables = jinja2.meta.find_undeclared_variables(env.parse(source))
         except jinja2.TemplateError as exc:
             raise TemplateError(f"{origin} does not compile: {_short(exc)}") from None
+        takes_tools = "tools" in variables
+        #: the template renders the conversation's messages (a text without them is no chat template)
+        self.reads_messages = "messages" in variables
         self._errors: Tuple[type, ...] = (jinja2.TemplateError,)
         #: the call syntax the template itself writes; None: the fallback describes the tools
         self.native_syntax: Optional[CallSyntax] = syntax_of_template(source) if takes_tools else None
@@ -161,12 +171,15 @@ class ChatTemplate:
         return self.native_syntax or TAGGED_JSON_CALLS
 
     def render(self, view: Mapping[str, Any], bos_token: str = "", eos_token: str = "") -> str:
-        """The template's text for ``view`` (messages and tools), with the generation prompt."""
+        """The template's text for ``view`` (messages and tools), with the generation prompt.
+
+        Bounded (it runs in a goal callback, and a template file is a program): at most
+        :data:`RENDER_SECONDS` and :data:`MAX_RENDER_CHARS` of output, ``range`` and repeated
+        strings within :data:`MAX_RENDER_ITEMS` items a render (:class:`_BoundedEnvironment`)."""
         try:
-            return self._template.render(messages=view["messages"], tools=view["tools"],
-                                         add_generation_prompt=True, bos_token=bos_token,
-                                         eos_token=eos_token)
-        except TemplateError:  # raise_exception: the template's own words
+            with _Deadline(RENDER_SECONDS):
+                return self._render(view, bos_token, eos_token)
+        except TemplateError:  # raise_exception, a bound: the template's own words, or ours
             raise
         except self._errors as exc:
             raise TemplateError(f"{self.origin} failed to render this conversation: {_short(exc)}") from None
@@ -174,6 +187,21 @@ class ChatTemplate:
                 RecursionError) as exc:
             raise TemplateError(f"{self.origin} failed to render this conversation: "
                                 f"{type(exc).__name__}: {_short(exc)}") from None
+
+    def _render(self, view: Mapping[str, Any], bos_token: str, eos_token: str) -> str:
+        pieces: List[str] = []
+        size = 0
+        environment = self._template.environment
+        environment.budget = MAX_RENDER_ITEMS  # type: ignore[attr-defined]
+        for piece in self._template.generate(messages=view["messages"], tools=view["tools"],
+                                             add_generation_prompt=True, bos_token=bos_token,
+                                             eos_token=eos_token):
+            size += len(piece)
+            if size > MAX_RENDER_CHARS:
+                raise TemplateError(f"{self.origin} renders more than {MAX_RENDER_CHARS} characters "
+                                    "for this conversation")
+            pieces.append(piece)
+        return "".join(pieces)
 
     def view(self, conversation: Conversation) -> TemplateView:
         """The conversation in the shape this template expects (see the module docstring)."""
@@ -313,10 +341,7 @@ def _called(conversation: Conversation, call_id: str) -> str:
 
 
 def _check_unslotted(strings: Sequence[Tuple[str, str]], vocab: ChatVocab) -> None:
-    """TemplateError if a string the template renders as it is spells a control token (all of
-    them parsed at once: a newline ends any control token's text)."""
-    if not any(isinstance(part, int) for part in vocab.split("\n".join(text for _, text in strings))):
-        return
+    """TemplateError if a string the template renders as it is spells a control token."""
     for where, text in strings:
         for part in vocab.split(text):
             if isinstance(part, int):
@@ -364,6 +389,102 @@ def _shown_as(text: str) -> List[str]:
     forms = [text, text.strip(), json.dumps(text, ensure_ascii=False)[1:-1], json.dumps(text)[1:-1]]
     unique = list(dict.fromkeys(forms))
     return sorted(unique, key=len, reverse=True)
+
+
+#: Bounds of one render (ChatTemplate.render): seconds, characters of output, and items that
+#: ``range`` and string repetition may make. A chat template renders in milliseconds and writes
+#: about the conversation's own size (bounded by limits.max_prompt_bytes, 64 KiB by default).
+RENDER_SECONDS = 1.0
+MAX_RENDER_CHARS = 4 << 20
+MAX_RENDER_ITEMS = 1 << 20
+
+
+def _bounded_environment_class() -> type:
+    """Jinja's immutable sandbox with a budget of items per render: ``range`` (the sandbox allows
+    100,000 a call, with no bound on the calls) and ``*`` of strings and lists take theirs from it."""
+    import jinja2.sandbox  # noqa: WPS433
+
+    class BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset(["*", "**"])
+        budget = MAX_RENDER_ITEMS
+
+        def __init__(self, **options: Any) -> None:
+            super().__init__(**options)
+            self.globals["range"] = self._range
+
+        def _take(self, items: int) -> None:
+            self.budget -= max(0, items)
+            if self.budget < 0:
+                raise TemplateError(f"the chat template makes more than {MAX_RENDER_ITEMS} items "
+                                    "(range, repeated strings) in one render")
+
+        def _range(self, *args: int) -> range:
+            items = range(*args)
+            self._take(len(items))
+            return items
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            if operator == "**":
+                if isinstance(right, int) and abs(right) > 64:
+                    raise TemplateError("the chat template raises a number to a power above 64")
+                return left ** right
+            if isinstance(left, (str, list, tuple)) and isinstance(right, int):
+                self._take(len(left) * right)
+            elif isinstance(right, (str, list, tuple)) and isinstance(left, int):
+                self._take(len(right) * left)
+            return left * right
+
+    return BoundedEnvironment
+
+
+def _BoundedEnvironment(**options: Any) -> Any:  # noqa: N802  a class made at first use (jinja2 imported late)
+    global _BOUNDED_ENVIRONMENT
+    if _BOUNDED_ENVIRONMENT is None:
+        _BOUNDED_ENVIRONMENT = _bounded_environment_class()
+    return _BOUNDED_ENVIRONMENT(**options)
+
+
+_BOUNDED_ENVIRONMENT: Optional[type] = None
+
+
+class _Deadline:
+    """Raise TemplateError in this thread once ``seconds`` have passed inside the ``with`` block
+    (a template's loops are Python bytecode: CPython delivers an exception set for a thread at its
+    next instruction). Set only while the block has not ended, and caught by the block's caller."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._lock = threading.Lock()
+        self._open = True
+        self._thread_id = threading.get_ident()
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+
+    def __enter__(self) -> "_Deadline":
+        self._timer.start()
+        return self
+
+    def _expire(self) -> None:
+        with self._lock:
+            if self._open:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._thread_id),
+                                                           ctypes.py_object(_RenderTimeout))
+
+    def __exit__(self, *exc_info: Any) -> None:
+        try:
+            self._timer.cancel()
+            with self._lock:
+                self._open = False
+        except _RenderTimeout:  # set just before the block ended: the render took the whole time
+            pass
+        if exc_info[0] is _RenderTimeout:
+            raise TemplateError(f"the chat template took more than {self.seconds:g} s to render "
+                                "this conversation") from None
+
+
+class _RenderTimeout(BaseException):
+    """Set in a rendering thread by :class:`_Deadline` (a BaseException: no ``except Exception``
+    on the way, Jinja's or a filter's, may take it for an error of its own)."""
 
 
 def _tojson(value: Any, indent: Optional[int] = None, separators: Optional[Tuple[str, str]] = None,

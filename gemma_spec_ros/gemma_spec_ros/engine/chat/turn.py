@@ -19,6 +19,7 @@ from typing import Any, Optional, Tuple
 from ..grammar.matcher import Constraint, compiled_constraint
 from .conversation import Conversation
 from .syntax import CallSyntax
+from ..files import read_regular_file
 from .template import ChatTemplate, ChatVocab, TemplateError
 
 
@@ -45,15 +46,24 @@ def model_template(backend: Any) -> ChatTemplate:
     return ChatTemplate(source.decode("utf-8", "replace"), f"the chat template of {backend.path}")
 
 
+#: The largest chat template file read (a model's template is a few KiB; Gemma 4's ~15 KiB).
+MAX_TEMPLATE_BYTES = 256 << 10
+
+
 def template_file(path: str) -> ChatTemplate:
     """The chat template in the file at ``path`` (a Jinja template, as ``tokenizer.chat_template``
-    holds one); TemplateError if it cannot be read or does not compile."""
+    holds one); TemplateError if it is not a regular file of at most :data:`MAX_TEMPLATE_BYTES`
+    (never a hang on a FIFO nor an unbounded read of a device), is not UTF-8, does not compile or
+    does not render the conversation's ``messages`` (any other text file would become every chat
+    turn's prompt)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            source = f.read()
+        source = read_regular_file(path, MAX_TEMPLATE_BYTES).decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise TemplateError(f"cannot read the chat template file {path}: {exc}") from None
-    return ChatTemplate(source, f"the chat template file {path}")
+    template = ChatTemplate(source, f"the chat template file {path}")
+    if not template.reads_messages:
+        raise TemplateError(f"the chat template file {path} does not render `messages`: not a chat template")
+    return template
 
 
 def prepare_turn(conversation: Conversation, template: ChatTemplate, vocab: ChatVocab,

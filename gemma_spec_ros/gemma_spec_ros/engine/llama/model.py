@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 import time
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
 
@@ -25,6 +26,8 @@ from .process import init_backend, load_llama_cpp, exact_output_expected
 from ..errors import KVCacheError, ModelLoadError
 from ..config import ModelConfig
 from .vocab import VocabIdentity, token_texts_digest
+
+T = TypeVar("T")
 
 
 class WindowLostError(KVCacheError):
@@ -34,6 +37,39 @@ class WindowLostError(KVCacheError):
 
 class DecodeInterrupted(Exception):
     """``LlamaModel.decode`` stopped between two chunks because its ``stop`` callback said so."""
+
+
+#: Text bytes above which :meth:`LlamaModel.tokenize` runs on a thread with a deep stack, and
+#: that stack: std::regex takes a few hundred bytes of stack per character of a run (8 MiB held
+#: 20,000), so 1 GiB of address space (only the pages touched are memory) holds ~2 MB of text.
+DEEP_STACK_FROM = 8 << 10
+DEEP_STACK_BYTES = 1 << 30
+_STACK_SIZE_LOCK = threading.Lock()
+
+
+def with_deep_stack(work: Callable[[], T]) -> T:
+    """``work()`` run on a new thread with a :data:`DEEP_STACK_BYTES` stack; its result or its
+    exception (the caller waits: this is for work whose stack depth grows with its input)."""
+    box: List[Any] = []
+
+    def run() -> None:
+        try:
+            box.append((True, work()))
+        except BaseException as exc:  # noqa: BLE001  handed to the caller
+            box.append((False, exc))
+
+    with _STACK_SIZE_LOCK:  # the stack size applies to the threads made while it is set
+        previous = threading.stack_size(DEEP_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="gemma_spec_deep_stack", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
 
 
 class BufferViews:
@@ -230,9 +266,19 @@ class LlamaModel:
 
     # -- vocabulary -----------------------------------------------------------------------------
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> List[int]:
-        """Tokens of ``text``; BOS added when the model wants it and ``add_special``."""
-        llama_cpp = self._llama_cpp
+        """Tokens of ``text``; BOS added when the model wants it and ``add_special``.
+
+        A long text is tokenized on a thread with a deep stack (:func:`with_deep_stack`): the
+        pre-tokenizers llama.cpp runs with ``std::regex`` recurse once per character of a run
+        (``default``, ``falcon``, ``starcoder``...: 40,000 ``<`` in a row overflowed a thread's 8 MiB
+        stack and ended the process); Gemma's SentencePiece vocabulary runs no regex."""
         data = text.encode("utf-8")
+        if len(data) > DEEP_STACK_FROM:
+            return with_deep_stack(lambda: self._tokenize(data, add_special, parse_special))
+        return self._tokenize(data, add_special, parse_special)
+
+    def _tokenize(self, data: bytes, add_special: bool, parse_special: bool) -> List[int]:
+        llama_cpp = self._llama_cpp
         capacity = len(data) + 8
         buf = (llama_cpp.llama_token * capacity)()
         n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, parse_special)
