@@ -15,7 +15,7 @@ import json
 import math
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, List
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import pytest
 from action_msgs.msg import GoalStatus
@@ -39,29 +39,32 @@ GRAMMAR = 'root ::= " yes" | " no"'
 TRICKLE_SECONDS = 12.0
 
 
-def completion(text: str = " yes", usage: Any = None, timings: Any = None) -> Callable[[Callable[[bytes], bool]], None]:
+def completion(text: str = " yes", usage: Any = None, timings: Any = None,
+               marks: Optional[Dict[str, str]] = None) -> Callable[[Callable[[bytes], bool]], None]:
     """A chunked completion stream: one text chunk, a last chunk with finish_reason stop (and
-    ``usage`` / ``timings`` when given), [DONE]. ``usage`` may be a raw JSON text (for NaN)."""
-    last: Dict[str, Any] = {"choices": [{"text": "", "finish_reason": "stop"}]}
+    ``usage`` / ``timings`` when given), [DONE]. ``usage`` may be a raw JSON text (for NaN);
+    ``marks`` (``model``, ``system_fingerprint``) go into every chunk, as real servers put them."""
+    first: Dict[str, Any] = {"choices": [{"text": text, "finish_reason": None}], **(marks or {})}
+    last: Dict[str, Any] = {"choices": [{"text": "", "finish_reason": "stop"}], **(marks or {})}
     if timings is not None:
         last["timings"] = timings
     last_json = json.dumps(last)
     if usage is not None:
         usage_json = usage if isinstance(usage, str) else json.dumps(usage)
         last_json = last_json[:-1] + f', "usage": {usage_json}}}'
-    events = [json.dumps({"choices": [{"text": text, "finish_reason": None}]}), last_json, "[DONE]"]
+    events = [json.dumps(first), last_json, "[DONE]"]
 
     def script(send: Callable[[bytes], bool]) -> None:
         send(SSE_CHUNKED_HEAD + b"".join(chunk(f"data: {e}\n\n".encode()) for e in events) + b"0\r\n\r\n")
     return script
 
 
-def vllm_routes(metrics: Callable[[], str] = lambda: "") -> Dict[str, Any]:
+def vllm_routes(metrics: Callable[[], str] = lambda: "", max_model_len: int = 4096) -> Dict[str, Any]:
     """vLLM's answers: an empty /health, max_model_len in /v1/models, /tokenize with a count."""
     def metrics_script(send: Callable[[bytes], bool]) -> None:
         json_answer(metrics().encode())(send)
     return {"GET /health": json_answer(b""), "GET /metrics": metrics_script,
-            "GET /v1/models": json_answer({"data": [{"id": "big", "max_model_len": 4096}]}),
+            "GET /v1/models": json_answer({"data": [{"id": "big", "max_model_len": max_model_len}]}),
             "POST /tokenize": json_answer({"count": 3})}
 
 
@@ -124,6 +127,67 @@ def test_the_prober_sees_a_replaced_server_by_its_health_answer(engine_on) -> No
     with ScriptedStreamServer(completion(), llama_server_routes(n_ctx=512), port=port):
         wait_until(lambda: engine.n_ctx == 512 and engine.server.identified, 20, "n_ctx detected again")
         assert engine.kind == KIND_LLAMA_SERVER
+
+
+#: What a proxy in front of the backends answers to GET /health itself, whichever backend serves.
+PROXY_HEALTH = {"GET /health": json_answer({"status": "ok"})}
+#: The marks each backend's chunks carry (server.py ServerMarks): vLLM's model and no
+#: system_fingerprint, llama-server's with its build.
+VLLM_MARKS = {"model": "big"}
+LLAMA_SERVER_MARKS = {"model": "small.gguf", "system_fingerprint": "b6000-1a2b3c"}
+
+
+def constrained() -> GenerationRequest:
+    return GenerationRequest("Is water wet? Answer:", max_tokens=4, grammar=GRAMMAR)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("noticed_by", ["the constrained request", "an earlier stream"])
+def test_a_backend_swapped_behind_a_proxy_is_noticed_by_its_stream(engine_on, noticed_by: str) -> None:
+    """A proxy switches its backend from vLLM to llama-server and answers /health itself, the same
+    before and after: the probe saw the same server, so every constrained request went out with
+    vLLM's structured_outputs, which llama-server ignores (unconstrained text). Now the streams'
+    marks tell the swap: a constrained request whose own stream shows it is closed before its first
+    Step and sent again with llama-server's grammar once the server is identified anew; a swap seen
+    by an earlier stream has the next constrained request built for llama-server from the start."""
+    with ScriptedStreamServer(completion(marks=VLLM_MARKS), {**vllm_routes(), **PROXY_HEALTH}) as first:
+        engine = engine_on(first.url)
+        assert engine.kind == KIND_VLLM
+        list(engine.generate(constrained()))  # the stream that teaches the backend's marks
+        assert "structured_outputs" in sent_bodies(first)[0]
+        port = first.port
+    with ScriptedStreamServer(completion(marks=LLAMA_SERVER_MARKS), {**llama_server_routes(), **PROXY_HEALTH},
+                              port=port) as second:
+        if noticed_by == "an earlier stream":
+            assert list(engine.generate(GenerationRequest("Hi", max_tokens=4)))[-1].finish_reason == "stop"
+            assert not engine.server.identified
+        steps = list(engine.generate(constrained()))
+        assert [s.text for s in steps] == [" yes", ""] and steps[-1].finish_reason == "stop"
+        bodies = sent_bodies(second)
+        assert bodies[-1].get("grammar") == GRAMMAR and "structured_outputs" not in bodies[-1]
+        assert len(bodies) == 2 and engine.kind == KIND_LLAMA_SERVER and engine.n_ctx == 512
+        if noticed_by == "the constrained request":
+            assert "structured_outputs" in bodies[0]  # the first try, closed at its first chunk
+        list(engine.generate(constrained()))
+        assert len(sent_bodies(second)) == 3 and len(second.bodies("GET /props")) == 1  # nothing more
+
+
+@pytest.mark.timeout(60)
+def test_a_backend_of_the_same_kind_is_identified_again_without_a_resend(engine_on) -> None:
+    """A balancer's other backend, of the same kind but another model and context: its stream's
+    marks differ only in the model, so the constrained request it served (built with the right
+    field) is not sent again, and the next constrained request reads the new context first."""
+    with ScriptedStreamServer(completion(marks=VLLM_MARKS), {**vllm_routes(), **PROXY_HEALTH}) as first:
+        engine = engine_on(first.url)
+        list(engine.generate(constrained()))
+        port = first.port
+    with ScriptedStreamServer(completion(marks={"model": "bigger"}),
+                              {**vllm_routes(max_model_len=2048), **PROXY_HEALTH}, port=port) as second:
+        list(engine.generate(constrained()))
+        assert len(sent_bodies(second)) == 1 and engine.n_ctx == 4096 and not engine.server.identified
+        list(engine.generate(constrained()))
+        assert len(sent_bodies(second)) == 2 and (engine.kind, engine.n_ctx) == (KIND_VLLM, 2048)
+        assert all("structured_outputs" in body for body in sent_bodies(second))
 
 
 def failing_routes() -> Dict[str, Any]:

@@ -20,12 +20,20 @@ own syntax needs none of this: llama.cpp's Gemma 4 handler starts a required tur
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ..chat.conversation import TOOL_CHOICES, ChatMessage, Conversation
 from ..chat.reply import AssistantReply, assistant_reply
 from ..chat.syntax import TAGGED_JSON_CALLS, CallSyntax, Parsed
 from .http import RemoteError
+
+#: The deepest nesting of a server's call arguments taken: what reads them after this room
+#: recurses per level (the call's own JSON check, schema validation, the node's messages), so
+#: arguments nested just under Python's recursion limit, which json.loads here still read, raised
+#: ValueError a few frames deeper (ToolCall's check) instead of being left out with the reason. A
+#: tool's arguments nest a few levels.
+MAX_ARGUMENT_NESTING = 32
 
 
 def chat_fields(conversation: Conversation, syntax: Optional[CallSyntax] = None) -> Dict[str, Any]:
@@ -92,9 +100,21 @@ def openai_message(message: ChatMessage) -> Dict[str, Any]:
     return entry
 
 
+@dataclass(frozen=True)
+class _CallPieces:
+    """One streamed call's name and arguments as their fragments, joined once at the end: joining
+    at every fragment copied the arguments so far each time (10,000 fragments of 256 bytes took
+    ~5 s, 40,000 took ~100 s), a cost a server sets by how finely it splits."""
+
+    name: List[str] = field(default_factory=list)
+    arguments: List[str] = field(default_factory=list)
+
+
 class ToolCallDeltas:
     """The ``delta.tool_calls`` fragments of a stream, by their ``index``: the first fragment of a
-    call brings its name (and id), later ones pieces of its arguments' JSON text.
+    call brings its name (and id), later ones pieces of its arguments' JSON text. Every field is
+    checked as it comes: one of another type ends the request with a :class:`RemoteError` that
+    names it, never an internal error.
 
     >>> calls = ToolCallDeltas()
     >>> calls.add({"choices": [{"delta": {"tool_calls": [{"index": 0, "id": "a", "function": {
@@ -104,10 +124,15 @@ class ToolCallDeltas:
     True
     >>> calls.parsed("")
     Parsed(content='', calls=(('go', {'to': 'dock'}),), error='')
+    >>> calls.add({"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"name": 5}}]}}]})
+    ... # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    gemma_spec_ros.engine.remote.http.RemoteError: the server sent tool_calls[0].function.name as int (5), ...
     """
 
     def __init__(self) -> None:
-        self._calls: Dict[int, Dict[str, str]] = {}
+        self._calls: Dict[int, _CallPieces] = {}
 
     def add(self, chunk: Mapping[str, Any]) -> bool:
         """Take one chunk's tool-call fragments (a chunk without any is fine); whether it had any."""
@@ -118,31 +143,47 @@ class ToolCallDeltas:
             return False
         if not isinstance(fragments, list):
             raise RemoteError(f"the server sent tool_calls that are not a list: {str(fragments)[:200]!r}")
-        for fragment in fragments:
-            function = fragment.get("function") if isinstance(fragment, dict) else None
-            index = fragment.get("index", len(self._calls)) if isinstance(fragment, dict) else None
-            if not isinstance(function, dict) or not isinstance(index, int):
-                raise RemoteError(f"the server sent a tool call fragment of an unknown shape: {str(fragment)[:200]!r}")
-            call = self._calls.setdefault(index, {"name": "", "arguments": ""})
-            call["name"] += function.get("name") or ""
-            call["arguments"] += function.get("arguments") or ""
+        for position, fragment in enumerate(fragments):
+            where = f"tool_calls[{position}]"
+            _check(fragment, where, dict, "an object", required=True)
+            index = fragment.get("index")
+            _check(index, f"{where}.index", int, "a whole number >= 0")
+            if index is not None and index < 0:
+                raise RemoteError(f"the server sent {where}.index={index}, expected a whole number >= 0")
+            for key in ("id", "type"):
+                _check(fragment.get(key), f"{where}.{key}", str, "a string")
+            function = fragment.get("function")
+            _check(function, f"{where}.function", dict, "an object")
+            function = function or {}
+            name, arguments = function.get("name"), function.get("arguments")
+            _check(name, f"{where}.function.name", str, "a string")
+            _check(arguments, f"{where}.function.arguments", str, "a string (JSON text)")
+            call = self._calls.setdefault(len(self._calls) if index is None else index, _CallPieces())
+            if name:
+                call.name.append(name)
+            if arguments:
+                call.arguments.append(arguments)
         return True
 
     def parsed(self, content: str) -> Parsed:
         """The calls put together (in index order) with the streamed text; ``error`` names the first
-        call whose arguments are not a JSON object."""
+        call whose arguments are not a JSON object (it and the calls after it are left out, as the
+        local engine's parser leaves out an unreadable call and what follows it)."""
         calls: List[Tuple[str, Dict[str, Any]]] = []
         for index in sorted(self._calls):
-            call = self._calls[index]
+            name, text = "".join(self._calls[index].name), "".join(self._calls[index].arguments)
             try:
-                arguments = json.loads(call["arguments"] or "{}")
+                arguments = json.loads(text or "{}")
+                problem = "" if isinstance(arguments, dict) else "that are not a JSON object"
+                if not problem and _nesting(arguments) > MAX_ARGUMENT_NESTING:
+                    problem = f"nested more than {MAX_ARGUMENT_NESTING} levels deep"
             except ValueError as exc:
-                return Parsed(content.strip(), tuple(calls), f"the server's call of {call['name']!r} has "
-                              f"arguments that are not JSON ({exc})")
-            if not isinstance(arguments, dict):
-                return Parsed(content.strip(), tuple(calls), f"the server's call of {call['name']!r} has "
-                              "arguments that are not a JSON object")
-            calls.append((call["name"], arguments))
+                problem = f"that are not JSON ({exc})"
+            except RecursionError:  # json's decoder recurses per level, and the server sets the depth
+                problem = f"nested more than {MAX_ARGUMENT_NESTING} levels deep"
+            if problem:
+                return Parsed(content.strip(), tuple(calls), f"the server's call of {name!r} has arguments {problem}")
+            calls.append((name, arguments))
         return Parsed(content.strip(), tuple(calls))
 
     def reply(self, conversation: Conversation, content: str, ended: str = "stop") -> AssistantReply:
@@ -150,4 +191,30 @@ class ToolCallDeltas:
         return assistant_reply(conversation, self.parsed(content), ended)
 
 
-__all__ = ["ToolCallDeltas", "chat_fields", "conversation_text", "openai_message"]
+def _nesting(value: Any) -> int:
+    """Levels of objects and arrays in a parsed JSON value, counted without recursion; counting
+    stops past :data:`MAX_ARGUMENT_NESTING`.
+
+    >>> _nesting({"a": [1, {"b": []}]}), _nesting(3)
+    (4, 0)
+    """
+    deepest, pending = 0, [(value, 1)]
+    while pending and deepest <= MAX_ARGUMENT_NESTING:
+        item, level = pending.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, level)
+            pending.extend((child, level + 1) for child in children)
+    return deepest
+
+
+def _check(value: Any, where: str, kind: type, expected: str, required: bool = False) -> None:
+    """RemoteError naming ``where`` unless ``value`` is a ``kind`` or, when not ``required``, None
+    (absent or null). A bool is no number here, though Python counts it as an int."""
+    if (value is None and not required) or (isinstance(value, kind) and not isinstance(value, bool)):
+        return
+    raise RemoteError(f"the server sent {where} as {type(value).__name__} ({str(value)[:100]}), "
+                      f"expected {expected}: not an OpenAI-compatible tool call")
+
+
+__all__ = ["MAX_ARGUMENT_NESTING", "ToolCallDeltas", "chat_fields", "conversation_text", "openai_message"]

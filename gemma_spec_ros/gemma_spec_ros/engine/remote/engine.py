@@ -20,7 +20,7 @@ from ..config import SpecConfig
 from .http import HttpClient, RemoteError, ServerUnreachableError
 from .metrics import Counters, TauAttribution, fill_stats
 from .payload import completion_request, parse_json_schema
-from .server import ServerProbe, read_counters
+from .server import ServerProbe, marks_of, read_counters
 from .sse import EndedBeforeResponse, Stream, choice, open_stream
 
 #: The spec_mode label of steps the server generated (the server's configuration decides the mode).
@@ -164,34 +164,57 @@ class RemoteEngine:
         """One Step per streamed chunk with text, then a last Step with the finish reason. Raises
         ValueError (a bad json_schema) before anything is sent, ServerUnreachableError when no
         connection can be made, RemoteError for the rest. ``prompt`` (an estimate) is not used:
-        the server's tokenizer counts exactly here."""
+        the server's tokenizer counts exactly here. A request whose body depends on the server's
+        kind (a constraint, a turn that must call) and whose stream shows another kind of server
+        than the one it was built for (server.py ``ServerMarks``: a backend swapped behind a proxy)
+        is closed before its first Step and sent once more, after the server is identified anew."""
         cancel = cancel if cancel is not None else threading.Event()
         parse_json_schema(request.json_schema)
         budget_ends = time.monotonic() + request.time_budget if request.time_budget else math.inf
+        constrained = bool(request.grammar or request.json_schema)
+        must_call = request.conversation is not None and request.conversation.must_call
         try:
-            if request.grammar or request.json_schema:
-                self._check_identified()  # its kind decides the fields
-            elif request.conversation is not None and request.conversation.must_call and not self.server.identified:
-                self.server.probe()  # its template's call syntax decides how the turn opens (chat.py)
-            n_prompt = self._count_exactly(request, budget_ends, cancel)
-            path, body = completion_request(request, self.server.kind, self.config.model, self.server.call_syntax)
-            with self._lock:
-                before = self._tau.before_request()
-                try:
-                    stream = open_stream(self._http, path, body, cancel, budget_ends)
-                except EndedBeforeResponse as ended:
+            for attempt in range(2):  # a second only after a stream that came from another kind of server
+                if constrained:
+                    self._check_identified()  # its kind decides the fields
+                elif must_call and not self.server.identified:
+                    self.server.probe()  # its template's call syntax decides how the turn opens (chat.py)
+                n_prompt = self._count_exactly(request, budget_ends, cancel)
+                path, body = completion_request(request, self.server.kind, self.config.model, self.server.call_syntax)
+                with self._lock:
+                    before = self._tau.before_request()
+                    try:
+                        stream = open_stream(self._http, path, body, cancel, budget_ends)
+                    except EndedBeforeResponse as ended:
+                        self._note_served()
+                        stats = SpecStats(spec_mode=REMOTE_MODE, verification="server", num_prompt_tokens=n_prompt)
+                        yield Step((), "", stats, REMOTE_MODE, 0, ended.finish_reason)
+                        return
+                    except ServerUnreachableError as exc:
+                        self.server.mark(False, math.nan, str(exc))
+                        raise
+                    if not self._same_server(stream, path) and (constrained or must_call) and attempt == 0:
+                        # built with the fields of the kind cached, which this server ignores: closed
+                        # before any Step (the server stops), sent again once it is identified anew
+                        stream.close()
+                        continue
                     self._note_served()
-                    stats = SpecStats(spec_mode=REMOTE_MODE, verification="server", num_prompt_tokens=n_prompt)
-                    yield Step((), "", stats, REMOTE_MODE, 0, ended.finish_reason)
+                    yield from self._steps(stream, before, n_prompt, cancel, request)
                     return
-                except ServerUnreachableError as exc:
-                    self.server.mark(False, math.nan, str(exc))
-                    raise
-                self._note_served()
-                yield from self._steps(stream, before, n_prompt, cancel, request)
         except RemoteError:  # unreachable, an HTTP error, a broken stream: it may be another server now
             self.server.forget_identity()
             raise
+
+    def _same_server(self, stream: Stream, path: str) -> bool:
+        """Whether ``stream`` comes from the kind of server identified, by its marks (server.py
+        ``ServerMarks``): its header and first chunk, read now (still the first of its Steps).
+        True when it ended before a chunk. The stream is closed if reading it fails."""
+        try:
+            first = stream.first()
+        except BaseException:
+            stream.close()
+            raise
+        return first is None or self.server.same_server(path, marks_of(stream.server_header, first))
 
     def _check_identified(self) -> None:
         """Probe the server now unless the prober identified it within its last two periods;

@@ -9,11 +9,15 @@ anything that needs its model (tokenize, /v1/models) only while the engine is no
 one such server should serve one robot (or run with ``--interrupt_requests false``).
 
 The kind, n_ctx and model are detected again after the server was unreachable, answered an
-error, or answered ``/health`` otherwise than before (its fingerprint: a box behind ``remote.url``
-may have been replaced by another server meanwhile): until then they are *stale*
-(:attr:`ServerProbe.identified` is False). A constrained request is sent only to a server
-identified by a probe of the last two probe periods (one is made first otherwise), and refused
-rather than sent with another kind's fields, which that server would ignore (unconstrained text).
+error, answered ``/health`` otherwise than before (its fingerprint: a box behind ``remote.url``
+may have been replaced by another server meanwhile), or streamed with other marks than before
+(:class:`ServerMarks`: a proxy that switches backends keeps ``/health`` as it was, and the swap
+may come between two probes): until then they are *stale* (:attr:`ServerProbe.identified` is
+False). A constrained request is sent only to a server identified by a probe of the last two probe
+periods (one is made first otherwise), and refused rather than sent with another kind's fields,
+which that server would ignore (unconstrained text); one whose stream shows another kind of server
+than the one its fields were built for is sent again once, after the server is identified anew
+(engine.py).
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Dict, Mapping, Optional, TypeVar
 
 from ..chat.syntax import CallSyntax, syntax_of_template
 from .config import RemoteConfig
@@ -47,6 +51,42 @@ class ProbeResult:
     rtt: float = math.nan  # seconds of the last GET /health (any HTTP answer counts)
     checked_at: float = math.nan  # time.monotonic() of the last probe
     error: str = ""
+
+
+@dataclass(frozen=True)
+class ServerMarks:
+    """What every stream says of the server that sent it, no request added: its ``Server`` header
+    (llama-server's is ``llama.cpp``, llama_cpp.server's ``uvicorn``, as vLLM's by default; a proxy
+    may put its own) and its first chunk's ``system_fingerprint`` (llama-server's build, e.g.
+    ``b6000-1a2b3c``; the stream chunks of vLLM and llama_cpp.server have none) and ``model`` (the
+    served model's name or path). Each server's marks are constant from one stream to the next (the
+    request's ``model`` is the same every time; checked on llama-server and llama_cpp.server); they
+    are compared with those of the first stream of the same path since the server was identified,
+    never with a guess of what a kind sends.
+
+    >>> marks = marks_of("llama.cpp", {"model": "m.gguf", "system_fingerprint": "b1-abc"})
+    >>> marks.other_kind(marks_of("uvicorn", {"model": "m.gguf"})), marks.other_kind(replace(marks, model="n"))
+    (True, False)
+    """
+
+    server: str = ""
+    fingerprint: str = ""
+    model: str = ""
+
+    def other_kind(self, other: "ServerMarks") -> bool:
+        """Whether ``other`` comes from another kind of server: what tells kinds apart (the header;
+        a fingerprint or none) differs, not only a build or a model (a balancer over several
+        servers of one kind)."""
+        return self.server != other.server or bool(self.fingerprint) != bool(other.fingerprint)
+
+
+def marks_of(server_header: str, chunk: Mapping[str, Any]) -> ServerMarks:
+    """The marks of a stream from its ``Server`` header and first chunk (a field that is not a
+    string counts as absent)."""
+    def text(key: str) -> str:
+        value = chunk.get(key)
+        return value[:200] if isinstance(value, str) else ""
+    return ServerMarks(server_header, text("system_fingerprint"), text("model"))
 
 
 def read_counters(client: HttpClient) -> Optional[Counters]:
@@ -81,6 +121,7 @@ class ServerProbe:
         # kind/n_ctx/model not detected since the server last failed (or ever): detect again
         self._stale = True
         self._identified_by: Optional[tuple] = None  # the /health answer (status, body start) at detection
+        self._marks: Dict[str, ServerMarks] = {}  # per path, the first stream's marks since detection
         self._closed = threading.Event()
         self.probe()
         self._thread: Optional[threading.Thread] = None
@@ -108,6 +149,20 @@ class ServerProbe:
         """The server was unreachable or answered an error: detect its kind and n_ctx again at the
         next probe that finds it answering (the values stay, marked stale, until then)."""
         self._stale = True
+
+    def same_server(self, path: str, marks: ServerMarks) -> bool:
+        """Whether a stream of ``path`` with ``marks`` comes from the kind of server identified. The
+        first stream of each path since the detection teaches its marks; a later one with other
+        marks makes the kind, n_ctx and model stale (detected again by the next probe, or before
+        the next request that needs them: no request is added here). False only when the marks
+        show another kind (:meth:`ServerMarks.other_kind`): a request built for the kind cached
+        may carry fields this server ignores."""
+        with self._lock:
+            known = self._marks.setdefault(path, marks)
+        if known == marks:
+            return True
+        self.forget_identity()
+        return not known.other_kind(marks)
 
     def probe(self) -> bool:
         """GET /health once: reachability and round-trip time (any HTTP answer counts: llama_cpp.server
@@ -219,6 +274,8 @@ class ServerProbe:
             kind = KIND_LLAMA_CPP_PYTHON
         self.n_ctx, self.model, self.call_syntax = n_ctx, str(entry.get("id") or "")[:200], syntax
         self.kind, self._identified_by = kind, fingerprint
+        with self._lock:
+            self._marks = {}  # the next streams teach this server's marks
         self._stale = False
         self._tau.available = (kind in (KIND_LLAMA_SERVER, KIND_VLLM)
                                and read_counters(self._client) is not None)
@@ -243,4 +300,4 @@ def _context_length(value: Any) -> int:
 
 
 __all__ = ["KIND_LLAMA_CPP_PYTHON", "KIND_LLAMA_SERVER", "KIND_OPENAI", "KIND_VLLM", "LLAMA_CPP_KINDS",
-           "ProbeResult", "ServerProbe", "read_counters"]
+           "ProbeResult", "ServerMarks", "ServerProbe", "marks_of", "read_counters"]

@@ -13,6 +13,7 @@ blocked read returns at once and the server sees the client gone and stops gener
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import socket
 import threading
@@ -110,18 +111,36 @@ class EndedBeforeResponse(Exception):
 
 class Stream:
     """One open event stream: its chunks (:meth:`chunks`), then how it ended (:meth:`outcome`).
-    ``started`` is the perf_counter when the request was sent (TTFT counts from there)."""
+    ``started`` is the perf_counter when the request was sent (TTFT counts from there);
+    ``server_header`` the response's ``Server`` header ('' without one), which with the first
+    chunk (:meth:`first`) tells which server answered (server.py ``ServerMarks``)."""
 
     def __init__(self, url: str, conn: http.client.HTTPConnection, response: http.client.HTTPResponse,
                  started: float, guard: StreamGuard, cancel: threading.Event) -> None:
         self._url, self._conn, self._response = url, conn, response
         self.started, self.guard, self._cancel = started, guard, cancel
+        self.server_header = str(response.getheader("Server") or "")[:200]
         self.events = 0  # data events read ([DONE] excluded)
         self._silent = False  # the socket's own timeout fired: no bytes at all for read_timeout
+        self._read = self._read_chunks()
+        self._first: List[Dict[str, Any]] = []  # the chunk :meth:`first` read, not yielded yet
+
+    def first(self) -> Optional[Dict[str, Any]]:
+        """The first chunk, read now (up to read_timeout, as :meth:`chunks` would) and still the
+        first :meth:`chunks` yields (ask before iterating it); None if the stream ended (or was
+        cancelled) before one."""
+        if not self._first:
+            self._first.extend(itertools.islice(self._read, 1))
+        return self._first[0] if self._first else None
 
     def chunks(self) -> Iterator[Dict[str, Any]]:
         """The stream's JSON chunks up to ``[DONE]``, its end, a cancel or a deadline; RemoteError
         if it breaks otherwise or sends something other than completion chunks."""
+        if self._first:
+            yield self._first.pop()
+        yield from self._read
+
+    def _read_chunks(self) -> Iterator[Dict[str, Any]]:
         try:
             for data in SseReader(self._response.read1):
                 self.guard.saw_data()
