@@ -22,13 +22,14 @@ from gemma_spec_ros.engine.chat import conversation_from_json
 from gemma_spec_ros.engine.config import SamplingParams, SpecConfig
 from gemma_spec_ros.engine.remote import RemoteConfig, RemoteEngine
 from gemma_spec_ros.engine.request import GenerationRequest, Step
+from support.chat import SKILLS_JSON
 from support.servers import LLAMA_SERVER, SSE_CHUNKED_HEAD, ScriptedStreamServer, Server, chunk, llama_server
 
 
-def turn(choice: str, max_tokens: int = 24) -> GenerationRequest:
+def turn(choice: str, max_tokens: int = 24, parallel: bool = False) -> GenerationRequest:
     conversation = conversation_from_json({"messages": [{"role": "system", "content": SYSTEM},
                                                         {"role": "user", "content": TASKS[0]}],
-                                           "tools": SKILLS, "tool_choice": choice})
+                                           "tools": SKILLS, "tool_choice": choice, "parallel_tool_calls": parallel})
     return GenerationRequest(conversation=conversation, max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0))
 
 
@@ -94,9 +95,10 @@ def call_fragment(index: int, **function: str) -> dict:
 
 
 def test_streamed_calls_are_put_together_and_validated() -> None:
-    """Two calls in fragments (a fake server: see the module docstring): the valid one is in the
-    message with its arguments, the one whose place is not in its enum is left out with the
-    reason; finish_reason tool_calls; the request carried the tools, tool_choice and messages."""
+    """Two calls in fragments (a fake server: see the module docstring) of a turn that may make
+    several: the valid one is in the message with its arguments, the one whose place is not in its
+    enum is left out with the reason; finish_reason tool_calls; the request carried the tools,
+    tool_choice and messages. With one call allowed, the second is not read (the next test)."""
     chunks = [{"choices": [{"delta": {"content": "On it."}, "finish_reason": None}]},
               call_fragment(0, name="navigate", arguments='{"place": '),
               call_fragment(0, arguments='"sink"}'),
@@ -105,7 +107,7 @@ def test_streamed_calls_are_put_together_and_validated() -> None:
                                                                                    "prompt_tokens": 300}}]
     with ScriptedStreamServer(scripted(chunks), routes={"POST /v1/chat/completions": scripted(chunks)}) as fake:
         engine = RemoteEngine(RemoteConfig(url=fake.url, probe_period=0), SpecConfig())
-        last = list(engine.generate(turn("required")))[-1]
+        last = list(engine.generate(turn("required", parallel=True)))[-1]
         body = json.loads(fake.bodies("POST /v1/chat/completions")[0])
     reply = last.reply
     assert [(c.name, json.loads(c.arguments)) for c in reply.tool_calls] == [("navigate", {"place": "sink"})]
@@ -140,15 +142,27 @@ def test_the_local_fallback_serves_a_chat_turn_when_the_server_is_unreachable(tm
 
 
 # -- what a server sends for its calls -------------------------------------------------------------
-def stream_calls(fragments: List[Any]) -> Step:
+def stream_calls(fragments: List[Any], parallel: bool = True) -> Step:
     """The last Step of a required turn whose stream is ``fragments`` (chunks) and a last chunk."""
     chunks = fragments + [{"choices": [{"delta": {}, "finish_reason": "tool_calls"}]}]
     with ScriptedStreamServer(scripted(chunks), routes={"POST /v1/chat/completions": scripted(chunks)}) as fake:
         engine = RemoteEngine(RemoteConfig(url=fake.url, probe_period=0), SpecConfig())
         try:
-            return list(engine.generate(turn("required")))[-1]
+            return list(engine.generate(turn("required", parallel=parallel)))[-1]
         finally:
             engine.close()
+
+
+def test_with_one_call_allowed_the_turn_ends_where_the_server_goes_on() -> None:
+    """A server that goes on after the one allowed call (a second call, or text: llama-server's
+    grammar let a model do both, to max_tokens) ends the turn there: the first call is the reply."""
+    first = [call_fragment(0, name="navigate", arguments='{"place": '), call_fragment(0, arguments='"sink"}')]
+    for after in (call_fragment(1, name="say", arguments='{"text": "'),
+                  {"choices": [{"delta": {"content": " and then"}, "finish_reason": None}]}):
+        last = stream_calls(first + [after] * 3, parallel=False)
+        assert last.reply is not None and last.reply.error == "", last.reply
+        assert [(c.name, json.loads(c.arguments)) for c in last.reply.tool_calls] == [("navigate", {"place": "sink"})]
+        assert last.reply.content == "" and last.reply.finish_reason(last.finish_reason) == "tool_calls"
 
 
 @pytest.mark.parametrize("fragment, needle", [
@@ -211,3 +225,25 @@ def test_many_small_fragments_are_joined_in_linear_time() -> None:
     8x, sits between the two growth rates), and 40,000 take well under a second."""
     small, large = _join_fragments(10_000), _join_fragments(40_000)
     assert large < 5.0 and large / small < 8.0, (small, large)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("choice", ["auto", "required", "move_to"])
+def test_a_turn_with_one_call_allowed_ends_at_the_call_on_llama_server(server: Server, choice: str) -> None:
+    """tool_choice auto, required or a tool's name, parallel_tool_calls false, through the remote
+    backend: the turn ends with its one call (finish_reason tool_calls), not at max_tokens."""
+    messages = [{"role": "system", "content": "You control a robot. Always answer with a tool call."}]
+    for i, place in enumerate(("kitchen", "dock")):
+        messages += [{"role": "user", "content": f"Go to the {place}."},
+                     {"role": "assistant", "content": "", "tool_calls": [{"id": f"call_{i}", "type": "function", "function": {
+                         "name": "move_to", "arguments": json.dumps({"place": place})}}]},
+                     {"role": "tool", "tool_call_id": f"call_{i}", "content": '{"ok": true}'}]
+    messages.append({"role": "user", "content": "Go to the lab."})
+    conversation = conversation_from_json({"messages": messages, "tools": json.loads(SKILLS_JSON), "tool_choice": choice,
+                                           "parallel_tool_calls": False})
+    engine = RemoteEngine(RemoteConfig(url=server.url, probe_period=0), SpecConfig())
+    last = list(engine.generate(GenerationRequest(conversation=conversation, max_tokens=128,
+                                                  sampling=SamplingParams(temperature=0.0))))[-1]
+    assert last.reply is not None and last.reply.error == "", last.reply
+    assert last.reply.finish_reason(last.finish_reason) == "tool_calls" and len(last.reply.tool_calls) == 1
+    assert last.stats.num_generated_tokens < 64

@@ -12,6 +12,9 @@ in a rotating order):
   snapshots hold its own turns only, as a node serving these planners would;
 - ``<mode>/no-reuse`` for each mode of ``--no-reuse-modes``: the same with prompt reuse off, every
   turn's prompt evaluated whole (the reference of the conversation-reuse figure);
+- ``<mode>/auto`` for each mode of ``--auto-modes``: the call turns with ``tool_choice`` auto and one
+  call allowed (LangChain's ``bind_tools`` default) instead of required: such a turn must end where
+  its call closes, as a required one does (its turn time against ``<mode>``'s, per call turn);
 - ``llama-server/<spec-type>`` for each of ``--server-settings``: llama.cpp's server on the same
   model and template (``--jinja --chat-template-file``), ``/v1/chat/completions`` with the same
   tools and ``tool_choice``, through the node's remote backend (whose calls are validated as the
@@ -54,6 +57,8 @@ from .constrained import LlamaServer, by_runner
 MODES = ("off", "lookup", "suffix", "suffix+lookup", "auto")
 #: Modes also run with prompt reuse off.
 NO_REUSE_MODES = ("off", "suffix")
+#: Modes also run with the call turns' tool_choice auto.
+AUTO_MODES = ("off",)
 #: What the conversation says after a turn that had to call a skill and did not (a server may let
 #: the model write text first): the conversation goes on in turns that alternate.
 NUDGE = "Call one of the skills now."
@@ -71,12 +76,14 @@ class Player:
     engine: Any
     mode: Optional[str]  # None: the server decides
     reuse: bool
+    call_choice: str = "required"  # the call turns' tool_choice (auto: one call allowed, not forced)
     conversations: List[List[Dict[str, Any]]] = field(default_factory=list)
     worlds: List[World] = field(default_factory=list)
 
     def turn(self, task: int, turn: int, max_tokens: int, text_tokens: int) -> Dict[str, Any]:
         """Play one turn: the request, its steps, the reply checked; the conversation goes on."""
         choice = turn_choice(turn)
+        choice = self.call_choice if choice == "required" else choice
         conversation = conversation_from_json({"messages": self.conversations[task], "tools": SKILLS,
                                                "tool_choice": choice})
         request = GenerationRequest(conversation=conversation, sampling=SamplingParams(temperature=0.0),
@@ -206,6 +213,14 @@ def markdown(results: Mapping[str, Any]) -> str:
             f"{s['ttft_ms_first_median']:.0f} | "
             f"{s['ttft_ms_follow_median']:.0f} | {_ratio_text(vs_reuse)} | {100 * s['reused_share_follow']:.0f}% | "
             f"{s['tau_median']:.2f} |")
+    for runner in summary:
+        if runner.endswith("/auto") and runner[:-len("/auto")] in summary:
+            base = runner[:-len("/auto")]
+            calls = [r for r in records if r["tool_choice"] != "none"]
+            lines += ["", f"Call turns with `tool_choice` auto (one call allowed) against required, {base}: "
+                      f"turn time {_ratio_text(ratios(calls, runner, base, 'turn_ms'))}, tokens "
+                      f"{_ratio_text(ratios(calls, runner, base, 'tokens'))} (median per call turn); "
+                      f"finish reasons {_count(r['finish_reason'] for r in calls if r['runner'] == runner)}."]
     best = results.get("best_server")
     if best:
         lines += ["", f"Best llama-server setting (shortest median turn): `{best}`. Its turn time / ours, "
@@ -218,11 +233,20 @@ def markdown(results: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _count(values: Any) -> Dict[str, int]:
+    counts: Dict[str, int] = {}
+    for value in values:
+        counts[value] = counts.get(value, 0) + 1
+    return counts
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=os.path.expanduser("~/.cache/gemma_spec_ros/models/gemma-3-270m-q4_k_m.gguf"))
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--no-reuse-modes", default=",".join(NO_REUSE_MODES))
+    p.add_argument("--auto-modes", default=",".join(AUTO_MODES),
+                   help="modes also run with the call turns' tool_choice auto (one call allowed)")
     p.add_argument("--server-settings", default=",".join(SERVER_SETTINGS),
                    help="llama-server --spec-type values to run ('' = none)")
     p.add_argument("--tasks", type=int, default=len(TASKS))
@@ -246,6 +270,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         players += [local_player(m, True, args, template) for m in modes]
         players += [local_player(m, False, args, template) for m in args.no_reuse_modes.split(",") if m]
+        players += [local_player(m, True, args, template, "auto") for m in args.auto_modes.split(",") if m]
         for setting in filter(None, args.server_settings.split(",")):
             server = LlamaServer(Path(args.native_bin) / "llama-server", args.model, args.n_ctx, args.threads,
                                  setting, out, ["--jinja", "--chat-template-file", str(template)])
@@ -274,12 +299,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-def local_player(mode: str, reuse: bool, args: argparse.Namespace, template: Path) -> Player:
+def local_player(mode: str, reuse: bool, args: argparse.Namespace, template: Path,
+                 call_choice: str = "required") -> Player:
     """A runner on an Engine of its own (see the module docstring)."""
     config = EngineConfig(target=ModelConfig(args.model, n_ctx=args.n_ctx, n_threads=args.threads),
                           spec=SpecConfig(mode=mode), prepare_grammar=True,  # as the shipped profiles
                           chat=ChatConfig(template_path=str(template), conversation_cache_bytes=SNAPSHOT_BYTES))
-    return Player(mode if reuse else f"{mode}/no-reuse", Engine(config), mode, reuse)
+    name = f"{mode}/auto" if call_choice == "auto" else mode if reuse else f"{mode}/no-reuse"
+    return Player(name, Engine(config), mode, reuse, call_choice)
 
 
 def play(players: Sequence[Player], args: argparse.Namespace) -> List[Dict[str, Any]]:

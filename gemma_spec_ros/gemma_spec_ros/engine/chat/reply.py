@@ -167,7 +167,10 @@ def validated(conversation: Conversation, parsed: Parsed) -> Tuple[Tuple[ToolCal
             errors.append(f"the arguments of {name!r} do not follow its schema: {error.message}"
                           + (f" (at {where})" if where else ""))
             continue
-        calls.append(ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, json.dumps(arguments, ensure_ascii=False)))
+        try:
+            calls.append(ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, json.dumps(arguments, ensure_ascii=False)))
+        except (ValueError, RecursionError) as exc:  # arguments nested too deep to read back
+            errors.append(f"the arguments of {name!r} cannot be kept: {str(exc)[:120]}")
     return tuple(calls), errors
 
 

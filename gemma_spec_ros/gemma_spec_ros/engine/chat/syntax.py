@@ -106,8 +106,9 @@ class TaggedJsonCalls(CallSyntax):
         if must_call:
             rules = ['start: call ("\\n" call)*' if parallel else "start: call", f'call: "{self.opener}" body']
         else:
-            rules = ["start: (opened body)* TEXT"] if parallel else ["start: TEXT | opened body TAIL",
-                                                                     "TAIL: /[ \\t\\n]*/"]
+            # one call allowed: the turn ends where it closes (text or whitespace after it would run
+            # on to max_tokens, and be thrown away by the parser)
+            rules = ["start: (opened body)* TEXT"] if parallel else ["start: TEXT | opened body"]
             rules += ["TEXT: /(.|\\n)*/", f'opened[lazy]: TEXT "{self.opener}"']
         return "\n".join(rules + [body] + functions) + "\n"
 

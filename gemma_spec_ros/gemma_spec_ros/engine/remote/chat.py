@@ -100,6 +100,10 @@ def openai_message(message: ChatMessage) -> Dict[str, Any]:
     return entry
 
 
+#: The times a stream's first call is read for completeness (ToolCallDeltas.first_complete).
+MAX_CLOSING_CHECKS = 64
+
+
 @dataclass(frozen=True)
 class _CallPieces:
     """One streamed call's name and arguments as their fragments, joined once at the end: joining
@@ -133,6 +137,34 @@ class ToolCallDeltas:
 
     def __init__(self) -> None:
         self._calls: Dict[int, _CallPieces] = {}
+        self._closing_checks = 0
+
+    @property
+    def opened(self) -> int:
+        """Calls the stream has begun."""
+        return len(self._calls)
+
+    def first_complete(self) -> bool:
+        """Whether the first call's arguments are a whole JSON object already (a turn that may make
+        one call ends there). Read only when its last fragment closes a brace, a bounded number of
+        times: a server sets how finely it splits the arguments."""
+        if not self._calls:
+            return False
+        first = self._calls[min(self._calls)]
+        if not first.name or not first.arguments or not first.arguments[-1].rstrip().endswith("}"):
+            return False
+        if self._closing_checks >= MAX_CLOSING_CHECKS:
+            return False
+        self._closing_checks += 1
+        try:
+            return isinstance(json.loads("".join(first.arguments)), dict)
+        except (ValueError, RecursionError):
+            return False
+
+    def keep_first(self) -> None:
+        """Only the first call stays (a turn that may make one call got more)."""
+        first = min(self._calls)
+        self._calls = {first: self._calls[first]}
 
     def add(self, chunk: Mapping[str, Any]) -> bool:
         """Take one chunk's tool-call fragments (a chunk without any is fine); whether it had any."""

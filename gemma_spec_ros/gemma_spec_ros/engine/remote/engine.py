@@ -252,6 +252,11 @@ class RemoteEngine:
         chat turn's with its reply: the streamed text and the server's calls, validated)."""
         stats = SpecStats(spec_mode=REMOTE_MODE, verification="server", num_prompt_tokens=n_prompt)
         calls = ToolCallDeltas() if request.conversation is not None else None
+        # a turn that may make one call ends where it closes (a server may let the model go on:
+        # llama-server's grammar for calls in tags let a second call follow, to max_tokens)
+        one_call = request.conversation is not None and bool(request.conversation.tools) \
+            and not request.conversation.parallel_tool_calls
+        call_done = False
         content: List[str] = []
         chunks = 0
         first_at = last_at = math.nan
@@ -265,6 +270,10 @@ class RemoteEngine:
                 text, reason = choice(chunk)
                 finish = reason or finish
                 called = calls is not None and calls.add(chunk)  # a call's fragment is output too
+                if call_done and (calls.opened > 1 or text):  # the model goes on after its one call:
+                    calls.keep_first()  # the turn ended with the call (the server's last counters
+                    finish = "tool_calls"  # are not read then: a usage chunk comes at the end only)
+                    break
                 if calls is not None:
                     content.append(text)
                 if text or called:
@@ -275,6 +284,8 @@ class RemoteEngine:
                         stats.time_to_first_token = last_at - stream.started
                     fill_stats(stats, chunks, first_at, last_at, usage, timings)
                     yield Step((), text, stats.snapshot(), REMOTE_MODE, 0, None)
+                if one_call and not call_done and called:
+                    call_done = calls.first_complete()
                 if cancel.is_set() or (finish is None and stream.guard.budget_spent()):
                     break
             ended = stream.outcome(finish, FINISH_REASONS, self.config.read_timeout)
