@@ -37,7 +37,11 @@ def spec_stats() -> SpecStats:
         spec_mode="auto(lookup)", verification="rejection", draft_max=6, draft_last=4,
         num_drafts=10, num_draft_tokens=40, num_accepted_tokens=25, num_generated_tokens=37,
         num_steps=12, acceptance_rate=25 / 40, mean_acceptance_length=1 + 25 / 10,
-        acceptance_per_position=[0.9, 0.7, 0.5, 0.4],
+        acceptance_per_position=[0.9, 0.7, 0.5, 0.4], acceptance_histogram=[2, 3, 1, 0, 4],
+        num_lookup_draft_tokens=20, num_lookup_accepted_tokens=11, num_suffix_draft_tokens=8,
+        num_suffix_accepted_tokens=6, num_model_draft_tokens=9, num_model_accepted_tokens=5,
+        num_grammar_draft_tokens=3, num_grammar_accepted_tokens=3, num_grammar_cut_tokens=7,
+        num_grammar_sole_rows=2,
         tokens_per_second=41.5, time_to_first_token_ms=120.25, prompt_ms=80.5, draft_ms=12.0,
         verify_ms=300.75, sample_ms=4.5, predicted_speedup=1.6, measured_speedup=1.45,
     )
@@ -140,6 +144,11 @@ def test_messages_import_with_the_documented_fields() -> None:
                  "draft_ms", "verify_ms", "predicted_speedup", "measured_speedup"):
         assert name in fields, name
     assert fields["acceptance_per_position"] == "sequence<double>"
+    # vLLM's per-request summary: rqt_plot plots the scalars and the histogram's cells (field[i])
+    assert fields["acceptance_histogram"] == "sequence<uint64>"
+    for kind in ("lookup", "suffix", "model", "grammar"):
+        assert fields[f"num_{kind}_draft_tokens"] == fields[f"num_{kind}_accepted_tokens"] == "uint64"
+    assert fields["num_grammar_sole_rows"] == fields["num_grammar_cut_tokens"] == "uint64"
     assert Generate.Result.get_fields_and_field_types()["stats"] == "gemma_spec_msgs/SpecStats"
     assert Generate.Goal.get_fields_and_field_types()["stop"] == "sequence<string>"
     default = Generate.Goal()
@@ -162,6 +171,8 @@ def test_goal_feedback_and_result_round_trip(
     assert server.received == [goal()]
     got = response.result
     assert list(got.stats.acceptance_per_position) == [0.9, 0.7, 0.5, 0.4]
+    assert list(got.stats.acceptance_histogram) == [2, 3, 1, 0, 4]
+    assert (got.stats.num_suffix_draft_tokens, got.stats.num_grammar_sole_rows) == (8, 2)
     assert got == result()
     assert math.isclose(got.stats.mean_acceptance_length, 3.5)
 
@@ -170,3 +181,29 @@ def test_goal_feedback_and_result_round_trip(
         time.sleep(0.01)
     assert received_feedback == [feedback(i) for i in range(len(FEEDBACK_TEXTS))]
     assert "".join(f.text for f in received_feedback) == got.text
+
+
+def test_spec_stats_message_carries_the_histogram_and_the_tokens_by_source() -> None:
+    """The one mapping SpecStats -> message (node/messages.py): every field but the header from
+    ``as_dict``, the histogram as integers, the drafters' tokens summed by kind of source."""
+    from gemma_spec_ros.engine.stats import SpecStats as Stats
+    from gemma_spec_ros.node.messages import spec_stats_msg
+
+    stats = Stats(num_grammar_sole_rows=4, num_grammar_cut_tokens=2)
+    stats.observe_draft(4, 4, "lookup")
+    stats.observe_draft(4, 1, "eagle3", num_forced=1)
+    stats.observe_draft(2, 0, "draft")
+    stats.observe_draft(3, 2, "suffix")
+    msg = spec_stats_msg(stats, Time(sec=3))
+    assert list(msg.acceptance_histogram) == [1, 1, 1, 0, 1] == stats.acceptance_histogram
+    assert all(isinstance(n, int) for n in msg.acceptance_histogram)
+    assert (msg.num_lookup_draft_tokens, msg.num_lookup_accepted_tokens) == (4, 4)
+    assert (msg.num_model_draft_tokens, msg.num_model_accepted_tokens) == (5, 0)  # eagle3 3 + draft 2
+    assert (msg.num_suffix_draft_tokens, msg.num_suffix_accepted_tokens) == (3, 2)
+    assert (msg.num_grammar_draft_tokens, msg.num_grammar_accepted_tokens) == (1, 1)
+    assert (msg.num_grammar_sole_rows, msg.num_grammar_cut_tokens) == (4, 2)
+    assert sum(msg.acceptance_histogram) == msg.num_drafts == 4
+    assert sum(i * n for i, n in enumerate(msg.acceptance_histogram)) == msg.num_accepted_tokens == 7
+    assert msg.num_draft_tokens == sum(getattr(msg, f"num_{kind}_draft_tokens")
+                                       for kind in ("lookup", "suffix", "model", "grammar"))
+    assert list(spec_stats_msg(Stats(), Time()).acceptance_histogram) == []

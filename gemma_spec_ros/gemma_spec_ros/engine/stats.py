@@ -14,18 +14,42 @@ Every verify pass emits ``accepted + 1`` tokens (the +1 is the recovered or bonu
 
 Worked example: three drafts of 4 tokens with 4, 1 and 0 accepted emit 5 + 2 + 1 = 8 tokens in 3
 passes: acceptance rate 5/12 = 0.42, tau = 1 + 5/3 = 2.67, acceptance per position
-[2/3, 1/3, 1/3, 1/3].
+[2/3, 1/3, 1/3, 1/3], acceptance histogram [1, 1, 0, 0, 1] (one pass each accepted 0, 1 and 4).
+
+The histogram's and the per-source counts' invariants (vLLM's per-request summary):
+``sum(h) == num_drafts``, ``sum(i * h[i]) == num_accepted_tokens``, and the sources' drafted and
+accepted tokens add up to ``num_draft_tokens`` and ``num_accepted_tokens``. Drafted tokens are
+counted after the grammar cut the ones it refuses (``num_grammar_cut_tokens``: vLLM subtracts its
+grammar-invalidated draft tokens the same way).
 """
 from __future__ import annotations
 
 import math
 import time
 from dataclasses import dataclass, field, fields
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 
 def _ratio(num: float, den: float) -> float:
     return num / den if den else math.nan
+
+
+#: The source under which the tokens a grammar forced are counted (``propose.GRAMMAR_SOURCE``, also
+#: the ``Draft.source`` of a draft the grammar forced whole).
+FORCED_SOURCE = "grammar"
+#: The kinds of draft source the message reports (``num_<kind>_draft_tokens``...): n-gram lookup,
+#: suffix decoding, a model (draft model, Gemma 4 assistant, EAGLE-3 head: every other drafter),
+#: and the grammar's forced text.
+SOURCE_KINDS = ("lookup", "suffix", "model", FORCED_SOURCE)
+
+
+def source_kind(source: str) -> str:
+    """The kind (:data:`SOURCE_KINDS`) a drafter's name (``Draft.source``) counts under.
+
+    >>> [source_kind(s) for s in ("lookup", "suffix", "draft", "mtp", "eagle3", "grammar")]
+    ['lookup', 'suffix', 'model', 'model', 'model', 'grammar']
+    """
+    return source if source in SOURCE_KINDS else "model"
 
 
 # How SpecStats.merge combines a field of the running total with the same field of one more request.
@@ -61,6 +85,12 @@ class SpecStats:
     accepted_at: List[int] = field(default_factory=list, metadata=_SUM)
     drafted_at: List[int] = field(default_factory=list, metadata=_SUM)
     drafts_by_source: Dict[str, int] = field(default_factory=dict, metadata=_SUM)
+    # verify passes with a non-empty draft that accepted exactly i drafted tokens (i = 0..longest draft)
+    acceptance_histogram: List[int] = field(default_factory=list, metadata=_SUM)
+    # drafted / accepted tokens by who drafted them (Draft.source: lookup, suffix, draft, mtp,
+    # eagle3); a grammar's forced tokens under FORCED_SOURCE, its draft's continuation under its drafter
+    draft_tokens_by_source: Dict[str, int] = field(default_factory=dict, metadata=_SUM)
+    accepted_tokens_by_source: Dict[str, int] = field(default_factory=dict, metadata=_SUM)
     # constrained requests (engine/grammar/matcher.py): drafted tokens the grammar forced (no model ran for
     # them), those of them the target accepted, whole-vocabulary masks, time in llguidance
     num_grammar_draft_tokens: int = field(default=0, metadata=_SUM)
@@ -87,12 +117,17 @@ class SpecStats:
     queue_wait: float = field(default=0.0, metadata=_SUM)
 
     # -- mutators ---------------------------------------------------------------------------------
-    def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int, source: str = "") -> None:
-        """One verify pass of a ``num_draft_tokens`` draft accepted its first ``num_accepted_tokens``.
+    def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int, source: str = "",
+                      num_forced: int = 0) -> None:
+        """One verify pass of a ``num_draft_tokens`` draft accepted its first ``num_accepted_tokens``;
+        its first ``num_forced`` tokens a grammar forced (counted under :data:`FORCED_SOURCE`), the
+        rest ``source`` drafted.
 
         >>> s = SpecStats(); s.observe_draft(4, 4); s.observe_draft(4, 1); s.observe_draft(4, 0)
         >>> round(s.mean_acceptance_length, 2), round(s.acceptance_rate, 2), s.acceptance_per_position
         (2.67, 0.42, [0.6666666666666666, 0.3333333333333333, 0.3333333333333333, 0.3333333333333333])
+        >>> s.acceptance_histogram
+        [1, 1, 0, 0, 1]
         """
         if not 0 <= num_accepted_tokens <= num_draft_tokens:
             raise ValueError(f"accepted {num_accepted_tokens} of a {num_draft_tokens}-token draft")
@@ -112,6 +147,20 @@ class SpecStats:
             self.drafted_at[i] += 1
             if i < num_accepted_tokens:
                 self.accepted_at[i] += 1
+        histogram = self.acceptance_histogram
+        if len(histogram) <= num_draft_tokens:
+            histogram.extend([0] * (num_draft_tokens + 1 - len(histogram)))
+        histogram[num_accepted_tokens] += 1
+        forced = min(max(num_forced, 0), num_draft_tokens)
+        if forced:
+            self.num_grammar_draft_tokens += forced
+            self.num_grammar_accepted_tokens += min(forced, num_accepted_tokens)
+        for name, drafted, accepted in ((FORCED_SOURCE, forced, min(forced, num_accepted_tokens)),
+                                        (source, num_draft_tokens - forced,
+                                         max(0, num_accepted_tokens - forced))):
+            if drafted:
+                self.draft_tokens_by_source[name] = self.draft_tokens_by_source.get(name, 0) + drafted
+                self.accepted_tokens_by_source[name] = self.accepted_tokens_by_source.get(name, 0) + accepted
 
     def merge(self, other: "SpecStats") -> None:
         """Fold one more request into these stats, field by field as its metadata says (sum,
@@ -146,6 +195,9 @@ class SpecStats:
         copy.__dict__.update(self.__dict__)
         copy.accepted_at, copy.drafted_at = list(self.accepted_at), list(self.drafted_at)
         copy.drafts_by_source = dict(self.drafts_by_source)
+        copy.acceptance_histogram = list(self.acceptance_histogram)
+        copy.draft_tokens_by_source = dict(self.draft_tokens_by_source)
+        copy.accepted_tokens_by_source = dict(self.accepted_tokens_by_source)
         return copy
 
     # -- derived ----------------------------------------------------------------------------------
@@ -167,6 +219,20 @@ class SpecStats:
         further out."""
         return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
 
+    def tokens_by_kind(self) -> Dict[str, Tuple[int, int]]:
+        """(drafted, accepted) tokens of each kind of source (:data:`SOURCE_KINDS`), 0 for none.
+
+        >>> s = SpecStats(); s.observe_draft(5, 3, "mtp", num_forced=2); s.observe_draft(2, 0, "lookup")
+        >>> s.tokens_by_kind()
+        {'lookup': (2, 0), 'suffix': (0, 0), 'model': (3, 1), 'grammar': (2, 2)}
+        """
+        kinds = {kind: [0, 0] for kind in SOURCE_KINDS}
+        for source, drafted in self.draft_tokens_by_source.items():
+            counts = kinds[source_kind(source)]
+            counts[0] += drafted
+            counts[1] += self.accepted_tokens_by_source.get(source, 0)
+        return {kind: (drafted, accepted) for kind, (drafted, accepted) in kinds.items()}
+
     @property
     def tokens_per_second(self) -> float:
         """Decode speed: tokens emitted by steps after the prompt pass / time of those steps
@@ -182,7 +248,16 @@ class SpecStats:
         return (self.num_step_tokens * self.plain_token_time) / self.generation_time
 
     def as_dict(self) -> Dict[str, object]:
-        """Plain dict of counters and derived values (times in ms) for JSON and ROS messages."""
+        """Plain dict of counters and derived values (times in ms) for JSON and ROS messages.
+
+        The tokens by source are there twice: by drafter (``draft_tokens_by_source``...) and by
+        kind of source (``num_<kind>_draft_tokens``, ``num_<kind>_accepted_tokens``, the message's
+        scalar fields; the grammar's are ``num_grammar_draft_tokens`` and
+        ``num_grammar_accepted_tokens``)."""
+        kinds = {}
+        for kind, (drafted, accepted) in self.tokens_by_kind().items():
+            if kind != FORCED_SOURCE:  # the grammar's are fields of their own (the same counts)
+                kinds[f"num_{kind}_draft_tokens"], kinds[f"num_{kind}_accepted_tokens"] = drafted, accepted
         return {
             "spec_mode": self.spec_mode, "verification": self.verification,
             "draft_max": self.draft_max, "draft_last": self.draft_last,
@@ -196,6 +271,10 @@ class SpecStats:
             "mean_acceptance_length": self.mean_acceptance_length,
             "acceptance_per_position": self.acceptance_per_position,
             "drafts_by_source": dict(self.drafts_by_source),
+            "acceptance_histogram": list(self.acceptance_histogram),
+            "draft_tokens_by_source": dict(self.draft_tokens_by_source),
+            "accepted_tokens_by_source": dict(self.accepted_tokens_by_source),
+            **kinds,
             "num_grammar_draft_tokens": self.num_grammar_draft_tokens,
             "num_grammar_accepted_tokens": self.num_grammar_accepted_tokens,
             "num_grammar_masks": self.num_grammar_masks, "grammar_ms": self.grammar_time * 1e3,
@@ -229,4 +308,4 @@ class timed:  # noqa: N801  used as a function: ``with timed(stats, 'draft_time'
         setattr(stats, name, getattr(stats, name) + time.perf_counter() - self._started)
 
 
-__all__ = ["SpecStats", "timed"]
+__all__ = ["FORCED_SOURCE", "SOURCE_KINDS", "SpecStats", "source_kind", "timed"]

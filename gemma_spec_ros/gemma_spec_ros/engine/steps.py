@@ -290,9 +290,8 @@ class Steps:
         stats.num_steps += 1
         stats.num_step_tokens += len(verdict.tokens)
         if draft.tokens:
-            stats.observe_draft(len(draft), verdict.num_accepted, draft.source)
-            stats.num_grammar_draft_tokens += n_forced
-            stats.num_grammar_accepted_tokens += min(n_forced, verdict.num_accepted)
+            # also the histogram, the tokens by source and the grammar's forced tokens (n_forced)
+            stats.observe_draft(len(draft), verdict.num_accepted, draft.source, n_forced)
             own = len(draft) - n_forced
             if own > 0 and verdict.num_accepted >= n_forced:  # the drafter's part was reached
                 state.drafters[draft.source].policy.observe(own, verdict.num_accepted - n_forced)

@@ -192,6 +192,11 @@ def spec_status(view: NodeView, log: RequestLog, rolling: Optional[SpecStats]) -
         ("verification", view.spec.verification if view.spec else ""),
         ("tau (mean acceptance length)", current.mean_acceptance_length),
         ("acceptance rate", current.acceptance_rate),
+        ("acceptance histogram", current.acceptance_histogram),  # [i]: drafts that kept i tokens
+        *((f"{kind} tokens drafted / accepted", f"{drafted} / {accepted}")
+          for kind, (drafted, accepted) in current.tokens_by_kind().items()),
+        ("grammar rows without logits", current.num_grammar_sole_rows),
+        ("grammar cut tokens", current.num_grammar_cut_tokens),
         ("K (draft_max)", view.spec.draft_max if view.spec else 0),
         ("draft length last", current.draft_last),
         ("tokens/s", recent.tokens_per_second),

@@ -169,8 +169,10 @@ def spec_stats_msg(stats: SpecStats, stamp: Time) -> SpecStatsMsg:
         value = values[name]
         if ros_type == "string":
             setattr(msg, name, str(value))
-        elif ros_type.startswith("sequence<"):
-            setattr(msg, name, [float(v) for v in value])
+        elif ros_type.startswith("sequence<"):  # float64[] or uint64[] (the acceptance histogram)
+            item = ros_type[len("sequence<"):-1]
+            setattr(msg, name, [_fit(item, v) if item.startswith(("uint", "int")) else float(v)
+                                for v in value])
         elif ros_type.startswith(("uint", "int")):
             setattr(msg, name, _fit(ros_type, value))
         else:
