@@ -1,10 +1,11 @@
 """gemma-spec-soak's smoke profile: the real server subprocess (embedded model, one thread) driven by
 the soak tool over loopback DDS, with the whole goal mix: valid goals, JSON-schema goals (every stop
-result valid), hostile grammars and schemas (refused or served, never fatal), invalid goals and
+result valid), chat turns with tools (every call valid; malformed turns refused), hostile grammars and schemas (refused or served, never fatal), invalid goals and
 parameters (bad default constraints among them) refused with a reason, cancels, lifecycle cycles.
 The soak's own checks must pass: 0 lost goals, goal responses within 1 s and results within their
 budget + 5 s (the soak's acceptance bounds, not a speed goal), cancels end CANCELED, streamed ==
-result text, the same greedy output at the end, exit status 0 after SIGINT with goals running and
+result text, the same greedy output at the end, the fresh-engine check (the node's answers to
+reference requests are a fresh engine's at the start, after each cycle and at the end), exit status 0 after SIGINT with goals running and
 queued, a valid cache file. The remote phase's profile runs the same with a real llama-server
 frozen (SIGSTOP) for 5 s."""
 from __future__ import annotations
@@ -22,8 +23,11 @@ import pytest
 
 from gemma_spec_dev.soak.records import GoalRecord
 from gemma_spec_dev.soak.remote_phase import DEFAULT_LLAMA_SERVER
-from gemma_spec_dev.soak.report import percentiles, render_svg, schema_check, slope, timing_checks
-from gemma_spec_dev.soak.scenario import BAD_DEFAULT_CONSTRAINTS, SCHEMAS, cycle_plan, hostile_goals
+from gemma_spec_dev.soak.records import SoakRun
+from gemma_spec_dev.soak.report import (chat_calls_check, fresh_check, percentiles, render_svg, schema_check,
+                                        slope, timing_checks)
+from gemma_spec_dev.soak.scenario import (BAD_DEFAULT_CONSTRAINTS, CHAT_TOOLS_JSON, SCHEMAS, cycle_plan,
+                                          hostile_goals, malformed_chat_goals)
 from gemma_spec_ros.client import GoalRun, NoAnswer
 
 #: The hostile kinds the scenario sends (each must show in a run's report).
@@ -63,6 +67,29 @@ def test_the_new_checks_fail_what_they_must() -> None:
     assert ("generation.grammar", "root ::= nope") in BAD_DEFAULT_CONSTRAINTS
 
 
+def test_the_chat_and_fresh_checks_fail_what_they_must() -> None:
+    """A call of a tool not offered, arguments against the schema, a call of another tool than the
+    named one, a tool_calls turn without calls: each fails the chat check; a reference answer that
+    differs beyond a near-tie fails the fresh-engine check, one at a near-tie passes."""
+    def turn(calls: List[Tuple[str, str]], choice: str = "required", reason: str = "tool_calls") -> GoalRecord:
+        return GoalRecord(0, "chat: required", False, chat=True, tools=CHAT_TOOLS_JSON, tool_choice=choice,
+                          accepted=True, result_at=2.0, finish_reason=reason, tool_calls=calls)
+    assert chat_calls_check([turn([("move_to", '{"place": "lab"}')])])["pass"]
+    for bad in (turn([("fly", "{}")]), turn([("move_to", '{"place": "moon"}')]),
+                turn([("say", '{"text": "hi"}')], choice="move_to"), turn([])):
+        assert not chat_calls_check([bad])["pass"]
+
+    def run(*outcomes: str) -> SoakRun:
+        check = {"when": "end", "outcomes": [("prompt 0", o) for o in outcomes],
+                 "pass": all(o == "same" or o.startswith("near-tie") for o in outcomes)}
+        return SoakRun([], "", "", 0, 0.0, [], [], [], "", fresh_checks=[check])
+    assert fresh_check(run("same", "near-tie at token 3 (gap 0.010)"))["pass"]
+    assert not fresh_check(run("same", "differs at token 0 (gap 4.2): ..."))["pass"]
+    assert not fresh_check(SoakRun([], "", "", 0, 0.0, [], [], [], ""))["pass"]  # never ran
+    kinds = [kind for kind, _ in malformed_chat_goals({"max_prompt_tokens": 64, "max_prompt_bytes": 1024})]
+    assert len(kinds) == len(set(kinds)) >= 10
+
+
 class _Handle:
     """A goal handle whose result requests are answered from the ``answers`` list, in order (None:
     never answered). A fake: the client-side race it stands for (rclpy dropping a result response
@@ -100,7 +127,7 @@ def run_soak(repo_root: Path, model: Path, out: Path, options: List[str],
     """gemma-spec-soak on the embedded profile with ``options`` and server ``overrides``; the
     process and its soak.json. Every check must pass and the exit status be 0."""
     overrides = {"target.model_path": str(model), "target.n_threads": 1, "target.n_ctx": 1024,
-                 "limits.max_prompt_tokens": 256, "limits.max_tokens": 64, "generation.max_tokens": 12,
+                 "limits.max_prompt_tokens": 768, "limits.max_tokens": 64, "generation.max_tokens": 12,
                  "diagnostics.period": 0.5, **overrides}
     cmd = [sys.executable, "-m", "gemma_spec_dev.soak",
            "--params-file", str(repo_root / "gemma_spec_ros" / "config" / "embedded.yaml"),
@@ -133,6 +160,10 @@ def test_smoke_profile(repo_root: Path, embedded_model_path: Path, tmp_path: Pat
     assert sent == HOSTILE_KINDS, sent
     assert metrics["schema_goals_stopped"] > 0  # and each of them valid: the check above
     assert checks["bad default constraints refused"]["pass"]
+    assert metrics["chat_goals_accepted"] > 0 and "chat turns: calls valid" in checks
+    assert any(r["chat"] and r["invalid"] for r in metrics["goal_records"])  # and each refused: the check
+    whens = [check["when"] for check in metrics["fresh_checks"]]
+    assert whens[0] == "start" and whens[-1] == "end" and "after cleanup" in whens
     assert (out / "soak.md").is_file() and (out / "rss.svg").is_file()
 
 

@@ -19,15 +19,24 @@ What it does (seeded, so a run can be repeated):
   cycles (``--cycles`` deactivate/activate, ``--cleanup-cycles`` cleanup/configure/activate, and
   with ``--remote-phase`` a phase on ``backend: remote`` with a real llama-server frozen by SIGSTOP
   for ``--freeze`` seconds: see :mod:`.remote_phase`);
+- ``--chat-share`` of the goals are chat turns (GenerateChat) with tools: every ``tool_choice``,
+  follow-ups carrying an earlier call and its result, malformed turns the node must refuse, and
+  turns built to cost the goal check time;
+- the fresh-engine check (soak/fresh.py): reference requests (prompts seen and unseen, chat turns;
+  greedy, ``off``, prompt reuse as configured) answered by a fresh engine of the node's configuration
+  in this process, then by the node at the start, after each lifecycle cycle and at the end; every
+  answer must be the fresh engine's text, or part from it only at a near-tie;
 - at the end it sends a few goals and, with them running and queued, stops the server with SIGINT.
 
 Checks (each PASS/FAIL in the report): every accepted goal got one result (0 lost); every goal
 response within 1 s of its request; every result within its budget + 5 s; every invalid goal and
 parameter refused (rejections counted on /diagnostics and logged, refusals with a reason); a goal
 whose cancel was accepted ended CANCELED (or SUCCEEDED if it finished first); every schema goal that
-ended ``stop`` is JSON valid for its schema (jsonschema); streamed text equals the result text;
-the same greedy output at the end as at the start; exit status 0; the dynamic cache file valid
-afterwards.
+ended ``stop`` is JSON valid for its schema (jsonschema); every call of an accepted chat turn names
+an offered tool and validates against its schema, and a turn that must call ended with calls; every
+malformed chat turn refused (or ended with an error); streamed text equals the result text; the same
+greedy output at the end as at the start; the fresh-engine check at every point; exit status 0;
+the dynamic cache file valid afterwards.
 Opt-in checks for long runs: ``--max-rss-slope`` (RSS slope after warm-up) and ``--cancel-bound``
 (p99 cancel-to-result within one prompt chunk + 2 target passes, both taken from the results' own
 timings: p99 of prompt time per ``n_batch`` chunk and of verify time per pass).
@@ -74,6 +83,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--goal-budget", type=float, default=30.0, metavar="SECONDS",
                         help="time_budget of every goal but the invalid ones (checked: result within "
                              "budget + 5 s)")
+    parser.add_argument("--chat-share", type=float, default=0.3,
+                        help="share of goals that are GenerateChat turns (valid ones with tools: required, "
+                             "auto, none, a tool's name, follow-ups with tool results; malformed and hostile "
+                             "ones); the node gets the agent suite's chat template unless --set names one")
+    parser.add_argument("--no-fresh-check", dest="fresh_check", action="store_false",
+                        help="skip the fresh-engine check (reference requests against a fresh engine in this "
+                             "process, at the start, after each lifecycle cycle and at the end)")
     parser.add_argument("--cancel-share", type=float, default=0.25)
     parser.add_argument("--max-tokens", type=int, default=24, help="largest max_tokens of a valid goal")
     parser.add_argument("--flip-period", type=float, nargs=2, default=(0.5, 2.0), metavar=("MIN", "MAX"))

@@ -20,21 +20,27 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import rclpy
 import yaml
 from action_msgs.msg import GoalStatus
-from gemma_spec_msgs.action import Generate
+from gemma_spec_msgs.action import Generate, GenerateChat
 from rclpy.qos import QoSProfile
 
-from gemma_spec_ros.client import GenerateClient, GoalRun, NoAnswer, action_name, guarded, spec_status_name
+from gemma_spec_ros.client import (GenerateClient, GoalRun, NoAnswer, action_name, chat_action_name, chat_goal,
+                                   guarded, spec_status_name)
 
 from . import remote_phase
+from .fresh import PARAMETERS as FRESH_PARAMETERS
+from .fresh import FreshCheck, Reference
 from .procfs import proc_sample
 from .records import GoalRecord, Sample, SoakRun
 from .scenario import (BAD_DEFAULT_CONSTRAINTS, CANCEL_POINTS, COMPLETION_PROMPTS, GOLDEN,
-                       INVALID_PARAMETER_SHARE, cycle_plan, hostile_goals, invalid_goals, parameter_draws,
-                       schema_goal, valid_goal)
+                       INVALID_PARAMETER_SHARE, chat_goal as draw_chat_goal, cycle_plan, hostile_chat_goals,
+                       hostile_goals, invalid_goals, malformed_chat_goals, parameter_draws, schema_goal, valid_goal)
 
 #: The node's limits.* parameters the invalid goals are made to exceed (and the hostile ones to fill).
 LIMITS = ("limits.max_tokens", "limits.max_prompt_tokens", "limits.max_prompt_bytes",
           "limits.max_stop_strings", "limits.max_stop_length", "limits.max_grammar_bytes")
+#: The share of chat goals that are malformed (must be refused) and that attack the goal check.
+MALFORMED_CHAT_SHARE = 0.12
+HOSTILE_CHAT_SHARE = 0.04
 #: Seconds the end of the run waits for /diagnostics to count the last rejections.
 DIAGNOSTICS_WAIT = 10.0
 
@@ -76,6 +82,16 @@ class Soak:
         self.server: Optional[subprocess.Popen] = None
         self.client: Optional[GenerateClient] = None
         self.overrides = dict(item.split(":=", 1) for item in args.set)
+        if args.chat_share > 0 and "chat.template_path" not in self.overrides:
+            # the embedded base model has no chat template: the agent suite's (Gemma 3 turns, calls
+            # as JSON in tags), as the tests give it
+            from gemma_spec_dev.bench.agent_suite import TEMPLATE  # noqa: WPS433
+
+            template = self.out / "chat-template.jinja"
+            template.write_text(TEMPLATE)
+            self.overrides["chat.template_path"] = str(template.resolve())
+        self.fresh: Optional[FreshCheck] = None
+        self.fresh_checks: List[Dict[str, Any]] = []
         self.n_batch = server_n_batch(args.params_file, self.overrides)
         self.remote = remote_phase.RemotePhase(self, args) if args.remote_phase > 0 else None
 
@@ -119,12 +135,18 @@ class Soak:
         self.client.node.create_subscription(Generate.Impl.FeedbackMessage,
                                              f"{action_name(path)}/_action/feedback",
                                              self._on_raw_feedback, QoSProfile(depth=1000))
+        self.client.node.create_subscription(GenerateChat.Impl.FeedbackMessage,
+                                             f"{chat_action_name(path)}/_action/feedback",
+                                             self._on_raw_feedback, QoSProfile(depth=1000))
         started = time.monotonic()
         if not self.client.wait_for_server(180.0):
             raise RuntimeError(f"no action server {action_name(path)} after 180 s (see {self.out}/serve.log)")
         self.limits = {name.split(".")[1]: value for name, value in self.client.get_parameters(LIMITS).items()}
         self.t0 = time.monotonic()
         golden_start = self._golden()
+        if self.args.fresh_check:
+            self.fresh = FreshCheck(self.client.get_parameters(FRESH_PARAMETERS))
+            self._fresh_check("start")
         sampler = threading.Thread(target=self._sample_loop, daemon=True)
         sampler.start()
         flipper = threading.Thread(target=self._flip_loop, daemon=True)
@@ -139,6 +161,9 @@ class Soak:
         flipper.join()
         self._ensure_active()
         golden_end = self._golden()
+        if self.fresh is not None:
+            self._fresh_check("end")
+            self.fresh.close()
         node_rejected = self._node_rejected()
         finals = self._final_sigint()
         sampler.join(timeout=self.args.sample_period + 5)
@@ -148,7 +173,7 @@ class Soak:
                        exit_status=exit_status, seconds=time.monotonic() - started, samples=self.samples,
                        param_results=self.param_results, transitions=self.transitions,
                        serve_log=(self.out / "serve.log").read_text(errors="replace"), remote=self.remote,
-                       node_rejected=node_rejected)
+                       node_rejected=node_rejected, fresh_checks=self.fresh_checks)
 
     def _node_rejected(self) -> int:
         """The count "requests rejected" on the node's /diagnostics once it counts every goal the clients saw
@@ -245,9 +270,12 @@ class Soak:
 
     def _draw_goal(self, rng: random.Random, index: int,
                    invalid: List[Tuple[str, Dict[str, Any]]]) -> Tuple[GoalRecord, Dict[str, Any]]:
-        """The next goal of a client: invalid, hostile (their kinds in turn; none during the
-        remote phase), constrained by a schema, or another valid one (which may get a cancel
-        point)."""
+        """The next goal of a client: a chat turn (``--chat-share``: valid, malformed or hostile),
+        invalid, hostile (their kinds in turn; none during the remote phase), constrained by a
+        schema, or another valid one (which may get a cancel point)."""
+        # chat turns go to the local engine only: the remote phase's llama-server has no template
+        if rng.random() < self.args.chat_share and not (self.remote is not None and self.remote.active):
+            return self._draw_chat_goal(rng, index)
         if rng.random() < self.args.invalid_share:
             kind, fields = rng.choice(invalid)
             return GoalRecord(index, kind, invalid=True), fields
@@ -265,6 +293,21 @@ class Soak:
         else:
             kind, fields = valid_goal(rng, self.limits, self.args.max_tokens)
             record = GoalRecord(index, kind, invalid=False)
+        if rng.random() < self.args.cancel_share:
+            record.cancel_point = rng.choice(CANCEL_POINTS)
+        return record, dict(fields)
+
+    def _draw_chat_goal(self, rng: random.Random, index: int) -> Tuple[GoalRecord, Dict[str, Any]]:
+        roll = rng.random()
+        if roll < MALFORMED_CHAT_SHARE:
+            kind, fields = rng.choice(malformed_chat_goals(self.limits))
+            return GoalRecord(index, kind, invalid=True, chat=True), dict(fields)
+        if roll < MALFORMED_CHAT_SHARE + HOSTILE_CHAT_SHARE:
+            kind, fields = rng.choice(hostile_chat_goals(self.limits))
+            return GoalRecord(index, kind, invalid=False, hostile=True, chat=True), dict(fields, max_tokens=8)
+        kind, fields = draw_chat_goal(rng)
+        record = GoalRecord(index, kind, invalid=False, chat=True, tools=fields["tools"],
+                            tool_choice=fields["tool_choice"])
         if rng.random() < self.args.cancel_share:
             record.cancel_point = rng.choice(CANCEL_POINTS)
         return record, dict(fields)
@@ -291,8 +334,8 @@ class Soak:
 
         record.sent_at = time.monotonic()
         try:
-            run = self.client.send_goal(Generate.Goal(**fields), timeout=60.0, on_feedback=on_feedback,
-                                        on_accepted=on_accepted)
+            goal = chat_goal(fields) if record.chat else Generate.Goal(**fields)
+            run = self.client.send_goal(goal, timeout=60.0, on_feedback=on_feedback, on_accepted=on_accepted)
         except NoAnswer:
             record.accepted, record.lost = None, True
             return
@@ -317,7 +360,7 @@ class Soak:
         while True:
             with self.lock:
                 record.streamed = "".join(self.streams.get(key, ()))
-            if record.streamed == record.text or time.monotonic() > deadline:
+            if record.streamed_matches() or time.monotonic() > deadline:
                 break
             time.sleep(0.02)
         with self.lock:
@@ -325,7 +368,12 @@ class Soak:
 
     def _write_result(self, record: GoalRecord, run: GoalRun, result: Any) -> None:
         record.result_resent, record.result_at, record.status = run.result_resent, run.result_at, run.status
-        record.finish_reason, record.error, record.text = result.finish_reason, result.error, result.text
+        record.finish_reason, record.error = result.finish_reason, result.error
+        if record.chat:
+            record.text = result.message.content
+            record.tool_calls = [(call.name, call.arguments) for call in result.message.tool_calls]
+        else:
+            record.text = result.text
         stats = result.stats
         if stats.num_steps:
             record.step_ms = stats.verify_ms / stats.num_steps
@@ -382,8 +430,34 @@ class Soak:
             self._transition("activate")
         elif label == "remote":
             self.remote.run()
+            return
         else:
             self.reconfigure({})
+        if self.fresh is not None:
+            self._fresh_check(f"after {label}")
+
+    def _fresh_check(self, when: str) -> None:
+        """The node's answers to the reference requests against the fresh engine's (soak/fresh.py),
+        sent while the clients go on (the node serves them beside the workload)."""
+        self.fresh_checks.append(self.fresh.check(self._ask, when))
+
+    def _ask(self, reference: Reference) -> Tuple[bool, str]:
+        """One reference request to the node: (answered, the text or what went wrong)."""
+        try:
+            goal = chat_goal(reference.fields) if reference.chat else Generate.Goal(**reference.fields)
+            for _ in range(20):  # refused while the queue is full: a client tries again
+                run = self.client.send_goal(goal, timeout=60.0)
+                if run.accepted:
+                    break
+                time.sleep(0.5)
+            else:
+                return False, "rejected 20 times"
+            result = run.wait_result(self.args.goal_timeout, resend_after=self.args.result_resend)
+        except NoAnswer as exc:
+            return False, str(exc)
+        if run.status != GoalStatus.STATUS_SUCCEEDED:
+            return False, f"status {run.status}: {result.error}"
+        return True, result.message.content if reference.chat else result.text
 
     def reconfigure(self, parameters: Dict[str, Any]) -> None:
         """Cleanup, set configure-time ``parameters``, configure, activate."""

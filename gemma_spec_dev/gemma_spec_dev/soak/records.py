@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 
 @dataclass
@@ -41,6 +41,17 @@ class GoalRecord:
     time_budget: float = 0.0  # the goal's time_budget (0 = none)
     step_ms: float = math.nan  # the result's verify time per target pass (server side)
     chunk_ms: float = math.nan  # the result's prompt time per evaluated n_batch chunk (server side)
+    chat: bool = False  # a GenerateChat goal
+    tools: str = ""  # a chat turn's tools (JSON): its calls must validate against them
+    tool_choice: str = ""
+    tool_calls: List[Tuple[str, str]] = field(default_factory=list)  # the result's (name, arguments)
+
+    def streamed_matches(self) -> bool:
+        """The feedback's text is the result's: a prompt's text, a chat turn's message content
+        (trimmed: the message's text is, the stream keeps what it sent)."""
+        if self.chat:
+            return self.streamed.strip() == self.text.strip()
+        return self.streamed == self.text
 
 
 @dataclass
@@ -71,6 +82,7 @@ class SoakRun:
     serve_log: str  # the server's output
     remote: Optional[Any] = None  # the remote phase (remote_phase.RemotePhase), if it ran
     node_rejected: int = -1  # "requests rejected" on the node's /diagnostics at the end (-1: not read)
+    fresh_checks: List[Dict[str, Any]] = field(default_factory=list)  # soak/fresh.py, at each point
 
 
 @dataclass

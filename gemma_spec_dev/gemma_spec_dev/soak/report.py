@@ -62,7 +62,7 @@ def build_report(run: SoakRun, args: argparse.Namespace) -> Report:
     bad_cancels = [(r.index, r.cancel_point, r.status) for r in accepted
                    if r.cancel_accepted and r.status not in (4, 5)]  # SUCCEEDED, CANCELED
     mismatched = [(r.index, r.kind, r.streamed[:40], r.text[:40]) for r in accepted
-                  if r.result_at and r.streamed != r.text]
+                  if r.result_at and not r.streamed_matches()]
     params_bad = [p for p in run.param_results
                   if (p["valid"] and not p["ok"]) or (not p["valid"] and (p["ok"] or not p["reason"]))]
     rejections_logged = run.serve_log.count("goal rejected:")
@@ -76,6 +76,15 @@ def build_report(run: SoakRun, args: argparse.Namespace) -> Report:
         "detail": f"{sum(r.invalid for r in records)} invalid sent; accepted: {invalid_accepted[:10]}"}
     checks["hostile goals refused or served"] = hostile_check(records)
     checks["schema goals: stop results valid"] = schema_check(records)
+    checks["chat turns: calls valid"] = chat_calls_check(records)
+    malformed = [r for r in records if r.chat and r.invalid]
+    served = [(r.index, r.kind, r.finish_reason) for r in malformed if r.accepted and not r.error]
+    checks["malformed chat turns refused or ended with an error"] = {
+        "pass": not served and not any(r.accepted is None for r in malformed),
+        "detail": f"{len(malformed)} sent, {sum(1 for r in malformed if r.accepted is False)} refused; "
+                  f"served without an error: {served[:10]}"}
+    if args.fresh_check:
+        checks["fresh-engine check"] = fresh_check(run)
     before_final = sum(1 for r in records if r.accepted is False and r.kind != "final")
     checks["rejections counted and logged"] = {
         # the node logs a burst of rejections, then a few per minute (a client refused in a loop
@@ -191,6 +200,46 @@ def schema_check(records: Sequence[GoalRecord]) -> Dict[str, Any]:
             "detail": f"{len(done)} ended {reasons}; {len(stopped)} stop results checked; not valid: {invalid[:5]}"}
 
 
+def chat_calls_check(records: Sequence[GoalRecord]) -> Dict[str, Any]:
+    """Every call of an accepted chat turn names an offered tool and its arguments validate against
+    that tool's schema; a turn that had to call (required, a tool's name) and ended ``tool_calls``
+    has calls, of the named tool where one was named."""
+    turns = [r for r in records if r.chat and not r.invalid and not r.hostile and r.result_at]
+    bad = []
+    calls = 0
+    for r in turns:
+        tools = {t["function"]["name"]: t["function"].get("parameters", {}) for t in json.loads(r.tools or "[]")}
+        if r.finish_reason == "tool_calls" and not r.tool_calls:
+            bad.append((r.index, r.kind, "tool_calls without calls"))
+        for name, arguments in r.tool_calls:
+            calls += 1
+            try:
+                if name not in tools:
+                    raise ValueError(f"calls {name!r}, not offered")
+                if r.tool_choice not in ("required", "auto", "none", "") and name != r.tool_choice:
+                    raise ValueError(f"calls {name!r}, {r.tool_choice!r} was named")
+                jsonschema.validate(json.loads(arguments), tools[name])
+            except (ValueError, jsonschema.ValidationError) as exc:
+                bad.append((r.index, r.kind, str(exc).splitlines()[0][:80]))
+    reasons: Dict[str, int] = {}
+    for r in turns:
+        reasons[r.finish_reason] = reasons.get(r.finish_reason, 0) + 1
+    return {"pass": not bad, "detail": f"{len(turns)} turns ended {reasons}; {calls} calls checked; "
+                                       f"not valid: {bad[:5]}"}
+
+
+def fresh_check(run: SoakRun) -> Dict[str, Any]:
+    """Every fresh-engine check (soak/fresh.py) passed: the node's answers were the fresh engine's
+    text, or parted from it at a near-tie only."""
+    failed = [(c["when"], [o for o in c["outcomes"] if o[1] != "same" and not o[1].startswith("near-tie")])
+              for c in run.fresh_checks if not c["pass"]]
+    ties = sum(1 for c in run.fresh_checks for _, o in c["outcomes"] if o.startswith("near-tie"))
+    answers = sum(len(c["outcomes"]) for c in run.fresh_checks)
+    return {"pass": bool(run.fresh_checks) and not failed,
+            "detail": f"{len(run.fresh_checks)} checks ({', '.join(c['when'] for c in run.fresh_checks)}), "
+                      f"{answers} answers, {ties} parted at a near-tie; failed: {failed[:3]}"}
+
+
 def check_cache(args: argparse.Namespace) -> Dict[str, Any]:
     """The dynamic n-gram cache file the server wrote (``--set lookup.dynamic_path:=...``) reads back."""
     path = dict(item.split(":=", 1) for item in args.set).get("lookup.dynamic_path", "")
@@ -230,6 +279,10 @@ def metrics(run: SoakRun, args: argparse.Namespace, rejected: int) -> Dict[str, 
         "hostile_sent": sum(1 for r in records if r.hostile),
         "schema_goals": sum(1 for r in records if r.json_schema),
         "schema_goals_stopped": sum(1 for r in done if r.json_schema and r.finish_reason == "stop"),
+        "chat_goals": sum(1 for r in records if r.chat),
+        "chat_goals_accepted": sum(1 for r in records if r.chat and r.accepted),
+        "chat_calls": sum(len(r.tool_calls) for r in done if r.chat),
+        "fresh_checks": run.fresh_checks,
         "rss_mib_first": samples[0].rss_mib if samples else math.nan,
         "rss_mib_last": samples[-1].rss_mib if samples else math.nan,
         "rss_slope_mib_per_1000_goals": per_goal * 1000,

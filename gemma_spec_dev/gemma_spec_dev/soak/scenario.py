@@ -168,3 +168,100 @@ def cycle_plan(rng: random.Random, cycles: Sequence[str], goals: int) -> List[Tu
     if "remote" in cycles and "remote" not in labels:
         labels[-1] = "remote"
     return list(zip(marks, labels))
+
+
+# -- chat turns (GenerateChat) ---------------------------------------------------------------------
+#: The tools of the soak's chat turns: a robot's skills with bounded strings and enums (a small
+#: model writing free text inside a string would not stop within a goal's tokens).
+CHAT_TOOLS: List[Dict[str, Any]] = [
+    {"type": "function", "function": {
+        "name": "move_to", "description": "Drive to a named place.",
+        "parameters": {"type": "object", "properties": {"place": {"enum": ["dock", "kitchen", "lab"]}},
+                       "required": ["place"]}}},
+    {"type": "function", "function": {
+        "name": "pick", "description": "Pick an object up.",
+        "parameters": {"type": "object", "properties": {"object": {"type": "string", "maxLength": 8},
+                                                        "careful": {"type": "boolean"}},
+                       "required": ["object", "careful"]}}},
+    {"type": "function", "function": {
+        "name": "say", "description": "Speak a short sentence.",
+        "parameters": {"type": "object", "properties": {"text": {"type": "string", "maxLength": 12}},
+                       "required": ["text"]}}},
+]
+CHAT_TOOLS_JSON = json.dumps(CHAT_TOOLS)
+CHAT_SYSTEM = "You are the task planner of a mobile robot. Call one skill at a time."
+CHAT_TASKS = ("Bring the cup from the kitchen.", "Go to the lab and say hello.", "Pick up the red box carefully.",
+              "Return to the dock.")
+
+
+def chat_goal(rng: random.Random) -> Tuple[str, Dict[str, Any]]:
+    """(kind, goal fields) of a valid chat turn: tools offered with ``tool_choice`` required, auto,
+    none or a tool's name, one or several calls allowed, often map notes that make the turn longer
+    than the sliding window, sometimes a follow-up turn that carries an earlier call and its result
+    (messages as dicts: client.chat_goal)."""
+    choice = rng.choice(["required", "auto", "none", "named"])
+    named = rng.choice(["move_to", "pick", "say"])
+    messages: List[Dict[str, Any]] = [{"role": "system", "content": CHAT_SYSTEM}]
+    if rng.random() < 0.6:  # a map of the site: turns longer than the model's sliding window (512)
+        notes = " ".join(f"Room {i} is next to room {i + 1}." for i in range(rng.randint(10, 90)))
+        messages += [{"role": "user", "content": f"Map notes: {notes}"}, {"role": "assistant", "content": "Noted."}]
+    messages.append({"role": "user", "content": rng.choice(CHAT_TASKS)})
+    follow_up = rng.random() < 0.5
+    if follow_up:
+        messages += [{"role": "assistant", "content": "",
+                      "tool_calls": [{"id": "call_1", "name": "move_to", "arguments": '{"place": "kitchen"}'}]},
+                     {"role": "tool", "content": '{"arrived": true}', "tool_call_id": "call_1"},
+                     {"role": "user", "content": rng.choice(["Now pick it up.", "Say what you see.", "Next."])}]
+    fields = dict(messages=messages, tools=CHAT_TOOLS_JSON, tool_choice=named if choice == "named" else choice,
+                  parallel_tool_calls=rng.random() < 0.3, max_tokens=rng.randint(24, 64),
+                  temperature=rng.choice([0.0, 0.0, 0.8]), seed=rng.randint(0, 1 << 30))
+    return f"chat: {choice}" + (" follow-up" if follow_up else ""), fields
+
+
+def malformed_chat_goals(limits: Dict[str, int]) -> List[Tuple[str, Dict[str, Any]]]:
+    """(kind, goal fields) of chat turns the node must refuse (or end with an error)."""
+    user = [{"role": "user", "content": "go"}]
+    call = {"id": "c1", "name": "move_to", "arguments": '{"place": "dock"}'}
+    outside_ref = json.dumps([{"type": "function", "function": {"name": "go", "parameters": {
+        "type": "object", "properties": {"x": {"$ref": "#/properties/name"}}, "required": ["x"]}}}])
+    return [
+        ("chat invalid: no messages", dict(messages=[])),
+        ("chat invalid: unknown role", dict(messages=[{"role": "robot", "content": "hi"}])),
+        ("chat invalid: tool message without a call", dict(messages=user + [{"role": "tool", "content": "x"}])),
+        ("chat invalid: tool result for no call", dict(messages=user + [
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": "ok", "tool_call_id": "c9"}])),
+        ("chat invalid: call arguments not JSON", dict(messages=[
+            {"role": "assistant", "content": "", "tool_calls": [dict(call, arguments="{")]}], tools=CHAT_TOOLS_JSON)),
+        ("chat invalid: tools not JSON", dict(messages=user, tools="[{")),
+        ("chat invalid: $ref outside the parameters", dict(messages=user, tools=outside_ref, tool_choice="required")),
+        ("chat invalid: tool_choice names no tool", dict(messages=user, tools=CHAT_TOOLS_JSON, tool_choice="fly")),
+        ("chat invalid: required without tools", dict(messages=user, tool_choice="required")),
+        ("chat invalid: grammar with tools", dict(messages=user, tools=CHAT_TOOLS_JSON, grammar='root ::= "x"')),
+        ("chat invalid: more messages than prompt tokens",
+         dict(messages=[{"role": "user", "content": ""}] * (limits["max_prompt_tokens"] + 1))),
+        ("chat invalid: over max_prompt_bytes",
+         dict(messages=[{"role": "user", "content": "x" * (limits["max_prompt_bytes"] + 1)}])),
+    ]
+
+
+def hostile_chat_goals(limits: Dict[str, int]) -> List[Tuple[str, Dict[str, Any]]]:
+    """(kind, goal fields) of chat turns built to cost the goal check time (control-token-like text
+    in a tool schema, many messages within the limits): refused or served, answered at once."""
+    angle = json.dumps([{"type": "function", "function": {"name": "go", "parameters": {
+        "type": "object", "properties": {"x": {"enum": ["<" * max(1, limits["max_grammar_bytes"] // 2)]}}}}}])
+    many = [{"role": "user" if i % 2 == 0 else "assistant", "content": ""}
+            for i in range(min(limits["max_prompt_tokens"], limits["max_prompt_bytes"] // 40) | 1)]
+    return [("chat hostile: a schema string of '<'", dict(messages=[{"role": "user", "content": "go"}], tools=angle)),
+            ("chat hostile: many empty messages", dict(messages=many))]
+
+
+#: Reference requests of the fresh-engine check (soak/fresh.py): greedy, ``off``, prompt reuse as
+#: configured; plain prompts the workload sends and some it never sends, and chat turns.
+REFERENCE_PROMPTS = (COMPLETION_PROMPTS[1], COMPLETION_PROMPTS[2], "The weather today is",
+                     "A recipe for pancakes:", "def mul(a, b):\n    return a * b\n")
+REFERENCE_CHATS = (
+    dict(messages=[{"role": "system", "content": CHAT_SYSTEM}, {"role": "user", "content": CHAT_TASKS[0]}],
+         tools=CHAT_TOOLS_JSON, tool_choice="none"),
+    dict(messages=[{"role": "user", "content": "Describe the kitchen in one sentence."}]),
+)
