@@ -38,6 +38,7 @@ setup(
             "gemma-spec-generate = gemma_spec_ros.tools.generate:main",
             "gemma-spec-lookup-create = gemma_spec_ros.tools.lookup_create:main",
             "gemma-spec-eagle3-convert = gemma_spec_ros.tools.eagle3_convert:main",
+            "gemma-spec-export-traffic = gemma_spec_ros.tools.export_traffic:main",
             # ros2 run gemma_spec_ros <name>
             "gemma_spec_node = gemma_spec_ros.tools.serve:node_main",
         ],

@@ -40,6 +40,7 @@ limits.max_prompt_bytes limits.max_stop_strings limits.max_stop_length limits.ma
 feedback.min_period diagnostics.period diagnostics.hardware_id
 suffix.history_path suffix.history_max_tokens suffix.save_period
 chat.template_path chat.conversation_cache_mb
+traffic.log_path traffic.max_bytes
 backend remote.url remote.model remote.api_key_env remote.connect_timeout remote.read_timeout
 remote.probe_period remote.n_ctx remote.fallback
 """.split()

@@ -6,7 +6,7 @@ import os
 import stat
 import tempfile
 from pathlib import Path
-from typing import Union
+from typing import Iterable, Union
 
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -76,3 +76,67 @@ def read_regular_file(path: PathLike, max_bytes: int) -> bytes:
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+def create_exclusively(path: PathLike, data: bytes) -> bool:
+    """Create ``path`` holding ``data``, only where nothing is there yet: True if created, False if
+    a file (or anything else) already has that name, which is left untouched.
+
+    The data goes to a temporary file first (``mkstemp``: mode 0600), made durable, then hard-linked
+    to ``path`` (``link`` never replaces): a reader never sees the file without its data, and a
+    crash leaves either no file or the whole of it. Where the file system has no hard links, the
+    file is created with ``O_EXCL`` and written in place."""
+    target = Path(path)
+    fd, temporary = tempfile.mkstemp(dir=os.fspath(target.parent), prefix=f".{target.name}.",
+                                     suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as stream:
+            stream.write(data)
+            stream.flush()
+            os.fsync(stream.fileno())
+        try:
+            os.link(temporary, target)
+        except FileExistsError:
+            return False
+        except OSError:  # no hard links here (e.g. FAT): exclusive create, written in place
+            return _create_in_place(target, data)
+        _fsync_directory(target.parent)
+        return True
+    finally:
+        Path(temporary).unlink(missing_ok=True)
+
+
+def _create_in_place(target: Path, data: bytes) -> bool:
+    try:
+        fd = os.open(os.fspath(target), os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
+                     0o600)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "wb") as stream:
+        stream.write(data)
+        stream.flush()
+        os.fsync(stream.fileno())
+    _fsync_directory(target.parent)
+    return True
+
+
+def write_atomically_from(path: PathLike, chunks: Iterable[bytes]) -> int:
+    """:func:`write_atomically` for data that comes in pieces (a file too large to hold in memory
+    at once): the same temporary file, rename and directory sync; the bytes written."""
+    target = Path(path)
+    fd, temporary = tempfile.mkstemp(dir=os.fspath(target.parent), prefix=f".{target.name}.",
+                                     suffix=".tmp")
+    written = 0
+    try:
+        with os.fdopen(fd, "wb") as stream:
+            for chunk in chunks:
+                stream.write(chunk)
+                written += len(chunk)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, target)
+        _fsync_directory(target.parent)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return written

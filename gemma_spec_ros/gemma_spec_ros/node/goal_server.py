@@ -127,6 +127,8 @@ class GoalServer:
         # queue-position feedback comes from the executor (a goal queued) and the dispatcher (a
         # goal started): one at a time, so a stale position is never published last
         self._positions_lock = threading.Lock()
+        #: the request log (engine/request_log.py), set by the node's configure; None: off
+        self.traffic: Any = None
 
     # -- the node's transitions --------------------------------------------------------------------
     def open(self, engine: GenerationEngine, result_timeout: float) -> None:
@@ -385,6 +387,10 @@ class GoalServer:
             return self._failed(kind, parts, step, "the engine produced no step"), None
         step.stats.queue_wait = queue_wait
         finish_reason, error = job.outcome(step)
+        traffic = self.traffic  # finished goals only; a failed write is the node's fault, not the goal's
+        fault = traffic.record(request, "".join(parts), finish_reason, step) if traffic is not None else ""
+        if fault:
+            self._report_fault(fault)
         try:
             return kind.result("".join(parts), finish_reason, error, step, self._stamp()), step.stats
         except Exception as exc:  # noqa: BLE001  stats the message cannot carry: the text still goes back

@@ -52,6 +52,7 @@ from rclpy.timer import Timer
 
 from ..engine.api import GenerationEngine
 from ..engine.config import MAX_RUNNING
+from ..engine.request_log import open_log
 from ..engine.stats import SpecStats
 from . import NODE_NAME, diagnostics
 from .engine_factory import build_engine, check_files, plan_engine
@@ -224,6 +225,11 @@ class GemmaSpecNode(LifecycleNodeMixin, Node):
                 self.get_logger().info(f"created {folder} (mode 0700) for the learned caches")
         except Exception as exc:  # noqa: BLE001
             return self._configure_failed(f"cannot {'use' if remote else 'load'} {files}: {exc}")
+        try:  # the request log (traffic.*): a file at its path that is not the log's fails here, untouched
+            traffic = open_log(values["traffic.log_path"], values["traffic.max_bytes"], values["lookup.cache_dir"],
+                               target=plan.describe(), others=(values["lookup.dynamic_path"], self._history_path()))
+        except Exception as exc:  # noqa: BLE001
+            return self._configure_failed(f"cannot keep the request log: {exc}")
         self.get_logger().info(f"configuring: {'loading' if plan.loads_models else 'using'} {files}")
         started = time.monotonic()
         try:
@@ -244,6 +250,7 @@ class GemmaSpecNode(LifecycleNodeMixin, Node):
         self._stats_pub = self.create_lifecycle_publisher(SpecStatsMsg, "~/spec_stats", 10)
         self._rolling_pub = self.create_lifecycle_publisher(SpecStatsMsg, "~/spec_stats_rolling", 10)
         self._goals.open(engine, values["queue.result_timeout"])
+        self._goals.traffic = traffic
         self._state = "inactive"
         mode = f"backend remote ({status['server']})" if remote else f"spec.mode={plan.config.spec.mode}"
         self.get_logger().info(

@@ -44,7 +44,8 @@ EMBEDDED_MODEL_PATH = "~/.cache/gemma_spec_ros/models/gemma-3-270m-q4_k_m.gguf"
 CACHE_DIR = "~/.cache/gemma_spec_ros"
 #: Prefixes of the parameters that only change while the node is unconfigured.
 CONFIGURE_TIME_PREFIXES: Tuple[str, ...] = (
-    "target.", "draft.", "lookup.", "suffix.", "backend", "remote.", "chat.", "queue.max_running")
+    "target.", "draft.", "lookup.", "suffix.", "backend", "remote.", "chat.", "queue.max_running",
+    "traffic.")
 #: Where generation runs: this process (llama.cpp in-process) or an OpenAI-compatible server.
 BACKENDS: Tuple[str, ...] = ("local", "remote")
 #: What serves when the remote server is unreachable.
@@ -245,6 +246,14 @@ PARAMETERS: Tuple[ParamSpec, ...] = (
               "host memory (MiB) for recent conversations' KV: a follow-up turn after another "
               "conversation's evaluates only its new tokens; least recently used out first; 0 = none",
               (0, 1 << 12)),
+    ParamSpec("traffic.log_path", "",
+              "request log, training data for a draft head (gemma-spec-export-traffic): each finished "
+              "goal's prompt or conversation and the target's reply, appended as JSON Lines; holds the "
+              "clients' prompts in plain text; a file name lies in lookup.cache_dir, an absolute path "
+              "must too; only a file this node wrote as its log is appended to or rotated; '' = off"),
+    ParamSpec("traffic.max_bytes", 64 << 20,
+              "bytes the request log and its one rotated file (the same name + .1) hold together; "
+              "the oldest records go first", (1 << 20, 1 << 30)),
     ParamSpec("generation.max_tokens", 128,
               "tokens generated when a goal's max_tokens is 0; <= limits.max_tokens", (1, 1 << 20)),
     ParamSpec("generation.temperature", _SAMPLING.temperature,
