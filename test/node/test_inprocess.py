@@ -255,8 +255,10 @@ def test_spec_mode_and_k_switch_during_stream(client: GenerateClient) -> None:
         for mode, reason in refused.items():
             [result] = client.set_parameters(spec__mode=mode)
             assert not result.successful and reason in result.reason
-        [result] = client.set_parameters(target__n_ctx=1024)
-        assert not result.successful and "only change while unconfigured" in result.reason
+        for configure_time in (dict(target__n_ctx=1024), dict(queue__result_timeout=5.0)):
+            # a value read at configure only: a runtime set would silently do nothing
+            [result] = client.set_parameters(**configure_time)
+            assert not result.successful and "only change while unconfigured" in result.reason
     finally:
         assert all(r.successful for r in client.set_parameters(spec__mode="lookup", spec__draft_max=K))
 

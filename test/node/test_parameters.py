@@ -9,6 +9,7 @@ import doctest
 import math
 import re
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Dict
@@ -19,11 +20,11 @@ from diagnostic_msgs.msg import DiagnosticStatus
 from gemma_spec_msgs.action import Generate
 
 from gemma_spec_ros.engine.stats import SpecStats
-from gemma_spec_ros.engine.config import SpecConfig
+from gemma_spec_ros.engine.config import SpecConfig, check_params, param
 from gemma_spec_ros.node import diagnostics, goals, messages
 from gemma_spec_ros.node.messages import GoalRejected, request_from_goal
-from gemma_spec_ros.node.parameters import (PARAMETERS, PARAMETERS_BY_NAME, check_values, defaults, engine_config_from,
-                                            render_markdown)
+from gemma_spec_ros.node.parameters import (PARAMETERS, PARAMETERS_BY_NAME, check_values, config_of, defaults,
+                                            engine_config_from, render_markdown, rows_of)
 from gemma_spec_ros.tools import serve
 from support.node import config_values
 
@@ -321,3 +322,40 @@ def test_job_queue_hands_out_a_cancelled_waiting_goal_once_rclpy_reports_the_can
         assert queue.next_to_start() is jobs[1]
     finally:
         queue.close()
+
+
+@dataclass(frozen=True)
+class _Toy:
+    """A config of a new part: its settings are fields with their parameter metadata."""
+
+    speed: float = param(0.5, "how fast the toy goes", (0.0, 2.0))
+    colour: str = param("red", "the toy's colour", choices=("red", "blue"))
+    blocks_kib: int = param(4 << 10, "memory for blocks (KiB)", (0, 64), name="blocks_mib", scale=1 << 10)
+    internal: int = param(3, "", (1, 5), node=False)
+
+    def __post_init__(self) -> None:
+        check_params(self)
+
+
+def test_a_config_field_is_a_parameter_row_a_doc_line_and_a_built_config() -> None:
+    """One field with its metadata: a row of the table (name, default in the parameter's unit,
+    range, choices), a line of docs/parameters.md, its value in the config built from parameter
+    values, and its range checked where the config is made."""
+    rows = rows_of(_Toy, "toy")
+    assert [r.name for r in rows] == ["toy.speed", "toy.colour", "toy.blocks_mib"]
+    assert rows[2].default == 4 and rows[2].value_range == (0, 64) and rows[1].choices == ("red", "blue")
+    page = render_markdown(rows)
+    assert "| `toy.speed` | float | `0.5` | [0.0, 2.0] | how fast the toy goes |" in page
+    built = config_of(_Toy, "toy", {"toy.speed": 1.5, "toy.colour": "blue", "toy.blocks_mib": 2})
+    assert (built.speed, built.colour, built.blocks_kib, built.internal) == (1.5, "blue", 2048, 3)
+    with pytest.raises(ValueError, match=r"blocks_mib=65.0: must be in \[0, 64\]"):
+        config_of(_Toy, "toy", {"toy.speed": 1.0, "toy.colour": "red", "toy.blocks_mib": 65})
+    with pytest.raises(ValueError, match="expected one of red, blue"):
+        _Toy(colour="green")
+
+
+def test_configure_time_groups_are_one_list() -> None:
+    """queue.result_timeout is read by configure only: it is configure-time (a runtime set was
+    accepted and silently did nothing), and the doc's list of configure-time groups is that list."""
+    assert PARAMETERS_BY_NAME["queue.result_timeout"].configure_time
+    assert "`queue.result_timeout`" in render_markdown()

@@ -27,13 +27,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from ..engine.grammar.matcher import MAX_GRAMMAR_BYTES, compiled_constraint
-from ..engine.modes import SPEC_MODES
-from ..engine.config import (MAX_RUNNING, VERIFICATIONS, ChatConfig, EngineConfig, LookupConfig, ModelConfig,
-                             SamplingParams, SpecConfig, SuffixConfig, expand_path)
+from ..engine.config import (MAX_RUNNING, ChatConfig, EngineConfig, LookupConfig, ModelConfig, SamplingParams,
+                             SpecConfig, SuffixConfig, check_params, expand_path, param, params_of)
 from ..engine.remote.config import RemoteConfig
 
 ParamValue = Union[str, int, float, bool]
@@ -44,24 +43,95 @@ EMBEDDED_MODEL_PATH = "~/.cache/gemma_spec_ros/models/gemma-3-270m-q4_k_m.gguf"
 CACHE_DIR = "~/.cache/gemma_spec_ros"
 #: Prefixes of the parameters that only change while the node is unconfigured.
 CONFIGURE_TIME_PREFIXES: Tuple[str, ...] = (
-    "target.", "draft.", "lookup.", "suffix.", "backend", "remote.", "chat.", "queue.max_running",
-    "traffic.")
+    "backend", "remote.", "target.", "draft.", "lookup.", "suffix.", "chat.", "traffic.", "queue.max_running",
+    "queue.result_timeout")
 #: Where generation runs: this process (llama.cpp in-process) or an OpenAI-compatible server.
 BACKENDS: Tuple[str, ...] = ("local", "remote")
 #: What serves when the remote server is unreachable.
 FALLBACKS: Tuple[str, ...] = ("none", "local")
 #: The draft's flash attention: the target's setting, or one of its own.
 DRAFT_FLASH_ATTN: Tuple[str, ...] = ("target", "enabled", "disabled")
-_INT_MAX = 2**31 - 1
-_INT64_MAX = 2**63 - 1
-
-_MODEL = ModelConfig(path=EMBEDDED_MODEL_PATH)
-_SPEC = SpecConfig()
-_LOOKUP = LookupConfig()
 _SUFFIX = SuffixConfig()
-_SAMPLING = SamplingParams()
-_CHAT = ChatConfig()
-_REMOTE = RemoteConfig(url="http://127.0.0.1:8080")
+
+
+# -- the node's own groups: settings only the node reads (the engine's are its config dataclasses) --
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """``generation.*`` besides the sampler's (SamplingParams): what a goal that leaves a field at
+    its "use the default" value gets."""
+
+    max_tokens: int = param(128, "tokens generated when a goal's max_tokens is 0; <= limits.max_tokens",
+                            (1, 1 << 20))
+    time_budget: float = param(0.0, "seconds from acceptance after which a goal that sends time_budget 0 ends "
+                               "with finish_reason timeout and its text so far; 0 = no limit", (0.0, 86_400.0))
+    grammar: str = param("", "GBNF grammar (llama.cpp's format, rule root) for goals that set neither grammar "
+                         "nor json_schema; '' = unconstrained")
+    json_schema: str = param("", "JSON Schema (text) for goals that set neither grammar nor json_schema; at "
+                             "most one of generation.grammar and generation.json_schema")
+    prompt_cache: bool = param(True, "reuse the KV cache of the previous request's common prompt prefix (a "
+                               "planner's repeated system prompt is evaluated once); false = evaluate every "
+                               "prompt whole, for output independent of earlier requests with quantized weights")
+
+    def __post_init__(self) -> None:
+        check_params(self)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """``limits.*``: what one goal may ask, checked in the goal callback."""
+
+    max_prompt_tokens: int = param(1536, "goals whose (templated) prompt has more tokens are rejected",
+                                   (1, 1 << 20))
+    max_tokens: int = param(1024, "goals asking for more tokens are rejected", (1, 1 << 20))
+    max_prompt_bytes: int = param(1 << 16, "goals whose prompt + system prompt exceed this many UTF-8 bytes are "
+                                  "rejected before tokenizing", (1, 1 << 26))
+    max_stop_strings: int = param(16, "goals with more stop strings are rejected", (0, 1024))
+    max_stop_length: int = param(128, "goals with a longer stop string (characters) are rejected", (1, 1 << 16))
+    max_grammar_bytes: int = param(1 << 16, "goals with a longer grammar or json_schema (UTF-8 bytes) are "
+                                   "rejected", (0, MAX_GRAMMAR_BYTES))
+
+    def __post_init__(self) -> None:
+        check_params(self)
+
+
+@dataclass(frozen=True)
+class QueueSettings:
+    """``queue.*``: how goals wait and run."""
+
+    result_timeout: float = param(60.0, "seconds a finished goal's result (and its request) is kept for late "
+                                  "get_result calls", (1.0, 86_400.0))
+    max_depth: int = param(4, "accepted goals that may wait behind the running ones; more are rejected",
+                           (0, 1000))
+    max_running: int = param(1, "goals served at once, their steps decoded in one pass (each a sequence of the "
+                             "target's KV cache: that much more memory); 1 = one at a time. Not with an MTP "
+                             "assistant or EAGLE-3 head; where a pass over that many rows costs as much as that "
+                             "many one-row passes the node serves one at a time and says so on /diagnostics",
+                             (1, MAX_RUNNING))
+
+
+@dataclass(frozen=True)
+class TrafficSettings:
+    """``traffic.*``: the request log (engine/request_log.py), off by default."""
+
+    log_path: str = param("", "request log, training data for a draft head (gemma-spec-export-traffic): each "
+                          "finished goal's prompt or conversation and the target's reply, appended as JSON Lines; "
+                          "holds the clients' prompts in plain text; a file name lies in lookup.cache_dir, an "
+                          "absolute path must too; only a file this node wrote as its log is appended to or "
+                          "rotated; '' = off")
+    max_bytes: int = param(64 << 20, "bytes the request log and its one rotated file (the same name + .1) hold "
+                           "together; the oldest records go first", (1 << 20, 1 << 30))
+
+
+@dataclass(frozen=True)
+class FeedbackSettings:
+    min_period: float = param(0.0, "seconds between two feedback messages of a goal (text in between is kept); "
+                              "0 = every step", (0.0, 60.0))
+
+
+@dataclass(frozen=True)
+class DiagnosticsSettings:
+    period: float = param(1.0, "seconds between /diagnostics and rolling stats messages", (0.05, 3600.0))
+    hardware_id: str = param("", "hardware_id of the diagnostic status; '' = host name")
 
 
 @dataclass(frozen=True)
@@ -125,27 +195,63 @@ class ParamSpec:
         return "; ".join(parts)
 
 
+def rows_of(config_type: type, group: str, defaults: Optional[Mapping[str, Any]] = None) -> Tuple[ParamSpec, ...]:
+    """The parameter rows of a config dataclass's fields (engine/config.py ``param``): ``<group>.<name>``,
+    the field's default (``defaults`` by field name where the node's differs), description, range
+    and choices; fields that are not parameters left out."""
+    rows = []
+    for field_name, meta in params_of(config_type):
+        if not meta.node:
+            continue
+        default = (defaults or {}).get(field_name, _field_default(config_type, field_name))
+        if meta.scale != 1:
+            default //= meta.scale
+        rows.append(ParamSpec(f"{group}.{meta.name or field_name}", default, meta.description, meta.range,
+                              meta.choices, meta.yaml_false, meta.read_only))
+    return tuple(rows)
+
+
+def config_of(config_type: type, group: str, values: Mapping[str, Any], **fixed: Any) -> Any:
+    """A config dataclass from the node's parameter values (each parameter field's ``<group>.<name>``,
+    scaled), ``fixed`` for the fields written otherwise; ValueError with the reason, as its
+    ``__post_init__`` says it."""
+    kwargs = dict(fixed)
+    for field_name, meta in params_of(config_type):
+        if meta.node and field_name not in kwargs:
+            value = values[f"{group}.{meta.name or field_name}"]
+            kwargs[field_name] = value * meta.scale if meta.scale != 1 else value
+    return config_type(**kwargs)
+
+
+def _field_default(config_type: type, name: str) -> Any:
+    return next(f.default for f in fields(config_type) if f.name == name)
+
+
+_MODEL_PARAMS = dict(params_of(ModelConfig))
+
+
 def _model_rows(prefix: str, what: str, path_default: str, path_help: str,
                 with_batch: bool) -> Tuple[ParamSpec, ...]:
-    """The rows shared by ``target.*`` and ``draft.*``."""
+    """The rows shared by ``target.*`` and ``draft.*`` (ModelConfig's ranges; the draft's n_ctx 0 =
+    the target's, its flash attention a choice, its batch the target's)."""
+    def row(name: str, description: str, default: Any = None, low: Optional[float] = None) -> ParamSpec:
+        meta = _MODEL_PARAMS[name]
+        value_range = None if meta.range is None else (meta.range[0] if low is None else low, meta.range[1])
+        return ParamSpec(f"{prefix}.{meta.name or name}",
+                         _field_default(ModelConfig, name) if default is None else default, description, value_range)
     rows = [
         ParamSpec(f"{prefix}.model_path", path_default, path_help),
-        ParamSpec(f"{prefix}.n_gpu_layers", _MODEL.n_gpu_layers,
-                  f"{what} layers offloaded to the GPU; -1 = all", (-1, 10_000)),
-        ParamSpec(f"{prefix}.n_ctx", _MODEL.n_ctx if with_batch else 0,
-                  f"{what} context length in tokens (prompt + generation)"
-                  + ("" if with_batch else "; 0 = target.n_ctx"),
-                  (16 if with_batch else 0, 1 << 20)),
-        ParamSpec(f"{prefix}.n_threads", _MODEL.n_threads,
-                  f"CPU threads for the {what}; 0 = all cores", (0, 1024)),
+        row("n_gpu_layers", f"{what} layers offloaded to the GPU; -1 = all"),
+        row("n_ctx", f"{what} context length in tokens (prompt + generation)" + ("" if with_batch else
+                                                                                 "; 0 = target.n_ctx"),
+            default=None if with_batch else 0, low=None if with_batch else 0),
+        row("n_threads", f"CPU threads for the {what}; 0 = all cores"),
     ]
     if with_batch:
         rows += [
-            ParamSpec(f"{prefix}.n_batch", _MODEL.n_batch,
-                      "largest batch one llama_decode call gets (prompt chunks)", (1, 1 << 16)),
-            ParamSpec(f"{prefix}.flash_attn", _MODEL.flash_attn,
-                      ("flash attention for the target, and for the draft unless draft.flash_attn says otherwise "
-                       "(faster on GPUs and CPUs; logits then depend on the batch)")),
+            row("n_batch", _MODEL_PARAMS["n_batch"].description),
+            row("flash_attn", "flash attention for the target, and for the draft unless draft.flash_attn says "
+                              "otherwise (faster on GPUs and CPUs; logits then depend on the batch)"),
         ]
     else:
         rows.append(ParamSpec(f"{prefix}.flash_attn", "target",
@@ -161,25 +267,7 @@ PARAMETERS: Tuple[ParamSpec, ...] = (
               "local: generate in this process (target.*, draft.*); remote: stream from the "
               "OpenAI-compatible server at remote.url (llama-server, vLLM, llama_cpp.server), which "
               "runs its own speculation", choices=BACKENDS),
-    ParamSpec("remote.url", _REMOTE.url,
-              "base URL of the inference server (http or https; a trailing /v1 is accepted)"),
-    ParamSpec("remote.model", _REMOTE.model,
-              "model name sent with each request; '' = the server's default model"),
-    ParamSpec("remote.api_key_env", _REMOTE.api_key_env,
-              "NAME of the environment variable holding the server's API key (sent as a Bearer "
-              "token); '' = no key. The key itself is never a parameter"),
-    ParamSpec("remote.connect_timeout", _REMOTE.connect_timeout,
-              "seconds to connect to the server; also the limit of its tokenizer and probe calls",
-              (0.01, 600.0)),
-    ParamSpec("remote.read_timeout", _REMOTE.read_timeout,
-              "seconds a stream may go without a data event (the first token included; keep-alive "
-              "comments do not count) before the goal ends with an error", (0.01, 86400.0)),
-    ParamSpec("remote.probe_period", _REMOTE.probe_period,
-              "seconds between reachability/RTT probes (GET /health) and /metrics reads; 0 = off",
-              (0.0, 3600.0)),
-    ParamSpec("remote.n_ctx", _REMOTE.n_ctx,
-              "context length for goal checks; 0 = what the server reports (llama-server /props, "
-              "vLLM max_model_len), else the server alone checks", (0, 1 << 24)),
+    *rows_of(RemoteConfig, "remote"),
     ParamSpec("remote.fallback", "none",
               "local: generate with the local model (target.*) when the server is unreachable "
               "(the model is loaded at configure); none: such goals end with an error",
@@ -196,118 +284,22 @@ PARAMETERS: Tuple[ParamSpec, ...] = (
                  "(a gemma4-assistant .gguf: spec.mode mtp), or an EAGLE-3 head (an eagle3 .gguf: "
                  "spec.mode eagle3); '' = no draft model",
                  with_batch=False),
-    ParamSpec("spec.mode", _SPEC.mode, "speculative mode; applies from the next step, no reload",
-              choices=SPEC_MODES, yaml_false="off"),
-    ParamSpec("spec.draft_max", _SPEC.draft_max,
-              "K: the most tokens drafted per step (the adaptive policy may use fewer)", (1, 64)),
-    ParamSpec("spec.draft_min", _SPEC.draft_min,
-              "a model draft shorter than this is dropped (0/1 = keep any); <= spec.draft_max",
-              (0, 64)),
-    ParamSpec("spec.p_min", _SPEC.p_min,
-              "model drafting stops when the draft's top probability falls below this", (0.0, 1.0)),
-    ParamSpec("spec.adaptive", _SPEC.adaptive,
-              "adapt K to measured acceptance and cost; false = always spec.draft_max"),
-    ParamSpec("spec.verification", _SPEC.verification,
-              "exact: lossless for any drafter; rejection: min(1, p/q) for stochastic model drafts",
-              choices=VERIFICATIONS),
-    ParamSpec("lookup.static_path", _LOOKUP.static_path,
-              "static n-gram cache (llama-lookup-create format); '' = none"),
-    ParamSpec("lookup.dynamic_path", _LOOKUP.dynamic_path,
-              "dynamic (learned) n-gram cache: loaded if present, saved at cleanup/shutdown; only a "
-              "file this node wrote is read or replaced; inside lookup.cache_dir; '' = memory only"),
-    ParamSpec("lookup.cache_dir", CACHE_DIR,
-              "folder lookup.dynamic_path must lie in (the one file the node writes); '' = anywhere",
-              read_only=True),
-    ParamSpec("lookup.dynamic_max_ngrams", _LOOKUP.dynamic_max_ngrams,
-              "the dynamic cache keeps at most this many n-grams (~0.4 KB each in memory); the "
-              "least seen are evicted", (1, 100_000_000)),
-    ParamSpec("lookup.save_period", _LOOKUP.save_period,
-              "seconds between atomic saves of the dynamic cache while serving; 0 = only at "
-              "cleanup/shutdown", (0.0, 86_400.0)),
-    ParamSpec("lookup.ngram_min", _LOOKUP.ngram_min, "shortest context n-gram tried", (1, 4)),
-    ParamSpec("lookup.ngram_max", _LOOKUP.ngram_max,
-              "longest context n-gram tried; >= lookup.ngram_min", (1, 4)),
+    *rows_of(SpecConfig, "spec"),
+    *rows_of(LookupConfig, "lookup", defaults={"cache_dir": CACHE_DIR}),
     ParamSpec("suffix.history_path", _SUFFIX.history_path,
               "the suffix drafter's history of earlier outputs (spec.mode suffix, suffix+lookup): loaded "
               "if present, saved at cleanup/shutdown; only a file this node wrote for this vocabulary is "
               "read or replaced; a file name lies in lookup.cache_dir, an absolute path must too; not "
               "lookup.dynamic_path; '' = memory only"),
-    ParamSpec("suffix.history_max_tokens", _SUFFIX.history_max_tokens,
-              "tokens of earlier outputs the suffix history keeps (~0.35 KB each in memory); the "
-              "oldest are evicted first; 0 = none (the request's own tokens only)", (0, 1 << 20)),
-    ParamSpec("suffix.save_period", _SUFFIX.save_period,
-              "seconds between atomic saves of the suffix history while serving; 0 = only at "
-              "cleanup/shutdown", (0.0, 86_400.0)),
-    ParamSpec("chat.template_path", _CHAT.template_path,
-              "Jinja chat template file for ~/generate_chat turns instead of the model's own "
-              "(tokenizer.chat_template), e.g. for a base model without one: a regular file of at most "
-              "256 KiB that renders `messages`; '' = the model's own"),
-    ParamSpec("chat.conversation_cache_mb", _CHAT.conversation_cache_bytes >> 20,
-              "host memory (MiB) for recent conversations' KV: a follow-up turn after another "
-              "conversation's evaluates only its new tokens; least recently used out first; 0 = none",
-              (0, 1 << 12)),
-    ParamSpec("traffic.log_path", "",
-              "request log, training data for a draft head (gemma-spec-export-traffic): each finished "
-              "goal's prompt or conversation and the target's reply, appended as JSON Lines; holds the "
-              "clients' prompts in plain text; a file name lies in lookup.cache_dir, an absolute path "
-              "must too; only a file this node wrote as its log is appended to or rotated; '' = off"),
-    ParamSpec("traffic.max_bytes", 64 << 20,
-              "bytes the request log and its one rotated file (the same name + .1) hold together; "
-              "the oldest records go first", (1 << 20, 1 << 30)),
-    ParamSpec("generation.max_tokens", 128,
-              "tokens generated when a goal's max_tokens is 0; <= limits.max_tokens", (1, 1 << 20)),
-    ParamSpec("generation.temperature", _SAMPLING.temperature,
-              "temperature of goals that send temperature -1 (0 = greedy; a goal's 0 is greedy too)",
-              (0.0, 100.0)),
-    ParamSpec("generation.top_p", _SAMPLING.top_p,
-              "nucleus mass used when a goal's top_p is 0; in (0, 1]", (0.0, 1.0)),
-    ParamSpec("generation.top_k", _SAMPLING.top_k,
-              "top-k of goals that send top_k -1 (0 = no limit; a goal's 0 is no limit too)",
-              (0, _INT_MAX)),
-    ParamSpec("generation.seed", _SAMPLING.seed,
-              "sampler seed used when a goal's seed is -1; -1 = random", (-1, _INT64_MAX)),
-    ParamSpec("generation.time_budget", 0.0,
-              "seconds from acceptance after which a goal that sends time_budget 0 ends with "
-              "finish_reason timeout and its text so far; 0 = no limit", (0.0, 86_400.0)),
-    ParamSpec("generation.grammar", "",
-              "GBNF grammar (llama.cpp's format, rule root) for goals that set neither grammar nor "
-              "json_schema; '' = unconstrained"),
-    ParamSpec("generation.json_schema", "",
-              "JSON Schema (text) for goals that set neither grammar nor json_schema; at most one of "
-              "generation.grammar and generation.json_schema"),
-    ParamSpec("generation.prompt_cache", True,
-              "reuse the KV cache of the previous request's common prompt prefix (a planner's "
-              "repeated system prompt is evaluated once); false = evaluate every prompt whole, "
-              "for output independent of earlier requests with quantized weights"),
-    ParamSpec("limits.max_prompt_tokens", 1536,
-              "goals whose (templated) prompt has more tokens are rejected", (1, 1 << 20)),
-    ParamSpec("limits.max_tokens", 1024,
-              "goals asking for more tokens are rejected", (1, 1 << 20)),
-    ParamSpec("limits.max_prompt_bytes", 1 << 16,
-              "goals whose prompt + system prompt exceed this many UTF-8 bytes are rejected before "
-              "tokenizing", (1, 1 << 26)),
-    ParamSpec("limits.max_stop_strings", 16, "goals with more stop strings are rejected", (0, 1024)),
-    ParamSpec("limits.max_stop_length", 128,
-              "goals with a longer stop string (characters) are rejected", (1, 1 << 16)),
-    ParamSpec("limits.max_grammar_bytes", 1 << 16,
-              "goals with a longer grammar or json_schema (UTF-8 bytes) are rejected", (0, MAX_GRAMMAR_BYTES)),
-    ParamSpec("queue.result_timeout", 60.0,
-              "seconds a finished goal's result (and its request) is kept for late get_result "
-              "calls; read by configure", (1.0, 86_400.0)),
-    ParamSpec("queue.max_depth", 4,
-              "accepted goals that may wait behind the running ones; more are rejected", (0, 1000)),
-    ParamSpec("queue.max_running", 1,
-              "goals served at once, their steps decoded in one pass (each a sequence of the target's "
-              "KV cache: that much more memory); 1 = one at a time. Not with an MTP assistant or "
-              "EAGLE-3 head; where a pass over that many rows costs as much as that many one-row "
-              "passes the node serves one at a time and says so on /diagnostics; read by configure",
-              (1, MAX_RUNNING)),
-    ParamSpec("feedback.min_period", 0.0,
-              "seconds between two feedback messages of a goal (text in between is kept); 0 = every "
-              "step", (0.0, 60.0)),
-    ParamSpec("diagnostics.period", 1.0, "seconds between /diagnostics and rolling stats messages",
-              (0.05, 3600.0)),
-    ParamSpec("diagnostics.hardware_id", "", "hardware_id of the diagnostic status; '' = host name"),
+    *rows_of(SuffixConfig, "suffix"),
+    *rows_of(ChatConfig, "chat"),
+    *rows_of(TrafficSettings, "traffic"),
+    *rows_of(GenerationDefaults, "generation"),
+    *rows_of(SamplingParams, "generation"),
+    *rows_of(Limits, "limits"),
+    *rows_of(QueueSettings, "queue"),
+    *rows_of(FeedbackSettings, "feedback"),
+    *rows_of(DiagnosticsSettings, "diagnostics"),
 )
 
 PARAMETERS_BY_NAME: Dict[str, ParamSpec] = {p.name: p for p in PARAMETERS}
@@ -354,17 +346,12 @@ def check_choices(values: Mapping[str, Any]) -> str:
 
 def spec_config_from(values: Mapping[str, Any]) -> SpecConfig:
     """``spec.*`` parameters -> SpecConfig; raises ValueError with a user-facing reason."""
-    return SpecConfig(mode=values["spec.mode"],
-                      draft_max=values["spec.draft_max"],
-                      draft_min=values["spec.draft_min"], p_min=values["spec.p_min"],
-                      adaptive=values["spec.adaptive"], verification=values["spec.verification"])
+    return config_of(SpecConfig, "spec", values)
 
 
 def sampling_from(values: Mapping[str, Any]) -> SamplingParams:
     """``generation.*`` defaults -> SamplingParams; raises ValueError with a user-facing reason."""
-    return SamplingParams(temperature=values["generation.temperature"],
-                          top_k=values["generation.top_k"], top_p=values["generation.top_p"],
-                          seed=values["generation.seed"])
+    return config_of(SamplingParams, "generation", values)
 
 
 def engine_config_from(values: Mapping[str, Any]) -> EngineConfig:
@@ -373,31 +360,20 @@ def engine_config_from(values: Mapping[str, Any]) -> EngineConfig:
     The draft model shares the target's ``n_batch``, and its ``flash_attn`` unless
     ``draft.flash_attn`` says otherwise; ``draft.n_ctx`` 0 means the target's context length.
     """
-    target = ModelConfig(path=values["target.model_path"], n_gpu_layers=values["target.n_gpu_layers"],
-                         n_ctx=values["target.n_ctx"], n_batch=values["target.n_batch"],
-                         n_threads=values["target.n_threads"], flash_attn=values["target.flash_attn"])
+    target = config_of(ModelConfig, "target", values)
     draft = None
     if values["draft.model_path"]:
-        draft = replace(target, path=values["draft.model_path"],
-                        n_gpu_layers=values["draft.n_gpu_layers"],
-                        n_ctx=values["draft.n_ctx"] or target.n_ctx,
-                        n_threads=values["draft.n_threads"],
-                        flash_attn=(target.flash_attn if values["draft.flash_attn"] == "target"
-                                    else values["draft.flash_attn"] == "enabled"))
-    lookup = LookupConfig(static_path=values["lookup.static_path"],
-                          dynamic_path=values["lookup.dynamic_path"],
-                          cache_dir=values["lookup.cache_dir"],
-                          ngram_min=values["lookup.ngram_min"], ngram_max=values["lookup.ngram_max"],
-                          dynamic_max_ngrams=values["lookup.dynamic_max_ngrams"],
-                          save_period=values["lookup.save_period"])
-    suffix = SuffixConfig(history_path=history_path(values["suffix.history_path"], values["lookup.cache_dir"]),
-                          cache_dir=values["lookup.cache_dir"],
-                          history_max_tokens=values["suffix.history_max_tokens"],
-                          save_period=values["suffix.save_period"])
-    chat = ChatConfig(template_path=values["chat.template_path"],
-                      conversation_cache_bytes=values["chat.conversation_cache_mb"] << 20)
-    return EngineConfig(target=target, draft=draft, spec=spec_config_from(values), lookup=lookup,
-                        suffix=suffix, chat=chat, max_running=values["queue.max_running"],
+        flash_attn = values["draft.flash_attn"]
+        draft = config_of(ModelConfig, "draft", values, n_batch=target.n_batch,
+                          n_ctx=values["draft.n_ctx"] or target.n_ctx,
+                          flash_attn=target.flash_attn if flash_attn == "target" else flash_attn == "enabled")
+    cache_dir = values["lookup.cache_dir"]
+    suffix = config_of(SuffixConfig, "suffix", values, cache_dir=cache_dir,
+                       history_path=history_path(values["suffix.history_path"], cache_dir))
+    queue = config_of(QueueSettings, "queue", values)
+    return EngineConfig(target=target, draft=draft, spec=spec_config_from(values),
+                        lookup=config_of(LookupConfig, "lookup", values), suffix=suffix,
+                        chat=config_of(ChatConfig, "chat", values), max_running=queue.max_running,
                         prepare_grammar=values["target.prepare_grammar"])
 
 
@@ -419,12 +395,8 @@ def history_path(path: str, cache_dir: str) -> str:
 
 def remote_config_from(values: Mapping[str, Any]) -> RemoteConfig:
     """``remote.*`` parameters -> RemoteConfig; raises ValueError with a user-facing reason."""
-    return RemoteConfig(url=values["remote.url"], model=values["remote.model"],
-                        api_key_env=values["remote.api_key_env"],
-                        connect_timeout=values["remote.connect_timeout"],
-                        read_timeout=values["remote.read_timeout"],
-                        probe_period=values["remote.probe_period"], n_ctx=values["remote.n_ctx"],
-                        max_prompt_tokens=values["limits.max_prompt_tokens"])
+    limits = config_of(Limits, "limits", values)
+    return config_of(RemoteConfig, "remote", values, max_prompt_tokens=limits.max_prompt_tokens)
 
 
 def check_values(values: Mapping[str, Any], configured: bool) -> str:
@@ -437,14 +409,14 @@ def check_values(values: Mapping[str, Any], configured: bool) -> str:
     reason = check_choices(values)
     if reason:
         return reason
-    if values["generation.max_tokens"] > values["limits.max_tokens"]:
-        return (f"generation.max_tokens={values['generation.max_tokens']} exceeds "
-                f"limits.max_tokens={values['limits.max_tokens']}")
     try:
+        generation, limits = config_of(GenerationDefaults, "generation", values), config_of(Limits, "limits", values)
+        if generation.max_tokens > limits.max_tokens:
+            return (f"generation.max_tokens={generation.max_tokens} exceeds "
+                    f"limits.max_tokens={limits.max_tokens}")
         sampling_from(values)
         # the default constraint, checked as a goal's is (parse and compile; cached by text)
-        compiled_constraint(values["generation.grammar"], values["generation.json_schema"],
-                            values["limits.max_grammar_bytes"])
+        compiled_constraint(generation.grammar, generation.json_schema, limits.max_grammar_bytes)
         if configured:
             spec_config_from(values)
         else:
@@ -456,16 +428,17 @@ def check_values(values: Mapping[str, Any], configured: bool) -> str:
     return ""
 
 
-def render_markdown() -> str:
-    """docs/parameters.md, generated from :data:`PARAMETERS`."""
+def render_markdown(rows: Sequence[ParamSpec] = PARAMETERS) -> str:
+    """docs/parameters.md, generated from :data:`PARAMETERS` (or ``rows``)."""
+    groups = ", ".join(f"`{p}*`" if p.endswith(".") else f"`{p}`" for p in CONFIGURE_TIME_PREFIXES)
     lines = [
         "# Parameters of the `gemma_spec` node",
         "",
-        "Generated from `gemma_spec_ros/node/parameters.py` by",
+        "Generated from `gemma_spec_ros/node/parameters.py` (the rows of the engine's settings from the",
+        "fields of its config dataclasses, engine/config.py) by",
         "`python -m gemma_spec_ros.node.parameters --write docs/parameters.md`; do not edit by hand.",
         "",
-        "Configure-time parameters (`backend`, `remote.*`, `target.*`, `draft.*`, `lookup.*`, `suffix.*`,",
-        "`chat.*`) are read",
+        f"Configure-time parameters ({groups}) are read",
         "by the configure transition. They can be set (`ros2 param set`) only while the node is",
         "unconfigured: in any other state the node refuses the change with a reason, since the loaded",
         "models would no longer match.",
@@ -485,7 +458,7 @@ def render_markdown() -> str:
         "| name | type | default | range | description |",
         "|---|---|---|---|---|",
     ]
-    for p in PARAMETERS:
+    for p in rows:
         low_high = "" if p.value_range is None else f"[{_fmt(p.value_range[0])}, {_fmt(p.value_range[1])}]"
         extra = f" ({p.constraints})" if p.constraints else ""
         lines.append(f"| `{p.name}` | {p.type_name} | `{_fmt(p.default)}` | {low_high} | "
