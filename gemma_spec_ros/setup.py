@@ -19,6 +19,7 @@ setup(
         ("share/" + PACKAGE + "/config", glob("config/*.yaml")),
         ("share/" + PACKAGE + "/config/aggregator", glob("config/aggregator/*.yaml")),
         ("share/" + PACKAGE + "/config/schemas", glob("config/schemas/*.json")),
+        ("share/" + PACKAGE + "/config/examples", glob("config/examples/*.json")),
         # the SROS2 policy and the profiles it includes (relative paths: the layout is kept)
         ("share/" + PACKAGE + "/config/sros2", glob("config/sros2/*.xml")),
         ("share/" + PACKAGE + "/config/sros2/common", glob("config/sros2/common/*.xml")),

@@ -6,7 +6,7 @@ The lifecycle node configures (the models load) and activates itself at every st
 a respawned one too. Arguments:
     params_file  parameter file            (default: <share>/gemma_spec_ros/config/orin.yaml)
     models_dir   folder with the GGUFs     (default: '' = the model paths written in params_file)
-    spec_mode    off | draft | lookup | draft+lookup | auto | mtp | eagle3  (default: '' = params_file's spec.mode)
+    spec_mode    a value of spec.mode (docs/parameters.md)  (default: '' = params_file's spec.mode)
     respawn      true | false: start the node again when its process dies (default: true)
     autostart    true | false: false leaves the transitions to a lifecycle manager (nav2's, or
                  ``ros2 lifecycle set``) (default: true)
@@ -32,6 +32,7 @@ from launch.actions import DeclareLaunchArgument, OpaqueFunction
 from launch.substitutions import LaunchConfiguration
 from launch_ros.actions import LifecycleNode
 
+from gemma_spec_ros.engine.modes import SPEC_MODES
 from gemma_spec_ros.node import NODE_NAME, SHUTDOWN_BOUND
 
 PACKAGE = "gemma_spec_ros"
@@ -99,8 +100,7 @@ def generate_launch_description() -> LaunchDescription:
             description=f"folder holding {TARGET_MODEL_FILE} (target) and {DRAFT_MODEL_FILE} "
                         "(draft); empty: the model paths of params_file"),
         DeclareLaunchArgument("spec_mode", default_value="",
-                              description="off | draft | lookup | draft+lookup | auto | mtp | eagle3; "
-                                          "empty: params_file's spec.mode"),
+                              description=" | ".join(SPEC_MODES) + "; empty: params_file's spec.mode"),
         DeclareLaunchArgument("respawn", default_value="true",
                               description="start the node again when its process dies"),
         DeclareLaunchArgument("autostart", default_value="true",

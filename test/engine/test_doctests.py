@@ -1,4 +1,4 @@
-"""The worked examples in the engine's docstrings run: every module of the engine and its rooms
+"""The worked examples in the engine's docstrings run: every module of the engine and its parts
 (merge rules, text, sampling, verification, the mode table, the policy's maths, the remote
 backend's wire formats, ...). None of them needs a model."""
 from __future__ import annotations

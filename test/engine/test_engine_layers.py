@@ -1,5 +1,5 @@
-"""The engine's rooms import only downward: the floor (config, errors, modes, request, sampling,
-stats, ...) imports no room; ``llama/`` (the wrapper over llama.cpp) and ``grammar/`` only the floor;
+"""The engine's parts import only downward, layer by layer: the base layer (config, errors, modes,
+request, sampling, stats, ...) imports no part; ``llama/`` (the wrapper over llama.cpp) and ``grammar/`` only the base;
 ``drafters/`` the wrapper; ``policy/`` the drafters' evidence; ``chat/`` the grammar; ``remote/`` chat;
 the generation loop (``engine.py``, ``propose.py``, ...) everything. A drafter that
 reached up into the loop, or a wrapper that knew the cache format, fails here with its line. Imports
@@ -13,18 +13,18 @@ from typing import Dict, Iterator, List, Set, Tuple
 
 ENGINE = Path(__file__).resolve().parents[2] / "gemma_spec_ros" / "gemma_spec_ros" / "engine"
 PACKAGE = "gemma_spec_ros.engine"
-FLOOR = {"config", "errors", "files", "modes", "request", "sampling", "stats", "detokenize",
+BASE = {"config", "errors", "files", "modes", "request", "sampling", "stats", "detokenize",
          "conversations"}
-RANK = {"floor": 0, "llama": 1, "grammar": 1, "drafters": 2, "policy": 3, "chat": 3, "remote": 4,
+RANK = {"base": 0, "llama": 1, "grammar": 1, "drafters": 2, "policy": 3, "chat": 3, "remote": 4,
         "loop": 5}
 
 
-def room(module: str) -> str:
-    """The room of an engine module given relative to the engine (``drafters.lookup`` -> drafters)."""
+def layer(module: str) -> str:
+    """The layer of an engine module given relative to the engine (``drafters.lookup`` -> drafters)."""
     head = module.split(".")[0]
     if head in RANK:
         return head
-    return "floor" if head in FLOOR else "loop"
+    return "base" if head in BASE else "loop"
 
 
 def engine_imports(path: Path, typing_too: bool = False) -> Iterator[Tuple[int, str]]:
@@ -51,22 +51,22 @@ def engine_imports(path: Path, typing_too: bool = False) -> Iterator[Tuple[int, 
             yield node.lineno, target
 
 
-def test_rooms_are_told_apart() -> None:
-    assert room("drafters.lookup") == "drafters" and room("config") == "floor"
-    assert room("engine") == "loop" and room("propose") == "loop"
+def test_layers_are_told_apart() -> None:
+    assert layer("drafters.lookup") == "drafters" and layer("config") == "base"
+    assert layer("engine") == "loop" and layer("propose") == "loop"
 
 
-def test_each_room_imports_only_downward() -> None:
+def test_each_layer_imports_only_downward() -> None:
     sources = sorted(ENGINE.rglob("*.py"))
     assert len(sources) > 30, f"engine sources under {ENGINE}"
     offenders = []
     for path in sources:
-        source = room(".".join(path.relative_to(ENGINE).with_suffix("").parts))
+        source = layer(".".join(path.relative_to(ENGINE).with_suffix("").parts))
         for line, target in engine_imports(path):
-            into = room(target)
+            into = layer(target)
             if into != source and RANK[into] >= RANK[source]:
                 offenders.append(f"{path.relative_to(ENGINE)}:{line}: {source} imports {target} ({into})")
-    assert not offenders, "an engine room imports upward or sideways:\n" + "\n".join(offenders)
+    assert not offenders, "an engine part imports upward or sideways:\n" + "\n".join(offenders)
 
 
 def module_of(path: Path) -> str:

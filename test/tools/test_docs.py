@@ -121,3 +121,34 @@ def test_the_link_check_sees_a_broken_link(tmp_path: Path, broken: str, why: str
                     "[a link that\nwraps](docs/design.md#the-floor-plan).\n", encoding="utf-8")
     assert [problem for problem in link_problems(page) if why in problem] != []
     assert len(link_problems(page)) == 1
+
+
+def test_every_mode_is_in_every_list_of_modes(repo_root: Path, venv_python: Path) -> None:
+    """The mode table (engine/modes.py) is the one source: every mode is a row of the README's
+    modes table, named in docs/interfaces.md and offered by `gemma-spec-generate --help`; and no
+    interface file lists modes by hand (they drifted: --help offered five of nine)."""
+    import subprocess
+
+    from gemma_spec_ros.engine.modes import SPEC_MODES
+
+    readme = (repo_root / "README.md").read_text()
+    table_rows = {m.group(1) for m in re.finditer(r"^\| `([a-z0-9+]+)`( \(default\))? \|", readme, re.M)}
+    interfaces = (repo_root / "docs" / "interfaces.md").read_text()
+    help_text = subprocess.run([str(venv_python), "-m", "gemma_spec_ros.tools.generate", "--help"],
+                               capture_output=True, text=True, timeout=60).stdout
+    for mode in SPEC_MODES:
+        assert mode in table_rows, f"{mode} is not a row of the README's modes table"
+        assert f"`{mode}`" in interfaces, f"docs/interfaces.md does not name {mode}"
+        assert re.search(rf"(^|[ |]){re.escape(mode)}([ |]|$)", " ".join(help_text.split())), mode
+    for path in [*(repo_root / "gemma_spec_msgs").rglob("*.action"), *(repo_root / "gemma_spec_msgs").rglob("*.msg")]:
+        assert not re.search(r"off ?\| ?draft ?\| ?lookup", path.read_text()), path
+
+
+def test_every_parameter_group_is_in_the_interfaces_table(repo_root: Path) -> None:
+    """docs/interfaces.md's table of parameter groups names every group of the table."""
+    from gemma_spec_ros.node.parameters import PARAMETERS
+
+    interfaces = (repo_root / "docs" / "interfaces.md").read_text()
+    table = interfaces[interfaces.index("## Parameters"):]
+    for group in sorted({p.name.split(".")[0] for p in PARAMETERS}):
+        assert f"`{group}" in table, f"parameter group {group} is missing from docs/interfaces.md"

@@ -3,8 +3,9 @@
 Three classes implement it: :class:`~gemma_spec_ros.engine.engine.Engine` (the models in this
 process), :class:`~gemma_spec_ros.engine.remote.engine.RemoteEngine` (an OpenAI-compatible server)
 and :class:`~gemma_spec_ros.engine.fallback.FallbackEngine` (a remote engine with a local one for
-when its server is unreachable). The node calls nothing else on an engine, so a goal can be
-followed from the node into whichever engine serves it.
+when its server is unreachable). The node holds an engine by this contract only, so a goal can be
+followed from the node into whichever engine serves it; tools (the bench, the CLI, the tests) also
+use ``check_spec`` and ``count_prompt_tokens``, which the node does not need.
 """
 from __future__ import annotations
 

@@ -30,6 +30,7 @@ from rclpy.utilities import remove_ros_args
 
 from ..client import GenerateClient, NoAnswer, action_name, chat_action_name, chat_goal
 from ..engine.chat.conversation import Conversation, conversation_from_json
+from ..engine.modes import SPEC_MODES
 from ..node import NODE_NAME
 
 EXIT_OK, EXIT_UNAVAILABLE, EXIT_REJECTED, EXIT_ABORTED, EXIT_CANCELLED = range(5)
@@ -42,15 +43,16 @@ _STATUS_NAMES = {GoalStatus.STATUS_SUCCEEDED: "SUCCEEDED", GoalStatus.STATUS_ABO
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="gemma-spec-generate", description=__doc__.split("\n")[0])
     parser.add_argument("prompt", nargs="?", default="", help="the prompt (not with --chat)")
-    parser.add_argument("--spec-mode", default="", help="off|draft|lookup|draft+lookup|auto "
-                        "(default: the node's spec.mode)")
+    parser.add_argument("--spec-mode", default="", choices=("",) + SPEC_MODES, metavar="MODE",
+                        help=f"{' | '.join(SPEC_MODES)} (default: the node's spec.mode)")
     parser.add_argument("--stream", action="store_true", help="print text as feedback arrives")
     parser.add_argument("--max-tokens", type=int, default=0, help="0 = the node's default")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0 = greedy; -1 = the node's generation.temperature")
     parser.add_argument("--top-p", type=float, default=0.0, help="0 = the node's default")
     parser.add_argument("--top-k", type=int, default=0, help="0 = no limit; -1 = the node's generation.top_k")
-    parser.add_argument("--seed", type=int, default=-1, help="-1 = random")
+    parser.add_argument("--seed", type=int, default=-1,
+                        help="sampler seed; -1 = the node's generation.seed (its default, -1, draws a random seed)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--system", default="", help="system prompt (with --chat-template)")
     parser.add_argument("--chat-template", action="store_true", help="wrap the prompt in the model's chat template")

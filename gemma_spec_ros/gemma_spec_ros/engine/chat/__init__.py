@@ -1,7 +1,7 @@
 """Chat turns with tool calls: a conversation -> the model's own template -> tokens; the reply ->
 text and validated tool calls. ROS-free, like the rest of the engine.
 
-Rooms (lower ones never import higher ones):
+Parts (lower ones never import higher ones):
 
 ====================  ==========================================================================
 ``conversation.py``   messages, tools, tool_choice: plain data, checked where made

@@ -7,7 +7,7 @@ For a target too large for the robot, or a fleet sharing one GPU server, the nod
 :class:`~gemma_spec_ros.engine.request.Step` objects and reads the acceptance figures the server
 exposes. Standard library only (``http.client``, ``json``, ``threading``); no ROS.
 
-Rooms, each readable and testable alone (lower ones never import higher ones):
+Parts, each readable and testable alone (lower ones never import higher ones):
 
 ========================  ==========================================================================
 ``http.py``               one HTTP call (connect, request, read), the API key, error texts
