@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import doctest
 import json
+import random
 from pathlib import Path
 from typing import Any, Iterator, List, Tuple
 
@@ -215,7 +216,7 @@ def _accepts(model: ChatModel, turn: Any, text: str) -> bool:
     whole reply: every token allowed in turn, and the grammar complete at the end."""
     grammar = model.grammar_vocab.start(turn.constraint)
     tokens = model.backend.tokenize(text, add_special=False, parse_special=True)
-    return grammar.allowed_prefix(tokens) == len(tokens) and (grammar.advance(tokens) or grammar.complete())
+    return grammar.allowed_after((), tokens) == len(tokens) and (grammar.advance(tokens) or grammar.complete())
 
 
 @pytest.mark.parametrize("choice, parallel, reply, accepted", [
@@ -295,7 +296,7 @@ def test_gemma4_markers_are_tokens_not_text(gemma4: ChatModel) -> None:
     streamed = "".join(stream.push(t) for t in spelled) + stream.flush()
     assert streamed == "<|tool_call>" and not stream.in_call
     chunks, stream = _streamed(gemma4, GEMMA_CALLS, f"Hm. <|tool_call>call:say{{text:{Q}yo{Q}}}<tool_call|>")
-    assert "".join(chunks) == "Hm. " and stream.in_call
+    assert "".join(chunks) == "Hm. " and not stream.in_call and stream.calls_closed == 1
     assert [c.arguments for c in stream.reply(planner_conversation(), "stop").tool_calls] == ['{"text": "yo"}']
 
 
@@ -320,6 +321,50 @@ def test_a_call_cut_by_max_tokens_is_said_so(gemma3: ChatModel) -> None:
     _, stream = _streamed(gemma3, TAGGED_JSON_CALLS, '<tool_call>\n{"name": "say", "argu')
     reply = stream.reply(planner_conversation("required"), "length")
     assert reply.tool_calls == () and reply.error.startswith("max_tokens ran out inside a tool call")
+
+
+CALL = '<tool_call>\n{"name": "say", "arguments": {"text": "hi"}}\n</tool_call>'
+GEMMA_CALL = f"<|tool_call>call:say{{text:{Q}yo{Q}}}<tool_call|>"
+
+
+@pytest.mark.parametrize("style, text, content, calls", [
+    ("gemma3", f"Going {CALL} then more", "Going  then more", 1),
+    ("gemma3", f"{CALL}\nand <tool_", "and <tool_", 1),
+    ("gemma3", f"a {CALL} b {CALL} c", "a  b  c", 2),
+    ("gemma3", f"a {CALL} b <tool_call>\n{{\"name\": \"sa", "a  b", 1),
+    ("gemma3", "a <tool_call>not json</tool_call> b", "a  b", 0),
+    ("gemma4", f"Hm. {GEMMA_CALL} after", "Hm.  after", 1),
+    ("gemma4", f"{GEMMA_CALL}{GEMMA_CALL}x", "x", 2),
+])
+def test_the_streamed_text_is_the_message_text(request: pytest.FixtureRequest, style: str, text: str,
+                                               content: str, calls: int) -> None:
+    """Text after a call streams again, a partial opener at the end is text, an unclosed or an
+    unreadable call is not: what streams is the message's content, token by token."""
+    model: ChatModel = request.getfixturevalue(style)
+    syntax = GEMMA_CALLS if style == "gemma4" else TAGGED_JSON_CALLS
+    chunks, stream = _streamed(model, syntax, text)
+    reply = stream.reply(planner_conversation("auto", parallel=True), "length")
+    assert "".join(chunks).strip() == reply.content == content
+    assert len(reply.tool_calls) == calls
+
+
+def test_the_streamed_text_is_the_message_text_for_random_replies(gemma3: ChatModel, gemma4: ChatModel) -> None:
+    """Random mixtures of text, whole calls, spelled and partial markers, cut calls and stops, in
+    both syntaxes, one token at a time: the stream's text is always the message's content."""
+    rng = random.Random(7)
+    parts = {TAGGED_JSON_CALLS: [CALL, "<tool_call>", "</tool_call>", "<tool_", " ok ", "\n", "END", "x{"],
+             GEMMA_CALLS: [GEMMA_CALL, "<|tool_call>", "<tool_call|>", "<|tool_", " ok ", "\n", "END", Q]}
+    for _ in range(300):
+        syntax = rng.choice(list(parts))
+        model = gemma4 if syntax is GEMMA_CALLS else gemma3
+        text = "".join(rng.choice(parts[syntax]) for _ in range(rng.randint(1, 8)))
+        stop = ("END",) if rng.random() < 0.5 else ()
+        chunks, stream = _streamed(model, syntax, text, stop)
+        for ended in ("stop", "length"):
+            reply = stream.reply(planner_conversation("auto", parallel=True), ended)
+            assert "".join(chunks).strip() == reply.content, (text, stop)
+        if stop and "END" in "".join(chunks):
+            raise AssertionError(f"the stop string streamed: {text!r}")
 
 
 # -- turns decoded by a real model -------------------------------------------------------------------

@@ -181,18 +181,20 @@ def test_forced_tokens_spell_the_text_the_schema_forces_as_the_model_tokenizes_i
 
 
 def test_the_draft_check_and_rollback(engine, vocab):
-    """``allowed_prefix`` stops before the first token the grammar refuses and before an
-    end-of-generation token; ``advance`` + ``rollback`` leave the state where it was."""
+    """``allowed_after`` stops before the first token the grammar refuses and before an
+    end-of-generation token, after the text the grammar forces and without moving the state;
+    ``advance`` + ``rollback`` leave the state where it was."""
     target = engine.target
     grammar = vocab.start(compiled_constraint(grammar='root ::= " yes." | " no."'))
     yes, dot, no = (target.tokenize(t, add_special=False) for t in (" yes", ".", " no"))
-    assert grammar.allowed_prefix(yes + dot + no) == len(yes + dot)
+    assert grammar.allowed_after((), yes + dot + no) == len(yes + dot)
     before = grammar.allowed().dense().copy()
+    assert grammar.allowed_after(yes, dot + [target.eos]) == len(dot)
     grammar.advance(yes)
-    assert grammar.allowed_prefix(dot + [target.eos]) == len(dot)
+    assert grammar.allowed_after((), dot + [target.eos]) == len(dot)
     grammar.rollback(len(yes))
     assert (grammar.allowed().dense() == before).all()
-    assert grammar.allowed_prefix(no + dot) == len(no + dot)
+    assert grammar.allowed_after((), no + dot) == len(no + dot)
     grammar.advance(no + dot)
     allowed = grammar.allowed()
     assert grammar.complete() and target.eos in allowed and no[0] not in allowed

@@ -40,9 +40,11 @@ def step(model: LlamaModel, drafters: Dict[str, Drafting], mode: str, context: L
     hindsight = DraftHindsight({name: d.policy for name, d in drafters.items()})
     try:
         proposal = propose(drafters, costs, DraftRequest(mode, SpecConfig(mode=mode, draft_max=12), context,
-                                                         12, 12, grammar, None, hindsight, 0))
+                                                         12, 12, grammar, cut=True))
     finally:
         grammar.close()
+    for whole in proposal.wholes:  # as Steps.plan_step hands them on
+        hindsight.add(whole, proposal.n_forced)
     return proposal, hindsight
 
 

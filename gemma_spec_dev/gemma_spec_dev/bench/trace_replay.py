@@ -215,8 +215,10 @@ class Replayer:
                 uncut.settle(out[:i])
             started, emitted = time.perf_counter(), i
             proposal = propose(self.drafters, self.costs, DraftRequest(
-                self.mode, self.spec, context, k_cap, min(GRAMMAR_DRAFT_MAX, hard_cap), grammar, stats,
-                uncut, emitted))
+                self.mode, self.spec, context, k_cap, min(GRAMMAR_DRAFT_MAX, hard_cap), grammar, cut=True))
+            for whole in proposal.wholes:
+                uncut.add(whole, emitted + proposal.n_forced)
+            stats.num_grammar_cut_tokens += proposal.n_cut
             draft, n_forced = proposal.draft, proposal.n_forced
             draft_s += time.perf_counter() - started
             accepted = 0

@@ -55,6 +55,10 @@ class TextAssembler:
         self._held += self._utf8.push(b"".join(self._vocab.token_bytes(t) for t in tokens))
         return self._release(final=False)
 
+    def final(self, ended: str) -> None:
+        """A prompt's generation has no message beside its text (a chat turn's stream has one)."""
+        return None
+
     def flush(self) -> str:
         if self.stopped:
             return ""

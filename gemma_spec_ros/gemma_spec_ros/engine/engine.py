@@ -1,4 +1,5 @@
-"""The engine: target model + drafters + policy, serving one generation at a time.
+"""The engine: target model + drafters + policy, serving its requests one at a time or, with
+``max_running`` > 1, several at once (slots.py).
 
 Public API (the node and the bench use only this):
 
@@ -24,7 +25,8 @@ Public API (the node and the bench use only this):
                                              # cancelled (request.time_budget; the cancel event)
         step.reply                           # a chat turn's last step: the assistant message
     # generate() raises EngineError (e.g. PromptTooLongError, KVCacheError) on failure; the engine
-    # stays usable for the next request. One generate() at a time (the node serialises).
+    # stays usable for the next request. generate() may be called from several threads: with
+    # max_running 1 they take turns, else the scheduler runs them together (slots.py).
     engine.rolling_stats()                   # SpecStats over all requests so far (a copy)
     engine.model_info()                      # {"target": {...}, "draft": {...} or None}, each with
                                              # path, size_bytes, n_params, description,
@@ -40,8 +42,7 @@ import threading
 from dataclasses import replace
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from .chat.template import ChatTemplate, ChatVocab
-from .chat.turn import ChatTurn, model_template, prepare_turn, template_file
+from .chat.turn import template_file
 from .config import EngineConfig, SpecConfig, expand_path
 from .conversations import ConversationCache
 from .drafters.base import Drafter
@@ -50,7 +51,6 @@ from .drafters.suffix import SuffixDrafter
 from .drafters.mtp import model_drafter
 from .errors import EngineError, PromptTooLongError
 from .grammar.matcher import GrammarVocab, compiled_constraint
-from .llama.chat_prompt import chat_tokens
 from .llama.model import DecodeInterrupted, LlamaModel
 from .llama.process import return_freed_memory
 from .modes import mode_problem
@@ -58,6 +58,7 @@ from .policy.calibration import measure_costs
 from .policy.costs import CostModel
 from .policy.length import DraftLengthPolicy
 from .propose import Drafting
+from .prompts import ChatLayer, Prepared, prepare_prompt
 from .request import CountedPrompt, GenerationRequest, Step
 from .slots import SlotScheduler
 from .stats import SpecStats
@@ -75,7 +76,7 @@ class Engine:
     def __init__(self, config: EngineConfig, *, calibrate: bool = True) -> None:
         self.config = config
         self._spec: SpecConfig = config.spec
-        self._lock = threading.Lock()  # one generation at a time; models are freed only under it
+        self._lock = threading.Lock()  # the generation's (or the scheduler's); models are freed only under it
         self._closing = threading.Event()  # close() was called: stop the running generation
         self.close_error: Optional[BaseException] = None  # a failed deferred close (see close())
         self._faults: List[str] = []  # problems outside any request, for take_faults()
@@ -87,9 +88,7 @@ class Engine:
         self.drafters: Dict[str, Drafting] = {}
         self._scheduler: Optional[SlotScheduler] = None  # several requests at once (slots.py)
         n_slots = config.max_running
-        # chat turns: the template (a file's, loaded now: a bad file fails the load; else the
-        # model's own, read at the first turn) and recent conversations' KV (conversations.py)
-        self._chat_template: Optional[ChatTemplate] = None
+        # recent conversations' KV (conversations.py)
         self.conversations = ConversationCache(config.chat.conversation_cache_bytes)
         # A window-sized sliding-window cache (LlamaModel): the target rolls back only the
         # rejected tokens of its last pass, and prompt reuse checks the window. Safe only while
@@ -119,8 +118,10 @@ class Engine:
             tag = self.target.vocab_tag() if suffix.history_path else ""
             self._add_drafter(SuffixDrafter(suffix, vocab_tag=tag, request_room=config.target.n_ctx,
                                             n_vocab=self.target.n_vocab))
-            if config.chat.template_path:
-                self._chat_template = template_file(expand_path(config.chat.template_path))
+            # chat turns: the template (a file's, loaded now: a bad file fails the load; else the
+            # model's own, read at the first turn)
+            template = template_file(expand_path(config.chat.template_path)) if config.chat.template_path else None
+            self._chat = ChatLayer(self.target, template)
             if config.prepare_grammar:
                 self._steps.grammar_vocab = GrammarVocab.of(self.target)
         except BaseException:
@@ -245,40 +246,23 @@ class Engine:
     def prompt_tokens(self, request: GenerationRequest) -> List[int]:
         """The request's prompt tokens (templated); thread-safe, also against close() (raises
         EngineError once the engine is closed, never touches a freed model)."""
-        return list(self._prompt(request)[0])
+        return list(self._prompt(request).tokens)
 
     def count_prompt_tokens(self, request: GenerationRequest) -> int:
-        return len(self._prompt(request)[0])
+        return len(self._prompt(request).tokens)
 
     def count_prompt(self, request: GenerationRequest) -> CountedPrompt:
-        tokens, turn = self._prompt(request)
-        if turn is not None:
-            return CountedPrompt(len(tokens), tokens, turn, turn.constraint)
-        return CountedPrompt(len(tokens), tokens,
-                             constraint=compiled_constraint(request.grammar, request.json_schema))
+        prepared = self._prompt(request)
+        return CountedPrompt(len(prepared.tokens), prepared.tokens, prepared, prepared.constraint)
 
-    def _prompt(self, request: GenerationRequest) -> Tuple[Tuple[int, ...], Optional[ChatTurn]]:
-        """The prompt's tokens, and a chat request's turn (None for a prompt)."""
+    def _prompt(self, request: GenerationRequest) -> Prepared:
+        """The request's prompt prepared for the loop (prompts.py: a chat turn rendered by its
+        template, or the prompt's tokens; the constraint compiled: ValueError / TemplateError with
+        the reason, a refusal). Under the vocabulary lock (the caller's thread: a goal callback)."""
         with self._vocab_lock:
             if self._freed:
                 raise EngineError("the engine is closed")
-            if request.conversation is not None:
-                turn = self._chat_turn(request)
-                return turn.tokens, turn
-            if request.use_chat_template:  # turns come from the template, never from the content
-                return tuple(chat_tokens(self.target, request.prompt, request.system_prompt)), None
-            return tuple(self.target.tokenize(request.plain_prompt, add_special=True, parse_special=False)), None
-
-    def _chat_turn(self, request: GenerationRequest) -> ChatTurn:
-        """The chat request's turn prepared: the conversation in the chat template, tokenized, and
-        the reply's constraint compiled (ValueError / TemplateError with the reason: a refusal).
-        Under the vocabulary lock (the caller's thread: a goal callback)."""
-        if self._chat_template is None:
-            self._chat_template = model_template(self.target)
-        if self._steps.chat_vocab is None:
-            self._steps.chat_vocab = ChatVocab(self.target)
-        return prepare_turn(request.conversation, self._chat_template, self._steps.chat_vocab,
-                            request.grammar, request.json_schema)
+            return prepare_prompt(request, self.target, self._chat)
 
     def check_request(self, request: GenerationRequest, n_prompt_tokens: Optional[int] = None) -> None:
         """Raise PromptTooLongError or ValueError (see the module docstring); ``n_prompt_tokens``
@@ -326,9 +310,7 @@ class Engine:
     def _checked_prompt(self, request: GenerationRequest, counted: Optional[CountedPrompt]) -> CountedPrompt:
         """The request's counted prompt: ``counted`` (the caller checked the request), else counted
         and checked here (a chat request's carries its turn; a constrained one its constraint)."""
-        constrained = bool(request.grammar or request.json_schema)
-        if (counted is None or counted.tokens is None or (request.conversation is not None and counted.turn is None)
-                or (constrained and counted.constraint is None)):
+        if counted is None or counted.prepared is None:
             counted = self.count_prompt(request)  # the constraint compiled and checked there
             self._check_fits(request, counted.n_tokens)
         return counted
@@ -405,7 +387,10 @@ class Engine:
             self._freed = True
         steps = getattr(self, "_steps", None)
         if steps is not None:  # their tokenizers call into the vocabulary freed below
-            steps.grammar_vocab = steps.chat_vocab = None
+            steps.grammar_vocab = None
+        chat = getattr(self, "_chat", None)
+        if chat is not None:
+            chat.close()
         self.conversations.clear()
         drafters, self.drafters = list(self.drafters.values()), {}
         errors: List[BaseException] = []

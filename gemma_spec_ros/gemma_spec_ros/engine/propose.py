@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 from .grammar.matcher import Grammar
 from .policy.length import PLAIN_STEP, SOLO, Decision, DraftLengthPolicy, PassShare
 from .policy.costs import CostModel
-from .stats import SpecStats
 from .drafters.base import EMPTY_DRAFT, Draft, Drafter
 from .config import SpecConfig
 from .modes import MODES
-from .policy.hindsight import DraftHindsight
 
 
 #: Draft.source of a draft the grammar forced whole (no drafter continued it)
@@ -49,23 +49,27 @@ class DraftRequest:
     #: the most tokens a grammar may force this step (they may exceed ``k_cap``: they cost no drafting)
     forced_cap: int = 0
     grammar: Optional[Grammar] = None  # the request's constraint, in the state the context reached
-    stats: Optional[SpecStats] = None  # the request's stats (grammar cuts are counted there)
-    #: where the request's whole drafts go before their cut (adaptive or ``auto``): a drafter that
-    #: cuts its drafts then proposes ``k_cap`` tokens and its policy cuts them (under a grammar,
-    #: only one that cuts its constrained drafts too: Drafter.cuts_constrained_drafts)
-    hindsight: Optional[DraftHindsight] = None
-    n_emitted: int = 0  # tokens the request has emitted: where a whole draft's guesses start
+    #: a drafter that cuts its drafts proposes ``k_cap`` tokens and its policy cuts them (adaptive or
+    #: ``auto``; under a grammar, only one that cuts its constrained drafts too:
+    #: Drafter.cuts_constrained_drafts); the whole draft comes back in Proposal.whole
+    cut: bool = False
     share: PassShare = SOLO  # what else the target pass holds (several requests at once)
 
 
 @dataclass(frozen=True)
 class Proposal:
     """The draft a step verifies, with its policy's decision, and how many of its first tokens the
-    grammar forced (0 without a grammar)."""
+    grammar forced (0 without a grammar). Under a grammar, ``masks`` are the verify pass's rows'
+    masks (Grammar.row_masks: None for a row the grammar decides) and ``n_cut`` the drafted tokens
+    it refused; ``wholes`` are the drafts a policy cut, as their drafters proposed them (for
+    hindsight: the tokens past a cut are never verified), each after the forced text."""
 
     draft: Draft
     decision: Decision
     n_forced: int = 0
+    masks: Optional[List[Optional[np.ndarray]]] = None
+    n_cut: int = 0
+    wholes: Tuple[Draft, ...] = ()
 
 
 NO_PROPOSAL = Proposal(EMPTY_DRAFT, PLAIN_STEP)
@@ -108,13 +112,12 @@ def _rank(speedup: float) -> float:
 
 
 def propose(drafters: Dict[str, Drafting], costs: CostModel, ask: DraftRequest) -> Proposal:
-    """The first non-empty draft in this step's drafting order (:class:`Proposal`).
+    """The first non-empty draft in this step's drafting order (:class:`Proposal`), decided; the
+    caller learns from it (the policy's hindsight takes ``wholes``).
 
-    With ``ask.hindsight`` (adaptive or ``auto``): a drafter that cuts its drafts proposes
-    ``k_cap`` tokens; the hindsight gets the whole draft (checked later against the emitted tokens:
-    it teaches the policy's evidence model), and the policy's
-    :meth:`~.policy.length.DraftLengthPolicy.cut` decides how much of it this step verifies (none:
-    the next drafter's turn).
+    With ``ask.cut`` (adaptive or ``auto``): a drafter that cuts its drafts proposes ``k_cap``
+    tokens and the policy's :meth:`~.policy.length.DraftLengthPolicy.cut` decides how much of it
+    this step verifies (none: the next drafter's turn).
 
     Under a grammar (any mode but ``off``), the text it forces from here (keys, punctuation,
     the rest of an enum literal) comes first, drafted without a model, up to ``forced_cap`` tokens
@@ -122,48 +125,52 @@ def propose(drafters: Dict[str, Drafting], costs: CostModel, ask: DraftRequest) 
     continues from there within K, and its draft is cut before the first token the grammar refuses
     (that token could never be accepted, and would cost a verify row). A drafter that cuts its
     constrained drafts too (the suffix drafter) is then cut by its policy as above, the forced
-    rows counted in the pass's cost; the others draft the length their policy decides per step."""
+    rows counted in the pass's cost; the others draft the length their policy decides per step.
+    The chosen draft's rows are then walked once for their masks (the grammar's state unmoved)."""
+    grammar = ask.grammar
+    proposal = _decide_draft(drafters, costs, ask)
+    if grammar is None:
+        return proposal
+    return replace(proposal, masks=grammar.row_masks(proposal.draft.tokens))
+
+
+def _decide_draft(drafters: Dict[str, Drafting], costs: CostModel, ask: DraftRequest) -> Proposal:
     if ask.k_cap <= 0:
         return NO_PROPOSAL
     spec, grammar = ask.spec, ask.grammar
-    order = drafting_order(ask.mode, drafters, ask.k_cap, spec.adaptive, ask.hindsight is not None,
-                           grammar is not None, ask.share)
+    order = drafting_order(ask.mode, drafters, ask.k_cap, spec.adaptive, ask.cut, grammar is not None, ask.share)
     forced: List[int] = []
     if grammar is not None and ask.mode != "off":
         forced = grammar.forced_tokens(max(ask.k_cap, ask.forced_cap))
-        grammar.advance(forced)  # the drafter's continuation is checked from after them
     context, n_forced, room = list(ask.context) + forced, len(forced), ask.k_cap - len(forced)
     chosen: Tuple[Draft, Decision] = (EMPTY_DRAFT, PLAIN_STEP)
-    try:  # the first non-empty draft in the drafting order
-        for drafting, decision, cutting in order:
-            if room <= 0:
-                break
-            started = time.perf_counter()
-            draft = drafting.drafter.propose(context, min(decision.draft_len, room), spec)
-            if draft.tokens and grammar is not None:  # cut before the first token the grammar refuses
-                keep = grammar.allowed_prefix(draft.tokens)
-                if ask.stats is not None:
-                    ask.stats.num_grammar_cut_tokens += len(draft) - keep
-                draft = draft.prefix(keep)
-            if cutting and draft.evidence is not None and ask.hindsight is not None:
-                ask.hindsight.add(draft, ask.n_emitted + n_forced)
-                costs.observe_draft_time(draft.source, len(draft), time.perf_counter() - started)
-                decision = drafting.policy.cut(draft.evidence, n_forced, ask.share)
-                draft = draft.prefix(decision.draft_len)
-            elif draft.tokens:
-                costs.observe_draft_time(draft.source, len(draft), time.perf_counter() - started)
-            if draft.tokens:
-                chosen = (draft, decision)
-                break
-    finally:
-        if grammar is not None:
-            grammar.rollback(n_forced)  # verification walks the draft from the state it started at
+    n_cut, wholes = 0, []
+    for drafting, decision, cutting in order:  # the first non-empty draft in the drafting order
+        if room <= 0:
+            break
+        started = time.perf_counter()
+        draft = drafting.drafter.propose(context, min(decision.draft_len, room), spec)
+        if draft.tokens and grammar is not None:  # cut before the first token the grammar refuses
+            keep = grammar.allowed_after(forced, draft.tokens)
+            n_cut += len(draft) - keep
+            draft = draft.prefix(keep)
+        if cutting and draft.evidence is not None:
+            wholes.append(draft)
+            costs.observe_draft_time(draft.source, len(draft), time.perf_counter() - started)
+            decision = drafting.policy.cut(draft.evidence, n_forced, ask.share)
+            draft = draft.prefix(decision.draft_len)
+        elif draft.tokens:
+            costs.observe_draft_time(draft.source, len(draft), time.perf_counter() - started)
+        if draft.tokens:
+            chosen = (draft, decision)
+            break
     draft, decision = chosen
     if draft.tokens:
         if forced:
             probs = None if draft.probs is None else (None,) * n_forced + draft.probs
             draft = Draft(tuple(forced) + draft.tokens, probs, draft.source)
-        return Proposal(draft, decision, n_forced)
+        return Proposal(draft, decision, n_forced, n_cut=n_cut, wholes=tuple(wholes))
     if forced:
-        return Proposal(Draft(tuple(forced), None, GRAMMAR_SOURCE), PLAIN_STEP, n_forced)
-    return NO_PROPOSAL
+        return Proposal(Draft(tuple(forced), None, GRAMMAR_SOURCE), PLAIN_STEP, n_forced, n_cut=n_cut,
+                        wholes=tuple(wholes))
+    return Proposal(EMPTY_DRAFT, PLAIN_STEP, n_cut=n_cut, wholes=tuple(wholes))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple, Union
 
 from .config import SamplingParams
 from .modes import check_mode_name
@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # the chat layer is imported where a chat turn is served (it 
     from .chat.conversation import Conversation
     from .chat.reply import AssistantReply
     from .chat.turn import ChatTurn
+    from .detokenize import TextAssembler
     from .grammar.matcher import Constraint
 
 
@@ -82,6 +83,33 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True)
+class PlainPrompt:
+    """A prompt (text, or text in the model's own chat template) made ready for the loop: its
+    tokens and its compiled constraint. The loop asks a prompt, never which kind it is (a chat turn
+    answers the same: engine/chat/turn.py ``ChatTurn``):
+
+    - :meth:`text_stream`: what turns its generated tokens into streamed text, and at the end into
+      the final message (``final(finish)``: None for a prompt, the assistant message of a turn);
+    - :meth:`before_prompt_pass` / :meth:`after_prompt_pass`: around the prompt pass, with prompt
+      reuse on (a turn restores and keeps its conversation's KV: engine/conversations.py).
+    """
+
+    tokens: Tuple[int, ...]
+    constraint: Optional["Constraint"] = None
+
+    def text_stream(self, target: Any, stop: Sequence[str]) -> "TextAssembler":
+        from .detokenize import TextAssembler  # noqa: WPS433
+
+        return TextAssembler(target, stop)
+
+    def before_prompt_pass(self, kv: Any, conversations: Any) -> None:
+        """Nothing: the sequence's own cells are what prompt reuse keeps."""
+
+    def after_prompt_pass(self, kv: Any, conversations: Any) -> None:
+        """Nothing to keep beside the sequence."""
+
+
+@dataclass(frozen=True)
 class CountedPrompt:
     """A request's prompt as one engine counted it (``count_prompt``).
 
@@ -92,9 +120,10 @@ class CountedPrompt:
 
     n_tokens: int
     tokens: Optional[Tuple[int, ...]] = None
-    #: a chat turn as this engine prepared it (engine/chat/turn.py: its tokens are ``tokens``, with
-    #: the reply's compiled constraint and call syntax); None for a prompt, or from a remote engine
-    turn: Optional["ChatTurn"] = None
+    #: the prompt as this engine prepared it for its loop: a :class:`PlainPrompt`, or a chat turn
+    #: (engine/chat/turn.py ``ChatTurn``: its tokens are ``tokens``, with the reply's constraint and
+    #: call syntax); None from a remote engine
+    prepared: Optional[Union[PlainPrompt, "ChatTurn"]] = None
     #: the request's constraint compiled and checked (a chat turn's: its reply's), None without one
     #: or from a remote engine: the request starts with it, not compiled again
     constraint: Optional["Constraint"] = None

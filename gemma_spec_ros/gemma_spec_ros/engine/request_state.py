@@ -23,7 +23,6 @@ from .stats import SpecStats
 
 if TYPE_CHECKING:
     from .chat.reply import ReplyStream
-    from .chat.turn import ChatTurn
 
 #: Step.detail when max_tokens ends a constrained request early.
 GRAMMAR_INCOMPLETE = ("max_tokens ran out before the grammar was complete: the text is not a whole "
@@ -66,7 +65,9 @@ class RequestState:
     kv: Any = None
     #: the drafters (with their policies) this request drafts with: the engine's, or a slot's own
     drafters: Dict[str, Any] = field(default_factory=dict)
-    turn: Optional["ChatTurn"] = None  # a chat request's turn: its last step carries the reply
+    #: the prompt as the engine prepared it (request.py PlainPrompt, or a chat turn): what happens
+    #: around the prompt pass, and what the text stream makes of the tokens
+    prepared: Any = None
 
     def mode(self, spec: SpecConfig) -> str:
         """The mode of a step: the request's own, else the engine's at this step."""
@@ -117,8 +118,7 @@ class RequestState:
             new_text += self.text.flush()
             if finish == "length" and self.grammar is not None and not self.grammar.complete():
                 detail = GRAMMAR_INCOMPLETE
-            if self.turn is not None:  # the assistant message: text, calls parsed and validated
-                reply = self.text.reply(self.turn.conversation, finish)
+            reply = self.text.final(finish)  # a chat turn's message: text, calls parsed and validated
         stats.num_generated_tokens = len(self.generated)
         stats.spec_mode, stats.draft_max, stats.verification = label, spec.draft_max, self.verification
         if self.grammar is not None:

@@ -24,11 +24,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .chat.reply import ReplyStream
-from .chat.template import ChatVocab
 from .config import SpecConfig
 from .conversations import ConversationCache
-from .detokenize import TextAssembler
 from .grammar.matcher import GrammarVocab
 from .modes import MODES
 from .policy.costs import CostModel
@@ -98,8 +95,6 @@ class Steps:
         self._spec = spec
         self._closing = closing
         self._faults = faults
-        #: the chat layer's view of the vocabulary, made by the first chat turn (the engine's)
-        self.chat_vocab: Optional[ChatVocab] = None
         #: llguidance's tokenizer of the vocabulary: made at load (config.prepare_grammar) or by
         #: the first constrained request
         self.grammar_vocab: Optional[GrammarVocab] = None
@@ -147,18 +142,17 @@ class Steps:
         The grammar starts here, in the generation thread (the models are freed only under its
         lock): the first constrained request builds llguidance's tokenizer of the vocabulary
         (~2-4 s for 262,144 tokens, once per engine) unless it was built at load."""
-        prompt, turn = list(counted.tokens), counted.turn
+        prompt = list(counted.tokens)
         sampler = Sampler(request.sampling)
         verification = self.spec.verification
         ends = Ends(is_eog=self.target.is_eog, context_full=lambda: kv.n_past + 1 >= self.n_ctx,
                     stop_requested=lambda: self.stop_requested(cancel))
-        text = (ReplyStream(self.chat_vocab, turn.syntax, request.stop) if turn is not None
-                else TextAssembler(self.target, request.stop))
+        text = counted.prepared.text_stream(self.target, request.stop)
         state = RequestState(request, sampler, make_rng(request.sampling.seed),
                              SpecStats(num_prompt_tokens=len(prompt)), text,
                              prompt, ends, DraftHindsight({n: d.policy for n, d in drafters.items()}),
                              verification, verification == "rejection" and not sampler.greedy,
-                             kv=kv, drafters=drafters, turn=turn)
+                             kv=kv, drafters=drafters, prepared=counted.prepared)
         state.stats.plain_token_time = self.costs.plain_token_time
         if counted.constraint is not None:  # after state.started: its time counts
             if self.grammar_vocab is None:
@@ -182,14 +176,14 @@ class Steps:
         """The prompt tokens left to decode once the KV cells the request's sequence already holds
         are kept (:meth:`_keep_prompt_prefix`); the drafters learn that a target pass follows."""
         self._before_target_pass(state, state.mode(self.spec))
-        reused = self._keep_prompt_prefix(state.kv, state.prompt, state.request.reuse_prompt, state.turn is not None)
+        reused = self._keep_prompt_prefix(state)
         state.stats.num_prompt_tokens_reused = reused
         return state.prompt[reused:]
 
     def prompt_done(self, state: RequestState, rows: Sequence[np.ndarray]) -> int:
         """The prompt is decoded (``rows``: its last row's logits): sample the first token (under
         the grammar, which moves on by it), start the drafters and their policies; the token."""
-        masks = None if state.grammar is None else state.grammar.row_masks(())
+        masks = None if state.grammar is None else [state.grammar.allowed().bits.copy()]  # the first token's
         first = verify_exact(rows, (), state.sampler, state.rng, masks).tokens[0]
         if state.grammar is not None:
             state.grammar.accept(first)
@@ -201,27 +195,27 @@ class Steps:
             drafting.drafter.begin(state.prompt, sampling, draft_rng)
             drafting.policy.new_request()
         state.context, state.pending = list(state.prompt), first
-        if state.turn is not None and state.request.reuse_prompt:
-            # the conversation's KV as its next turn starts: this prompt (conversations.py)
-            self.conversations.save(state.kv)
+        if state.request.reuse_prompt:  # a chat turn keeps its prompt's KV for the next turn
+            state.prepared.after_prompt_pass(state.kv, self.conversations)
         return first
 
-    def _keep_prompt_prefix(self, kv: Any, prompt: Sequence[int], reuse: bool, chat: bool = False) -> int:
-        """Prompt tokens whose KV cells the previous request left in ``kv`` (its common prefix with
-        ``prompt``, less the last token, whose logits are needed); the rest is rolled back. A chat
-        turn first gets its conversation's KV back if another request ran since its last turn
-        (:class:`~.conversations.ConversationCache`, when a kept snapshot shares more).
+    def _keep_prompt_prefix(self, state: RequestState) -> int:
+        """Prompt tokens whose KV cells the previous request left in the request's sequence (its
+        common prefix with the prompt, less the last token, whose logits are needed); the rest is
+        rolled back. The prompt may first bring cells of its own back (a chat turn: its
+        conversation's KV, if another request ran since its last turn and a kept snapshot shares
+        more: :class:`~.conversations.ConversationCache`).
 
-        With ``reuse`` False the cache is emptied and the whole prompt evaluated in one batch: the
+        With prompt reuse off the cache is emptied and the whole prompt evaluated in one batch: the
         same shapes whatever ran before (quantized logits depend slightly on batch shapes, so with
         reuse a seeded request's text can depend on the previous request; F16/F32 cannot differ).
         """
-        if not reuse:
+        kv = state.kv
+        if not state.request.reuse_prompt:
             kv.clear()
             return 0
-        if chat:
-            self.conversations.restore_for(kv, prompt)
-        return kv.reuse_prefix(prompt, keep_last=1)
+        state.prepared.before_prompt_pass(kv, self.conversations)
+        return kv.reuse_prefix(state.prompt, keep_last=1)
 
     @staticmethod
     def _before_target_pass(state: RequestState, mode: str) -> None:
@@ -264,10 +258,12 @@ class Steps:
                 state.hindsight.settle(state.generated)
             proposal = propose(state.drafters, self.costs, DraftRequest(
                 mode, spec, state.context, k_cap, min(GRAMMAR_DRAFT_MAX, hard_cap), state.grammar,
-                stats, state.hindsight, len(state.generated), share))
-            masks = None if state.grammar is None else state.grammar.row_masks(proposal.draft.tokens)
+                state.hindsight is not None, share))
+            for whole in proposal.wholes:  # drafts a policy cut: their guesses are settled later
+                state.hindsight.add(whole, len(state.generated) + proposal.n_forced)
             planned = PlannedStep(proposal, [state.pending, *proposal.draft.tokens], state.kv.n_past,
-                                  started, masks)
+                                  started, proposal.masks)
+            stats.num_grammar_cut_tokens += proposal.n_cut
             stats.num_grammar_sole_rows += len(planned.batch) - len(planned.logit_rows)
         return planned
 

@@ -3,10 +3,10 @@
 :class:`ReplyStream` takes the generated tokens (a control token kept apart from text, so that text
 which spells a marker is never read as one), streams the message's text as it settles (whole UTF-8
 characters; text that may be the start of a stop string or of the call opener held back; nothing
-once a call opens), and at the end reads the calls with the turn's syntax and validates each one's
-arguments against its tool's JSON Schema (jsonschema, the API of 3.2 and later). A call that does
-not parse, names a tool not offered this turn, or fails its schema is left out of the message and
-said in :attr:`AssistantReply.error`.
+of a call's own text, the text after a call streams again), and at the end reads the calls with the
+turn's syntax and validates each one's arguments against its tool's JSON Schema (jsonschema, the
+API of 3.2 and later). A call that does not parse, names a tool not offered this turn, or fails its
+schema is left out of the message and said in :attr:`AssistantReply.error`.
 """
 from __future__ import annotations
 
@@ -39,19 +39,27 @@ class ReplyStream:
     """One turn's generated tokens -> streamed text -> :class:`AssistantReply` (module docstring).
 
     ``syntax`` None: no tools this turn, everything is text. ``stop``: stop strings; one found in
-    the text before any call ends the text there (:attr:`stopped`: the caller ends the generation).
+    the text outside calls ends the text there (:attr:`stopped`: the caller ends the generation).
+    The streamed text is the message's text: what a call's syntax reads as text (outside calls,
+    before a call the reply ends inside), so that the stream and the message agree.
     """
 
-    def __init__(self, vocab: Any, syntax: Optional[CallSyntax], stop: Sequence[str] = ()) -> None:
+    def __init__(self, vocab: Any, syntax: Optional[CallSyntax], stop: Sequence[str] = (),
+                 conversation: Optional[Conversation] = None) -> None:
         self._vocab = vocab
+        self._conversation = conversation  # whose reply this is (for final())
         self._syntax = syntax
         self._stop = tuple(stop)
         self._utf8 = Utf8Stream()
         self._pieces: List[List[Any]] = []  # [text, is_control], text runs merged
-        self._held = ""  # text before any call, not streamed yet
+        self._held = ""  # text outside calls, not streamed yet
+        self._call = ""  # the open call's text (tagged syntax: to find its closer)
         self.text = ""  # text streamed so far
-        self.in_call = False  # a call was opened: nothing more is streamed
+        self.in_call = False  # a call is open: its text is not streamed
+        self.calls_closed = 0  # calls opened and closed so far
+        self._calls_at_stop = 0
         self.stopped = False
+        self._pending = ""  # text released when a call opened, returned by the next push
 
     def push(self, tokens: Sequence[int]) -> str:
         """Take generated tokens; return the text that can be streamed now."""
@@ -79,35 +87,65 @@ class ReplyStream:
             self._pieces[-1][0] += text
         else:
             self._pieces.append([text, control])
-        if self.in_call or self.stopped:
+        if self.stopped:
             return
         syntax = self._syntax
-        if control:
-            if syntax is not None and syntax.opens_with_token and text == syntax.opener:
-                self._open_call(len(self._held))
-        else:
+        if syntax is None:
             self._held += text
-            if syntax is not None and not syntax.opens_with_token and syntax.opener in self._held:
-                self._open_call(self._held.find(syntax.opener))
+        elif syntax.opens_with_token:  # markers are control tokens; text between them is text
+            if control and text == (syntax.closer if self.in_call else syntax.opener):
+                self._toggle_call()
+            elif not control and not self.in_call:
+                self._held += text
+        elif not control:  # markers are text: a call runs from its opener's text to its closer's
+            if self.in_call:
+                self._call += text
+            else:
+                self._held += text
+            self._find_markers()
 
-    def _open_call(self, at: int) -> None:
-        """A call opens at ``at`` of the held text: what comes before it is text (up to a stop)."""
-        self._held = self._held[:at]
+    def _find_markers(self) -> None:
+        """Tagged syntax: open and close calls at their markers in the text taken so far."""
+        syntax = self._syntax
+        while not self.stopped:
+            if not self.in_call:
+                at = self._held.find(syntax.opener)
+                if at < 0:
+                    return
+                self._held, self._call = self._held[:at], self._held[at + len(syntax.opener):]
+                self._toggle_call()
+            else:
+                at = self._call.find(syntax.closer)
+                if at < 0:
+                    return
+                self._held += self._call[at + len(syntax.closer):]
+                self._call = ""
+                self._toggle_call()
+
+    def _toggle_call(self) -> None:
+        """A call opens (the text held before it is the message's, up to a stop) or closes."""
+        if self.in_call:
+            self.in_call, self.calls_closed = False, self.calls_closed + 1
+            return
         self._cut_at_stop()
         self.in_call = not self.stopped
+        if self.in_call:  # the text before the call streams now, whole
+            self._pending, self._held = self._pending + self._held, ""
 
     def _cut_at_stop(self) -> None:
         cut = min((i for i in (self._held.find(s) for s in self._stop) if i >= 0), default=-1)
         if cut >= 0:
             self._held, self.stopped = self._held[:cut], True
+            self._calls_at_stop = self.calls_closed
 
     def _release(self, final: bool) -> str:
         self._cut_at_stop()
-        if final or self.in_call or self.stopped:
+        if final or self.stopped:
             out, self._held = self._held, ""
         else:
             keep = _prefix_tail(self._held, self._stop + self._opener_text())
             out, self._held = self._held[:len(self._held) - keep], self._held[len(self._held) - keep:]
+        out, self._pending = self._pending + out, ""
         self.text += out
         return out
 
@@ -115,13 +153,22 @@ class ReplyStream:
         syntax = self._syntax
         return (syntax.opener,) if syntax is not None and not syntax.opens_with_token else ()
 
+    def final(self, ended: str) -> Optional[AssistantReply]:
+        """The turn's message at its end (after :meth:`flush`): :meth:`reply` of the conversation
+        the stream was made for."""
+        if self._conversation is None:
+            raise ValueError("final() of a ReplyStream made without its conversation")
+        return self.reply(self._conversation, ended)
+
     def reply(self, conversation: Conversation, ended: str) -> AssistantReply:
         """The turn's message (after :meth:`flush`): text, validated calls; ``ended`` is how the
         generation ended (a call cut by max_tokens is said so)."""
-        if self._syntax is None or self.stopped:
-            content = self.text if self.stopped else _text_of(self._pieces)
-            return AssistantReply(content.strip())
-        return assistant_reply(conversation, self._syntax.parse(self.pieces), ended)
+        if self._syntax is None:
+            return AssistantReply((self.text if self.stopped else _text_of(self._pieces)).strip())
+        parsed = self._syntax.parse(self.pieces)
+        if self.stopped:  # the text ends at the stop; the calls closed before it are kept
+            parsed = Parsed(self.text.strip(), parsed.calls[:self._calls_at_stop])
+        return assistant_reply(conversation, parsed, ended)
 
 
 def assistant_reply(conversation: Conversation, parsed: Parsed, ended: str = "stop") -> AssistantReply:
@@ -130,10 +177,10 @@ def assistant_reply(conversation: Conversation, parsed: Parsed, ended: str = "st
     call a tool and stopped called none. A turn cut otherwise (cancelled, timeout) keeps the whole
     calls read before the cut, and its finish reason says why the rest is missing."""
     calls, errors = validated(conversation, parsed)
-    if parsed.error and ended == "length":
+    if parsed.cut and ended == "length":
         errors.insert(0, f"max_tokens ran out inside a tool call ({parsed.error})")
-    elif parsed.error and ended == "stop":  # else the turn was cut (cancelled, timeout): its finish says so
-        errors.insert(0, parsed.error)
+    elif parsed.error and (ended == "stop" or not parsed.cut):  # a call cut by a cancel or a
+        errors.insert(0, parsed.error)  # timeout: the turn's finish says why
     if conversation.must_call and not calls and not errors and ended in ("stop", "length"):
         errors.append(f"tool_choice {conversation.tool_choice} but the reply calls no tool"
                       + (" (max_tokens ran out first)" if ended == "length" else ""))

@@ -46,12 +46,13 @@ KEY: /[A-Za-z_][A-Za-z0-9_]*/
 
 @dataclass(frozen=True)
 class Parsed:
-    """A reply cut into its text and its calls; ``error``: why a call could not be read (the
-    calls read before it are kept)."""
+    """A reply cut into its text and its calls; ``error``: why a call could not be read (the other
+    calls are kept); ``cut``: the reply ends inside a call (the last error says so)."""
 
     content: str
     calls: Tuple[Call, ...] = ()
     error: str = ""
+    cut: bool = False
 
 
 class CallSyntax:
@@ -87,7 +88,7 @@ class TaggedJsonCalls(CallSyntax):
 
     >>> s = TAGGED_JSON_CALLS
     >>> s.parse([('On my way. ' + s.write("go", {"to": "dock"}), False)])
-    Parsed(content='On my way.', calls=(('go', {'to': 'dock'}),), error='')
+    Parsed(content='On my way.', calls=(('go', {'to': 'dock'}),), error='', cut=False)
     """
 
     name = "tagged JSON"
@@ -116,22 +117,23 @@ class TaggedJsonCalls(CallSyntax):
         text = "".join(piece for piece, control in pieces if not control)
         content: List[str] = []
         calls: List[Call] = []
+        errors: List[str] = []
         at = 0
         while True:
             start = text.find(self.opener, at)
             if start < 0:
                 content.append(text[at:])
-                return Parsed(_joined(content), tuple(calls))
+                return Parsed(_joined(content), tuple(calls), "; ".join(errors))
             content.append(text[at:start])
             end = text.find(self.closer, start)
             if end < 0:
-                return Parsed(_joined(content), tuple(calls), "the reply ended inside a tool call "
-                              f"(no {self.closer})")
+                errors.append(f"the reply ended inside a tool call (no {self.closer})")
+                return Parsed(_joined(content), tuple(calls), "; ".join(errors), cut=True)
             body = text[start + len(self.opener):end].strip()
             try:
                 calls.append(_json_call(body))
             except ValueError as exc:
-                return Parsed(_joined(content), tuple(calls), f"a tool call does not parse: {exc}")
+                errors.append(f"a tool call does not parse: {exc}")
             at = end + len(self.closer)
 
     def describe(self, tools: Sequence[Any], parallel: bool) -> str:
@@ -223,7 +225,7 @@ class GemmaCalls(CallSyntax):
     >>> q = ('<|"|>', True)
     >>> GEMMA_CALLS.parse([("Going. ", False), ("<|tool_call>", True), ("call:go{to:", False), q,
     ...                    ("dock", False), q, (",speed:0.5}", False), ("<tool_call|>", True)])
-    Parsed(content='Going.', calls=(('go', {'to': 'dock', 'speed': 0.5}),), error='')
+    Parsed(content='Going.', calls=(('go', {'to': 'dock', 'speed': 0.5}),), error='', cut=False)
     """
 
     name = "Gemma 4"
@@ -255,24 +257,25 @@ class GemmaCalls(CallSyntax):
     def parse(self, pieces: Sequence[Piece]) -> Parsed:
         content: List[str] = []
         calls: List[Call] = []
+        errors: List[str] = []
         i = 0
         while i < len(pieces):
             text, control = pieces[i]
             if control and text == self.opener:
                 end = next((j for j in range(i + 1, len(pieces)) if pieces[j] == (self.closer, True)), -1)
                 if end < 0:
-                    return Parsed(_joined(content), tuple(calls),
-                                  f"the reply ended inside a tool call (no {self.closer})")
+                    errors.append(f"the reply ended inside a tool call (no {self.closer})")
+                    return Parsed(_joined(content), tuple(calls), "; ".join(errors), cut=True)
                 try:
                     calls.append(_GemmaReader(pieces[i + 1:end], self.quote).call())
                 except ValueError as exc:
-                    return Parsed(_joined(content), tuple(calls), f"a tool call does not parse: {exc}")
+                    errors.append(f"a tool call does not parse: {exc}")
                 i = end + 1
                 continue
             if not control:
                 content.append(text)
             i += 1
-        return Parsed(_joined(content), tuple(calls))
+        return Parsed(_joined(content), tuple(calls), "; ".join(errors))
 
 
 @dataclass

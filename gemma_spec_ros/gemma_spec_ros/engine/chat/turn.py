@@ -14,10 +14,11 @@ together with tools is refused: the tools' grammar is the reply's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 from ..grammar.matcher import Constraint, compiled_constraint
 from .conversation import Conversation
+from .reply import ReplyStream
 from .syntax import CallSyntax
 from ..files import read_regular_file
 from .template import ChatTemplate, ChatVocab, TemplateError
@@ -25,13 +26,28 @@ from .template import ChatTemplate, ChatVocab, TemplateError
 
 @dataclass(frozen=True)
 class ChatTurn:
-    """A conversation rendered and tokenized, with what constrains and reads its reply."""
+    """A conversation rendered and tokenized, with what constrains and reads its reply; it answers
+    the loop as a plain prompt does (engine/request.py ``PlainPrompt``)."""
 
     conversation: Conversation
     tokens: Tuple[int, ...]
     text: str
     syntax: Optional[CallSyntax]  # None: no tools this turn (the reply is text)
     constraint: Optional[Constraint]
+    vocab: Optional[ChatVocab] = None  # the vocabulary's chat view the turn was prepared with
+
+    def text_stream(self, target: Any, stop: Sequence[str]) -> ReplyStream:
+        """The reply's stream: text until a call opens, the assistant message at the end."""
+        return ReplyStream(self.vocab, self.syntax, stop, self.conversation)
+
+    def before_prompt_pass(self, kv: Any, conversations: Any) -> None:
+        """The conversation's KV back, if another request ran since its last turn and a kept
+        snapshot serves more of this prompt (engine/conversations.py)."""
+        conversations.restore_for(kv, self.tokens)
+
+    def after_prompt_pass(self, kv: Any, conversations: Any) -> None:
+        """This prompt's KV kept: the conversation's next turn starts with it."""
+        conversations.save(kv)
 
 
 def model_template(backend: Any) -> ChatTemplate:
@@ -75,7 +91,8 @@ def prepare_turn(conversation: Conversation, template: ChatTemplate, vocab: Chat
     syntax = template.call_syntax if tools else None
     lark = ("" if syntax is None
             else syntax.grammar(tools, conversation.must_call, conversation.parallel_tool_calls, vocab.control_id))
-    return ChatTurn(conversation, tuple(tokens), text, syntax, compiled_constraint(grammar, json_schema, lark=lark))
+    return ChatTurn(conversation, tuple(tokens), text, syntax, compiled_constraint(grammar, json_schema, lark=lark),
+                    vocab)
 
 
 def check_constraint(conversation: Conversation, grammar: str, json_schema: str) -> None:

@@ -312,8 +312,8 @@ class Grammar:
         self._checked("accept", started)
 
     def advance(self, tokens: Sequence[int]) -> None:
-        """Move on by ``tokens``, each of which the grammar allows (forced tokens); :meth:`rollback`
-        goes back."""
+        """Move on by ``tokens``, each of which the grammar allows (a pass's emitted tokens);
+        :meth:`rollback` goes back."""
         for token in tokens:
             self.accept(token)
 
@@ -353,10 +353,11 @@ class Grammar:
         self._checked("forced tokens", started)
         return list(tokens[:limit])
 
-    def allowed_prefix(self, tokens: Sequence[int]) -> int:
-        """How many leading ``tokens`` the grammar allows one after the other, before any
-        end-of-generation token (a draft is cut there: the row after an accepted end would be
-        sampled under a grammar that has stopped)."""
+    def allowed_after(self, forced: Sequence[int], tokens: Sequence[int]) -> int:
+        """How many leading ``tokens`` the grammar allows one after the other once ``forced`` (text
+        it forces from here: :meth:`forced_tokens`) is written, before any end-of-generation token
+        (a draft is cut there: the row after an accepted end would be sampled under a grammar that
+        has stopped). The state is not moved."""
         eog = self._vocab.eog_tokens
         tokens = list(tokens)
         for i, token in enumerate(tokens):
@@ -366,9 +367,9 @@ class Grammar:
         if not tokens:
             return 0
         started = time.perf_counter()
-        n = self._matcher.validate_tokens(tokens)
+        n = self._matcher.validate_tokens(list(forced) + tokens)
         self._checked("draft check", started)
-        return int(n)
+        return max(0, int(n) - len(forced))
 
     def complete(self) -> bool:
         """Whether the text so far is a whole match (the grammar allows ending here)."""

@@ -127,7 +127,7 @@ class ToolCallDeltas:
     >>> calls.add({"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": '"dock"}'}}]}}]})
     True
     >>> calls.parsed("")
-    Parsed(content='', calls=(('go', {'to': 'dock'}),), error='')
+    Parsed(content='', calls=(('go', {'to': 'dock'}),), error='', cut=False)
     >>> calls.add({"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"name": 5}}]}}]})
     ... # doctest: +ELLIPSIS
     Traceback (most recent call last):
@@ -198,10 +198,12 @@ class ToolCallDeltas:
         return True
 
     def parsed(self, content: str) -> Parsed:
-        """The calls put together (in index order) with the streamed text; ``error`` names the first
-        call whose arguments are not a JSON object (it and the calls after it are left out, as the
-        local engine's parser leaves out an unreadable call and what follows it)."""
+        """The calls put together (in index order) with the streamed text; ``error`` names each
+        call whose arguments are not a JSON object (left out, as the local engine's parser leaves
+        out an unreadable call); ``cut``: the last call is one (a cut by max_tokens reads so)."""
         calls: List[Tuple[str, Dict[str, Any]]] = []
+        errors: List[str] = []
+        last = max(self._calls, default=None)
         for index in sorted(self._calls):
             name, text = "".join(self._calls[index].name), "".join(self._calls[index].arguments)
             try:
@@ -214,9 +216,12 @@ class ToolCallDeltas:
             except RecursionError:  # json's decoder recurses per level, and the server sets the depth
                 problem = f"nested more than {MAX_ARGUMENT_NESTING} levels deep"
             if problem:
-                return Parsed(content.strip(), tuple(calls), f"the server's call of {name!r} has arguments {problem}")
+                errors.append(f"the server's call of {name!r} has arguments {problem}")
+                if index == last:
+                    return Parsed(content.strip(), tuple(calls), "; ".join(errors), cut=True)
+                continue
             calls.append((name, arguments))
-        return Parsed(content.strip(), tuple(calls))
+        return Parsed(content.strip(), tuple(calls), "; ".join(errors))
 
     def reply(self, conversation: Conversation, content: str, ended: str = "stop") -> AssistantReply:
         """The turn's message: the streamed text and the calls that validate."""
