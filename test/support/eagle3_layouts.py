@@ -190,3 +190,48 @@ def write_target_header(path: Path, n_layer: int, n_embd: int = TARGET_EMBD, voc
     finally:
         partial.unlink(missing_ok=True)
     return path
+
+
+def hf_named(tensors: Dict[str, np.ndarray], n_head: int, n_head_kv: int, layout: str = "specforge",
+             vocab_size: int = VOCAB_SIZE) -> Dict[str, np.ndarray]:
+    """A head's tensors in GGUF names (any sizes, ``d2t`` absolute) as a trainer saves them in
+    ``layout``: HF names, HF rotary rows, ``d2t`` as offsets and a boolean ``t2d`` over
+    ``vocab_size`` tokens; what :func:`hf_tensors` does for the tiny head, for any head."""
+    prefix = LAYER_PREFIX[layout]
+    out: Dict[str, np.ndarray] = {}
+    for name, value in tensors.items():
+        if name.startswith("blk.0."):
+            short = name[len("blk.0."):-len(".weight")]
+            if short in ("attn_q", "attn_k"):
+                value = rotary_rows_to_hf(value, n_head if short == "attn_q" else n_head_kv)
+            out[f"{prefix}{HF_LAYER[short]}.weight"] = np.ascontiguousarray(value)
+        elif name == "d2t":
+            out["d2t"] = (value - np.arange(value.size)).astype(np.int64)
+            t2d = np.zeros(vocab_size, dtype=bool)
+            t2d[value] = True
+            out["t2d"] = t2d
+        else:
+            out[HF_HEAD[name]] = np.ascontiguousarray(value)
+    return out
+
+
+def specforge_config(layer_config: Dict[str, object], layers: Sequence[int], draft_vocab_size: int,
+                     target_model_type: str) -> Dict[str, object]:
+    """config.json of a head in SpecForge's layout: ``layer_config`` (hidden_size, heads, head_dim,
+    intermediate_size, vocab_size...) flat, ``layers`` in llama.cpp's numbering written as SGLang's
+    (layer outputs: minus one)."""
+    config = dict(layer_config, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab_size,
+                  target_model_type=target_model_type, tie_word_embeddings=False, rope_scaling=None,
+                  attention_bias=False, num_hidden_layers=1, hidden_act="silu", model_type="llama")
+    config["eagle_config"] = dict(eagle_aux_hidden_state_layer_ids=[int(i) - 1 for i in layers])
+    return config
+
+
+def write_hf_head(directory: Path, tensors: Dict[str, np.ndarray], config: Dict[str, object]) -> Path:
+    """``config.json`` and ``model.safetensors`` (HF-named ``tensors``) in ``directory`` (created)."""
+    from safetensors.numpy import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(tensors, str(directory / "model.safetensors"))
+    return directory

@@ -51,6 +51,7 @@ from .drafters.suffix import SuffixDrafter
 from .drafters.mtp import model_drafter
 from .errors import EngineError, PromptTooLongError
 from .grammar.matcher import GrammarVocab, compiled_constraint
+from .llama.features import eval_callback_for
 from .llama.model import DecodeInterrupted, LlamaModel
 from .llama.process import return_freed_memory
 from .modes import mode_problem
@@ -99,7 +100,10 @@ class Engine:
         # and llama.cpp warns that a window cache shared by sequences can cost speed.
         one_batch = min(config.target.n_batch, config.target.n_ctx) >= MAX_VERIFY_ROWS
         full_swa_cache = None if one_batch and n_slots == 1 else True
-        self.target = LlamaModel(config.target, full_swa_cache=full_swa_cache, n_seq=n_slots)
+        # an EAGLE-3 head over a gemma3 target: its features are copied by an eval callback, a
+        # context parameter (engine/llama/features.py); None otherwise
+        self.target = LlamaModel(config.target, full_swa_cache=full_swa_cache, n_seq=n_slots,
+                                 eval_callback=eval_callback_for(config.target, config.draft))
         # a request's start, prompt, steps and end (steps.py), driven by generate() or the scheduler
         self._steps = Steps(self.target, self.costs, self.conversations, lambda: self._spec, self._closing,
                             self._faults)

@@ -1,5 +1,6 @@
-"""EAGLE-3 heads (Li et al., 2025; an ``eagle3`` GGUF) driven from Python for a target that exports
-its layer features (Gemma 4 among them).
+"""EAGLE-3 heads (Li et al., 2025; an ``eagle3`` GGUF) driven from Python for a target whose layer
+features llama.cpp exports (Gemma 4, Llama, Qwen 3...) or the target's eval callback copies (Gemma 3;
+engine/llama/features.py).
 
 A head is one decoder layer with its own small KV cache. It reads three of the target's layer
 features (the inputs of three target layers, or the final post-norm state for the id ``n_layer``)
@@ -8,9 +9,10 @@ encoder-decoder model over the target's context (``ctx_other``: the head borrows
 embedding, and its output head when it has none); the loop is ours (llama.cpp's is C++ in
 ``common/speculative.cpp``, draft-eagle3, which the wheel does not ship):
 
-- the target exports the three features of every row it decodes, only while an EAGLE-3 drafter may
-  draft (:meth:`Eagle3Drafter.enable`); the rows are copied after each chunk (a later pass would
-  overwrite them, and a step the policy does not draft still extends the context);
+- the target gives the three features of every row it decodes (:func:`~..llama.features.layer_features`:
+  llama.cpp's export, or a copy by the eval callback), only while an EAGLE-3 drafter may draft
+  (:meth:`Eagle3Drafter.before_target_pass`); the rows are copied after each chunk (a later pass
+  would overwrite them, and a step the policy does not draft still extends the context);
 - the **encoder** maps a position's features to g[p] = fc(features[p]) (an embedding-only batch,
   in a second context over the same weights, so that the decoder's context keeps its graph);
 - the **decoder** at position p takes the pair (token at p + 1, g[p]) and writes the head's KV cell
@@ -35,7 +37,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..llama.model import BufferViews, LlamaModel, address_result
+from ..llama.features import LayerFeatures, layer_features, layers_problem, target_problem
+from ..llama.model import LlamaModel, address_result
 from .draft_model import greedy_draft_token, next_draft_token
 from ..llama.gguf import GGUFHeaderError, architecture
 from .linked_head import LinkedHead, linked_context, nextn_bindings, pointer_field
@@ -46,13 +49,6 @@ from ..errors import EngineError, KVCacheError, ModelLoadError
 from ..config import ModelConfig, SamplingParams, SpecConfig
 
 HEAD_ARCHITECTURE = "eagle3"
-#: Architectures whose llama.cpp graph exports layer inputs (``t_layer_inp``) at the llama.cpp
-#: llama-cpp-python 0.3.36 vendors (src/models/*.cpp). Asking any other target for them is a
-#: failed assertion inside llama_decode: the process aborts. Gemma 3 is not among them.
-FEATURE_ARCHITECTURES: Tuple[str, ...] = (
-    "bailingmoe3", "deepseek4", "gemma4", "gpt-oss", "hunyuan_vl", "lfm2", "llama", "mimo2",
-    "minimax-01", "minimax-m2", "muse-glimmer", "nanbeige", "nemotron_h", "qwen3", "qwen35",
-    "qwen35moe", "qwen3moe", "qwen3next", "qwen4exp")
 #: How many target features a head reads (llama.cpp refuses any other count at load).
 N_FEATURES = 3
 #: Rows of one head decode or encode: a verify pass's rows (pending + K <= 64). llama.cpp's eagle3
@@ -151,7 +147,9 @@ class Eagle3Head(LinkedHead):
         if kind != HEAD_ARCHITECTURE:
             raise HeadMismatchError(f"{path} is no EAGLE-3 head: its architecture is "
                                     f"{kind or 'unknown'}, not {HEAD_ARCHITECTURE}")
-        check_feature_target(target)
+        problem = target_problem(target)
+        if problem:
+            raise HeadMismatchError(problem)
         self.bindings = Eagle3Bindings()
         self._encoder = self._pairs = self._encoder_ctx = None
         super().__init__(config, target, ctx_type=load_llama_cpp().LLAMA_CONTEXT_TYPE_DEFAULT,
@@ -172,6 +170,9 @@ class Eagle3Head(LinkedHead):
                 f"{self.path} reads target layers {self.layers}, and the target {target.path} has "
                 f"{self.n_layer_target} layers (ids 0..{self.n_layer_target}): it is the head of "
                 "another model")
+        problem = layers_problem(target, self.layers, self.n_layer_target)
+        if problem:
+            raise HeadMismatchError(problem)
         hidden = _meta_int(self._model, f"{HEAD_ARCHITECTURE}.target_hidden_size")
         for size, name in ((hidden, "reads target features of size"), (self.n_embd, "has a hidden size of")):
             if size != self.n_embd_target:
@@ -322,59 +323,6 @@ def rows_address(rows: np.ndarray) -> int:
     return int(rows.ctypes.data)
 
 
-def check_feature_target(target: LlamaModel) -> None:
-    """Refuse a target whose graph does not export layer features: asking it would abort."""
-    kind = target.architecture
-    if kind in FEATURE_ARCHITECTURES:
-        return
-    why = (" (llama.cpp's gemma3 graph publishes no layer inputs: a feature export in it, or a "
-           "callback copy of its layer outputs, would be needed)" if kind.startswith("gemma3") else "")
-    raise HeadMismatchError(
-        f"an EAGLE-3 head reads the target's layer features, and llama.cpp exports them only for "
-        f"targets of architecture {', '.join(FEATURE_ARCHITECTURES)}: {target.path} is "
-        f"{kind or 'of unknown architecture'}{why}")
-
-
-class TargetFeatures:
-    """The target's export of the layer features a head reads, and views of llama.cpp's buffers
-    of them (the rows of the target's last decoded chunk, valid until its next decode).
-
-    A feature id below the target's layer count is that layer's input (``llama_set_embeddings_
-    layer_inp``); the id equal to it is the final post-norm state (``llama_set_embeddings_nextn``,
-    every row, not only those asked for logits)."""
-
-    def __init__(self, target: LlamaModel, layers: Sequence[int], n_layer: int, n_embd: int,
-                 bindings: Eagle3Bindings) -> None:
-        _, self._ctx = target.handles
-        self._layers, self._n_layer, self._bindings = list(layers), n_layer, bindings
-        self._shape = (target.n_batch, n_embd)
-        self._views = BufferViews()
-        # per feature, the function that returns the address of its rows
-        final_state = address_result(bindings.nextn.llama_get_embeddings_nextn)
-        self._addresses = [bindings.llama_get_embeddings_layer_inp if layer < n_layer else final_state
-                           for layer in self._layers]
-        self.enabled = False
-
-    def enable(self, enabled: bool) -> None:
-        """Export from the next decode on (or stop); llama.cpp re-reserves its graph on a change."""
-        for layer in self._layers:
-            if layer < self._n_layer:
-                self._bindings.llama_set_embeddings_layer_inp(self._ctx, layer, enabled)
-            else:
-                self._bindings.nextn.llama_set_embeddings_nextn(self._ctx, enabled, False)
-        self.enabled = enabled
-
-    def rows(self) -> List[np.ndarray]:
-        """One (n_batch, n_embd) view per feature of the last chunk's rows, in the head's order."""
-        views = []
-        for layer, address in zip(self._layers, self._addresses):
-            pointer = address(self._ctx, layer) if layer < self._n_layer else address(self._ctx)
-            if not pointer:
-                raise EngineError(f"the target exported no features of layer {layer}")
-            views.append(self._views.at(pointer, self._shape))
-        return views
-
-
 class Eagle3Drafter:
     """Drafts with an EAGLE-3 head. Implements :class:`~gemma_spec_ros.engine.drafters.base.Drafter`.
 
@@ -403,8 +351,12 @@ class Eagle3Drafter:
         self.target = target
         self.head = Eagle3Head(config, target)
         head = self.head
-        self.features = TargetFeatures(target, head.layers, head.n_layer_target, head.n_embd_target,
-                                       head.bindings)
+        try:
+            self.features: LayerFeatures = layer_features(target, head.layers, head.n_layer_target,
+                                                          head.n_embd_target, head.bindings)
+        except EngineError as exc:
+            head.close()
+            raise HeadMismatchError(str(exc)) from exc
         self._g = np.empty((target.n_ctx, head.n_embd), dtype=np.float32)
         self._stash = np.empty((STASH_ROWS, head.n_features), dtype=np.float32)
         # the head reads both by address (row i of g at _g_at + i * _g_row_bytes)
@@ -415,6 +367,8 @@ class Eagle3Drafter:
         self._restart(0)
         self._sampler: Optional[Sampler] = None
         self._rng: Optional[np.random.Generator] = None
+        self._unusable = ""  # why the head drafts no more (non-finite g rows), '' while it may
+        self._fault: Optional[str] = None
 
     # -- the target's export --------------------------------------------------------------------
     def before_target_pass(self, drafting: bool) -> None:
@@ -455,12 +409,25 @@ class Eagle3Drafter:
             self._f_end += take
             done += take
 
+    def _give_up(self, position: int, largest: float) -> None:
+        """Stop drafting for good: the head's encoder gave a non-finite g row (its KV cells would
+        spread it to every later draft), reported once (:meth:`take_fault`)."""
+        self._unusable = self._fault = (
+            f"the EAGLE-3 head {self.head.path} computed non-finite features at position {position} "
+            f"(the target's features reach |x| = {largest:.3g}): most likely its fc layer is stored "
+            "in F16, which holds no value above 65,504 (Gemma 3's features exceed it; llama.cpp "
+            "multiplies F16 weights in F16): convert the head with --outtype f32. It drafts no more.")
+
     def _encode_stash(self, upto: int) -> None:
         """g rows for the stashed positions below ``upto`` (<= ``_f_end``)."""
         count = upto - self._g_end
         if count <= 0:
             return
-        self.head.encode(self._stash_at, count, self._g[self._g_end:upto])
+        encoded = self._g[self._g_end:upto]
+        self.head.encode(self._stash_at, count, encoded)
+        if not self._unusable and not np.isfinite(encoded).all():
+            self._give_up(self._g_end + int(np.flatnonzero(~np.isfinite(encoded).all(axis=1))[0]),
+                          float(np.abs(self._stash[:count]).max()))
         rest = self._f_end - upto
         if rest:
             self._stash[:rest] = self._stash[count:count + rest]
@@ -482,6 +449,9 @@ class Eagle3Drafter:
         position = self.target.n_past
         if (not self.features.enabled or max_tokens <= 0 or len(context) <= position
                 or self._f_end < position or self._start >= position):
+            return Draft()
+        self._encode_stash(position)
+        if self._unusable:
             return Draft()
         logits, hidden = self._seed(context, position)
         for offset, forced in enumerate(context[position + 1:]):
@@ -552,8 +522,10 @@ class Eagle3Drafter:
         """Nothing to learn; the head's cache stays for the next request's shared prefix."""
 
     def take_fault(self) -> Optional[str]:
-        """Nothing is saved, so nothing fails after a request."""
-        return None
+        """Why the head stopped drafting (non-finite features), once; nothing is saved, so
+        nothing else fails after a request."""
+        fault, self._fault = self._fault, None
+        return fault
 
     def warm_up(self, filler: Sequence[int], max_rows: int, passes: int) -> None:
         """Run the head's encoder, catch-up decodes and steps untimed, so that the first measured

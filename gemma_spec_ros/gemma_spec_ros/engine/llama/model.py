@@ -168,9 +168,14 @@ class LlamaModel:
     #: outputs: an MTP drafter keeps the target's hidden rows there (engine/drafters/mtp.py). None = nothing
     #: to do, as for the other drafters.
     after_chunk: Optional[Callable[[int, List[int], bool], None]] = None
+    #: llama.cpp's eval callback of the context (``cb_eval``; a ctypes
+    #: ``llama_cpp.ggml_backend_sched_eval_callback``), kept alive with it; None = none. Set only at
+    #: creation: an EAGLE-3 head's feature capture for a gemma3 target (engine/llama/features.py).
+    eval_callback: Optional[Any] = None
 
     def __init__(self, config: ModelConfig, *, max_batch_rows: int = 65,
-                 full_swa_cache: Optional[bool] = True, n_seq: int = 1) -> None:
+                 full_swa_cache: Optional[bool] = True, n_seq: int = 1,
+                 eval_callback: Optional[Any] = None) -> None:
         if n_seq < 1:
             raise ValueError(f"n_seq={n_seq}: a context holds at least one sequence")
         init_backend()
@@ -213,6 +218,8 @@ class LlamaModel:
             cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if config.flash_attn
                                        else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
             cparams.swa_full = full_swa_cache  # see the class docstring
+            if eval_callback is not None:  # the EAGLE-3 feature capture (engine/llama/features.py)
+                cparams.cb_eval, self.eval_callback = eval_callback, eval_callback
             self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
             if not self._ctx:
                 raise ModelLoadError(
