@@ -8,7 +8,7 @@ export AMENT_PREFIX_PATH := $(VENV)
 export ROS_AUTOMATIC_DISCOVERY_RANGE ?= LOCALHOST
 export VENV
 
-.PHONY: setup run test bench bench-constrained bench-smoke screenshots
+.PHONY: setup run test test-fast bench bench-constrained bench-smoke screenshots
 setup:
 	bash scripts/setup.sh
 
@@ -23,6 +23,12 @@ test:
 	GEMMA_SPEC_EXACT_SIDE=1 bash scripts/setup.sh
 	bash scripts/setup_humble_lane.sh
 	GEMMA_SPEC_EXACT_SIDE=1 $(VENV)/bin/python -m pytest -ra test
+
+# the tests that need no real model file, no process of their own and no ROS graph: test/conftest.py marks
+# each test `model`, `process` or `ros` by its fixtures (pytest.ini says what each means). After setup,
+# which takes about 2 s once everything is set up (a stamp check per step)
+test-fast: setup
+	$(VENV)/bin/python -m pytest -m "not model and not process and not ros" test
 
 bench: setup
 	$(VENV)/bin/gemma-spec-bench --config $(PARAMS) --suites all --modes all --repeats 3 --out bench_out

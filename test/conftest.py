@@ -149,3 +149,105 @@ def node(served: Any) -> Any:
 def client(served: Any) -> Any:
     """The client of a module's ``served`` fixture."""
     return served.client
+
+
+# -- test lanes ------------------------------------------------------------------------------------
+# Every test is marked by what it needs (pytest.ini registers the markers), from its fixtures:
+# ``item.fixturenames`` holds every fixture a test uses, directly or through other fixtures, so a
+# fixture that rests on one below passes its lane on. `make test-fast` runs the tests that need
+# none of the three: `pytest -m "not model and not process and not ros"`.
+#   model    a real model file: the embedded 270M model and the copies made of it (F16), SmolLM2.
+#            The tiny GGUFs of test/support/tiny_*.py (random weights, written in milliseconds) are
+#            not: a test on them stays in the fast lane unless it needs another lane.
+#   process  a process of its own: a server (llama-server, llama_cpp.server, gemma-spec-serve),
+#            the ros2 CLI, a child Python (``venv_python``), a colcon build, a native tool.
+#   ros      a ROS graph: rclpy initialised in this process (``ros``, so ``node_client`` and the
+#            in-process nodes resting on it), or a node started as a process.
+LANE_FIXTURES = {
+    "model": {
+        "embedded_model_path", "f16_model_path", "other_vocab_model_path",
+        "smoke_results",  # test/tools/test_bench.py: asks for embedded_model_path by getfixturevalue
+    },
+    "process": {
+        "venv_python",
+        "smoke_results",  # test/tools/test_bench.py: the bench's runners are worker processes
+        "server",  # every fixture of this name starts one: llama-server, llama_cpp.server, gemma-spec-serve
+        "stuck_server", "secure_node", "robot", "ros2_daemon",
+    },
+    "ros": {
+        "ros",
+        "server_and_client",  # test/node/test_interfaces.py: two rclpy contexts of its own
+        "stuck_server", "secure_node", "robot", "ros2_daemon",  # nodes (or the ros2 CLI) in processes
+    },
+}
+#: The tests that start a process or rclpy, or load a real model, in their own body (no fixture
+#: says so): a module (``path``) or one test of it (``path::name``, every parametrization) -> its
+#: lanes and why. A test whose fixtures already give it a lane is listed for the others only;
+#: test/tools/test_lanes.py checks that every entry still names a test and every fixture name above
+#: a fixture.
+LANE_TESTS = {
+    "test/engine/test_engine_close.py::test_close_during_prompt_evaluation_never_frees_under_decode": (
+        {"process"}, "a child Python: a crash fails the test"),
+    "test/engine/test_engine_close.py::test_tokenizing_a_goal_while_the_engine_closes_never_touches_a_freed_model": (
+        {"process"}, "a child Python: a crash fails the test"),
+    "test/engine/test_grammar_bounds.py::test_a_hostile_constraint_is_refused_or_served_and_never_crashes": (
+        {"process"}, "a child Python: a crash fails the test"),
+    "test/engine/test_lookup_drafter.py::test_replays_llama_lookup_stats_exactly": (
+        {"process"}, "runs llama-lookup-stats"),
+    "test/engine/test_ngram_cache.py::test_same_file_content_as_llama_lookup_create": (
+        {"process"}, "runs llama-lookup-create"),
+    "test/node/test_executors.py": ({"ros"}, "inits an rclpy context of its own"),
+    "test/node/test_humble_floor.py": ({"model", "process", "ros"},
+                                       "runs the engine and node tests in a child pytest under Python 3.10"),
+    "test/node/test_fault_handling.py::test_serve_exits_non_zero_when_the_executor_dies": (
+        {"process", "ros"}, "serves a node in a child Python"),
+    "test/node/test_eagle3.py::test_the_native_eagle3_runner_runs_llama_cpps_draft_eagle3": (
+        {"process"}, "runs llama-speculative-simple"),
+    "test/node/test_mtp.py::test_the_native_mtp_runner_runs_llama_cpps_draft_mtp": (
+        {"process"}, "runs llama-speculative-simple"),
+    "test/remote/test_engine.py::test_server_death_mid_stream_then_restart": (
+        {"process"}, "starts llama_cpp.server"),
+    "test/remote/test_engine.py::test_several_requests_stream_at_once_through_llama_servers_slots": (
+        {"process"}, "starts llama-server"),
+    "test/remote/test_engine.py::test_tau_from_llama_server_with_ngram_speculation": (
+        {"process"}, "starts llama-server"),
+    "test/ros_tools/test_linked_head_ros2_cli.py": ({"process", "ros"}, "`ros2 launch` and the ros2 CLI"),
+    "test/ros_tools/test_sros2.py::test_an_entity_without_its_policy_line_fails_the_check": (
+        {"process"}, "copies the policy folder with cp"),
+    "test/ros_tools/test_sros2.py::test_under_enforce_a_node_enclave_without_the_lifecycle_profile_stops_the_node": (
+        {"process", "ros"}, "the ros2 CLI and gemma-spec-serve under DDS-Security"),
+    "test/tools/test_lint.py": ({"process"}, "runs flake8 and pydocstyle"),
+    "test/tools/test_eagle3_convert.py::test_the_command_fails_without_a_traceback": (
+        {"process"}, "runs the converter with `python -m`"),
+    "test/tools/test_bench.py::test_params_mapping_is_the_nodes_and_needs_no_ros": (
+        {"process"}, "imports the bench in a child Python"),
+    "test/tools/test_bench.py::test_native_sweep_run_names_the_oracle_per_prompt": (
+        {"process"}, "runs llama.cpp's native tools"),
+    "test/tools/test_bench_clients.py::test_a_short_run_writes_its_figures": (
+        {"model", "process"}, "the bench's default target (the embedded model), and llama-server"),
+    "test/tools/test_bench_constrained.py::test_constrained_bench_runs_every_runner_and_reports_validity": (
+        {"process"}, "llama-server"),
+    "test/tools/test_bench_remote.py::test_bench_smoke_via_remote": ({"process"}, "starts llama_cpp.server"),
+    "test/tools/test_bench_trace.py::test_a_short_trace_runs_every_kind_of_runner": (
+        {"model", "process"}, "the bench's default target (the embedded model), llama-server and llama-lookup"),
+    "test/tools/test_soak.py::test_smoke_profile": ({"process", "ros"}, "gemma-spec-soak serves a node"),
+    "test/tools/test_soak.py::test_remote_phase_with_a_frozen_llama_server": (
+        {"process", "ros"}, "gemma-spec-soak serves a node, and llama-server"),
+}
+
+
+def lanes_of(item: pytest.Item) -> set:
+    """The lanes of ``item``: from its fixtures, then from :data:`LANE_TESTS`."""
+    lanes = {lane for lane, names in LANE_FIXTURES.items() if names.intersection(item.fixturenames)}
+    path = Path(str(item.path)).resolve()
+    path = path.relative_to(REPO_ROOT).as_posix() if REPO_ROOT in path.parents else path.as_posix()
+    name = getattr(item, "originalname", None) or item.name
+    for key in (path, f"{path}::{name}"):
+        lanes |= LANE_TESTS.get(key, (set(), ""))[0]
+    return lanes
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    for item in items:
+        for lane in sorted(lanes_of(item)):
+            item.add_marker(lane)

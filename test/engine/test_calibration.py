@@ -3,7 +3,7 @@ shape (a 5-row pass measured at 2.8 V(1) instead of ~2.2 kept the policy from
 drafting 4 tokens for a whole run).
 
 The target here is a fake whose pass times we script: no real model can be made to run one chosen
-pass slowly. The real calibration on the real models is covered by test_models.py
+pass slowly. The real calibration on the real models is covered by test_engine_on_real_models.py
 (test_calibration_warms_up_and_leaves_both_caches_empty)."""
 from typing import List, Sequence, Tuple
 

@@ -28,8 +28,8 @@ LANE_FILES = (
     "test/engine/test_sampling.py", "test/engine/test_verify.py", "test/engine/test_policy.py",
     "test/engine/test_stats.py", "test/engine/test_config.py",
     "test/engine/test_doctests.py", "test/engine/test_rejection_sampled.py",
-    "test/engine/test_ngram_cache.py", "test/engine/test_cache_files.py", "test/engine/test_tiny.py",
-    "test/engine/test_modes.py", "test/engine/test_grammar.py",
+    "test/engine/test_ngram_cache.py", "test/engine/test_cache_files.py",
+    "test/engine/test_sampling_with_speculation.py", "test/engine/test_modes.py", "test/engine/test_grammar.py",
     "test/node/test_parameters.py", "test/node/test_goal_fields.py", "test/node/test_inprocess.py",
     "test/node/test_interfaces.py",
 )

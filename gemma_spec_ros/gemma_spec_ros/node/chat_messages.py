@@ -125,5 +125,6 @@ def chat_result(reply: Optional[AssistantReply], text: str, finish_reason: str, 
                                spec_mode=plain.spec_mode, stats=plain.stats, error=plain.error)
 
 
-__all__ = ["ITEM_OVERHEAD_BYTES", "chat_feedback", "chat_request_from_goal", "chat_result", "chat_result_of", "check_chat_bounds",
+__all__ = ["ITEM_OVERHEAD_BYTES", "chat_feedback", "chat_request_from_goal", "chat_result", "chat_result_of",
+           "check_chat_bounds",
            "conversation_from_goal", "message_msg"]

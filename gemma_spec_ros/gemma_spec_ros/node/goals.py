@@ -221,10 +221,6 @@ class JobQueue:
         with self._cond:
             return bool(self._running)
 
-    def n_running(self) -> int:
-        with self._cond:
-            return len(self._running)
-
     def is_running(self, job: Job) -> bool:
         with self._cond:
             return any(other is job for other in self._running)

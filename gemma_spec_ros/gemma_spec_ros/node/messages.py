@@ -65,7 +65,7 @@ def request_from_goal(goal: Any, values: Mapping[str, Any]) -> GenerationRequest
 
     Goal conventions (see Generate.action): ``max_tokens`` 0 = ``generation.max_tokens``; ``top_p`` 0
     = ``generation.top_p``; ``temperature`` -1 = ``generation.temperature``; ``top_k`` -1 =
-    ``generation.top_k``; ``seed`` -1 = ``generation.seed`` (itself -1 = random by default); empty
+    ``generation.top_k``; ``seed`` -1 = ``generation.seed`` (whose default, -1, draws a random seed); empty
     ``spec_mode`` = the node's ``spec.mode``; ``time_budget`` 0 = ``generation.time_budget``, and
     a budget above :data:`MAX_TIME_BUDGET` counts as that;
     ``grammar`` and ``json_schema`` both empty = the node's ``generation.grammar`` /
@@ -109,7 +109,7 @@ def request_with(goal: Any, values: Mapping[str, Any], **content: Any) -> Genera
         raise GoalRejected(f"spec_mode {goal.spec_mode[:32]!r}: expected one of {', '.join(SPEC_MODES)} "
                            "or empty for the node's spec.mode")
     if goal.seed < -1:
-        raise GoalRejected(f"seed={goal.seed}: must be >= 0, or -1 for a random seed")
+        raise GoalRejected(f"seed={goal.seed}: must be >= 0, or -1 for the node's generation.seed")
     if not math.isfinite(goal.time_budget) or goal.time_budget < 0:
         raise GoalRejected(f"time_budget={goal.time_budget}: must be >= 0 seconds "
                            "(0 = the node's generation.time_budget)")
@@ -132,11 +132,6 @@ def request_with(goal: Any, values: Mapping[str, Any], **content: Any) -> Genera
 
 
 # -- out: steps -> feedback and result -------------------------------------------------------------
-def queue_feedback(position: int) -> Generate.Feedback:
-    """Feedback to a waiting goal: its place in the queue (1 = starts next)."""
-    return Generate.Feedback(queue_position=position)
-
-
 def step_feedback(step: Step, text: str) -> Generate.Feedback:
     """Feedback for one engine step with the text accumulated since the last feedback."""
     return Generate.Feedback(

@@ -325,5 +325,6 @@ def _message(entry: Any, index: int) -> ChatMessage:
                        str(entry.get("name") or ""), str(entry.get("tool_call_id") or ""), tuple(calls))
 
 
-__all__ = ["ChatMessage", "Conversation", "ROLES", "TOOL_CHOICES", "Tool", "ToolCall", "check_references", "check_schema",
+__all__ = ["ChatMessage", "Conversation", "ROLES", "TOOL_CHOICES", "Tool", "ToolCall", "check_references",
+           "check_schema",
            "conversation_from_json", "json_object", "parse_tools"]

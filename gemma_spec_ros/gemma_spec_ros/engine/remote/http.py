@@ -177,14 +177,6 @@ class HttpClient:
         """GET ``path``, whole within ``connect_timeout`` (probes, /props, /metrics)."""
         return self.call("GET", path, None, self.config.connect_timeout)
 
-    def get_json(self, path: str) -> Optional[Any]:
-        """The JSON of a 200 answer; None on any other answer or failure."""
-        try:
-            status, body = self.get(path)
-            return json.loads(body) if status == 200 else None
-        except (RemoteError, ValueError):
-            return None
-
     def post_json(self, path: str, payload: Mapping[str, Any], timeout: float,
                   cancel: Optional[threading.Event] = None) -> Optional[Any]:
         """The JSON of a 200 answer to ``payload`` within ``timeout`` (see :meth:`call`); None on
