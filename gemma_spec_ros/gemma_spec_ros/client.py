@@ -14,12 +14,16 @@ threads: they must not block (a cancel from there is :meth:`GoalRun.cancel_async
 Lost responses. rclpy's ActionClient (Humble's before its late-2025 releases, Jazzy's 7.1 too:
 ros2/rclpy#1123) registers a request only after sending it, so a response that its executor takes
 in between is dropped ("Ignoring unexpected goal response" / "... result response") and the
-request's future never completes. A result is asked for again (:meth:`GoalRun.wait_result`'s
-``resend_after``). A goal response is not sent again, but the goal's id is ours: when none came
-within :data:`GOAL_RESPONSE_GRACE` seconds, the client looks for that id in the action's status
-topic, which lists every goal the server accepted; found, the goal counts as accepted (its result,
-feedback and cancel work as usual); never found, :meth:`GenerateClient.send_goal` raises
-:class:`NoAnswer` at its timeout (rejected or lost: a rejected goal is in no status list).
+request's future never completes. The sending thread loses the GIL at the first bytecode after the
+send whenever another thread asked for it during the send, which is likeliest for a large goal (a
+conversation of many messages holds the GIL for milliseconds of conversion and DDS write).
+:class:`RegisteringActionClient` closes that window: a response is handled only once the request it
+answers is registered. What remains for responses lost otherwise (a server destroyed mid-request):
+a result is asked for again (:meth:`GoalRun.wait_result`'s ``resend_after``); a goal's id is ours:
+when no response came within :data:`GOAL_RESPONSE_GRACE` seconds, the client looks for that id in
+the action's status topic, which lists every goal the server accepted; found, the goal counts as
+accepted (its result, feedback and cancel work as usual); never found, :meth:`GenerateClient.send_goal`
+raises :class:`NoAnswer` at its timeout (rejected or lost: a rejected goal is in no status list).
 """
 from __future__ import annotations
 
@@ -89,6 +93,35 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str, poll: fl
 def wait_future(future: Any, timeout: float, what: str) -> Any:
     wait_until(future.done, timeout, what)
     return future.result()
+
+
+class RegisteringActionClient(ActionClient):
+    """rclpy's ActionClient with ros2/rclpy#1123 closed (what ros2/rclpy#1308 does in the releases
+    that have it): sending a request and registering its future happen under one lock, and a taken
+    response is handled only after that lock was free once. A response is taken after its request
+    was sent, i.e. inside such a section, so by then its sequence number is registered. Redundant
+    with an rclpy that has the fix (not tried against one)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._registering = threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    def send_goal_async(self, *args: Any, **kwargs: Any) -> Any:
+        with self._registering:
+            return super().send_goal_async(*args, **kwargs)
+
+    def _cancel_goal_async(self, *args: Any, **kwargs: Any) -> Any:
+        with self._registering:
+            return super()._cancel_goal_async(*args, **kwargs)
+
+    def _get_result_async(self, *args: Any, **kwargs: Any) -> Any:
+        with self._registering:
+            return super()._get_result_async(*args, **kwargs)
+
+    async def execute(self, taken_data: Any) -> None:
+        with self._registering:  # the request this response answers is registered once it is free
+            pass
+        await super().execute(taken_data)
 
 
 def guarded(callback: Callable[..., None], who: str) -> Callable[..., None]:
@@ -213,8 +246,8 @@ class GenerateClient:
                                                        f"{self.node_path}/get_parameters")
         self._set_parameters = self.node.create_client(SetParameters,
                                                        f"{self.node_path}/set_parameters")
-        self.action = ActionClient(self.node, Generate, action_name(self.node_path))
-        self.chat_action = ActionClient(self.node, GenerateChat, chat_action_name(self.node_path))
+        self.action = RegisteringActionClient(self.node, Generate, action_name(self.node_path))
+        self.chat_action = RegisteringActionClient(self.node, GenerateChat, chat_action_name(self.node_path))
         self._lock = threading.Lock()
         # Feedback comes from a subscription of our own, not the ActionClient's feedback callback:
         # rclpy forgets a goal's feedback callback when its result arrives, and the result (a
@@ -488,23 +521,167 @@ class TurnRefused(RuntimeError):
 class ChatTransport:
     """goal fields -> result fields, over the GenerateChat action of the node at ``node_path``
     (rclpy initialised if it is not): each call sends one turn and waits for its result (at most
-    ``timeout`` seconds). TurnRefused if the node rejects the goal, NoAnswer if it does not answer."""
+    ``timeout`` seconds). TurnRefused if the node rejects the goal, NoAnswer if it does not answer.
+
+    :meth:`stream` sends a turn and yields its text as the node streams it, then its result fields.
+    :meth:`model_name` is the node's target model (its ``target.model_path``, read once).
+
+    Closing: :meth:`close` stops the client's executor thread and destroys its rclpy node (a
+    transport is also a context manager). Every transport still open when the interpreter exits is
+    closed then (atexit), and rclpy shut down if a transport initialised it: a process that left
+    the client spinning into its teardown could abort ("terminate called without an active
+    exception")."""
+
+    #: the transports' clients not closed yet (a transport dropped unclosed too): the exit hook's
+    _open: Dict[int, GenerateClient] = {}
+    _exit_hook = False  # registered with atexit
+    _owns_rclpy = False  # a transport initialised rclpy: the exit hook shuts it down
 
     def __init__(self, node_path: str, timeout: float = 300.0) -> None:
-        if not rclpy.ok():
-            rclpy.init()
         self.node_path, self.timeout = node_path, timeout
-        self.client = GenerateClient(node_path, name=f"gemma_spec_chat_{uuid.uuid4().hex[:8]}", keep_history=False)
+        self._client: Optional[GenerateClient] = None
+        self._model_name: Optional[str] = None
+        self._lock = threading.Lock()  # the client's opening and closing
+        self._model_lock = threading.Lock()
+        self.client  # opened now: discovering the node takes a while
 
-    def __call__(self, fields: Mapping[str, Any]) -> Dict[str, Any]:
-        run = self.client.send_goal(chat_goal(fields), self.timeout)
+    @property
+    def client(self) -> GenerateClient:
+        """The ROS client of the node (rclpy initialised if it is not); opened again after
+        :meth:`close` when the transport is used again."""
+        with self._lock:
+            if self._client is None:
+                if not rclpy.ok():
+                    rclpy.init()
+                    ChatTransport._owns_rclpy = True
+                self._client = GenerateClient(self.node_path, name=f"gemma_spec_chat_{uuid.uuid4().hex[:8]}",
+                                              keep_history=False)
+                ChatTransport._open[id(self._client)] = self._client
+                if not ChatTransport._exit_hook:
+                    import atexit  # noqa: WPS433  only a transport needs it
+
+                    atexit.register(ChatTransport.close_all)
+                    ChatTransport._exit_hook = True
+            return self._client
+
+    @property
+    def closed(self) -> bool:
+        """No ROS client open (before the first use after :meth:`close`)."""
+        return self._client is None
+
+    def _send(self, fields: Mapping[str, Any], on_feedback: Optional[Callable[[Any], None]] = None) -> GoalRun:
+        run = self.client.send_goal(chat_goal(fields), self.timeout, on_feedback=on_feedback)
         if not run.accepted:
             raise TurnRefused(f"{chat_action_name(self.node_path)} rejected the turn (the node's log and "
                               "/diagnostics 'last rejection' say why)")
+        return run
+
+    def _result(self, run: GoalRun) -> Dict[str, Any]:
         return chat_result_fields(run.wait_result(self.timeout, resend_after=min(self.timeout, 10.0)))
 
+    def __call__(self, fields: Mapping[str, Any]) -> Dict[str, Any]:
+        return self._result(self._send(fields))
+
+    def stream(self, fields: Mapping[str, Any]) -> Any:
+        """Send one turn; an iterator of its text as the node streams it (each feedback's ``text``,
+        in order, empty ones left out), then of its result fields (a dict, the last item). Feedback
+        that comes after the result is not waited for (the result's message has the whole text).
+        Leaving the iteration early cancels the goal. TurnRefused / NoAnswer as a call."""
+        import queue  # noqa: WPS433
+
+        arrivals: "queue.Queue[Tuple[str, Any]]" = queue.Queue()
+        run = self._send(fields, on_feedback=lambda message: arrivals.put(("text", message.feedback.text)))
+
+        def wait() -> None:
+            try:
+                arrivals.put(("result", self._result(run)))
+            except BaseException as exc:  # noqa: BLE001  raised where the caller iterates
+                arrivals.put(("error", exc))
+
+        threading.Thread(target=wait, name="gemma_spec_chat_result", daemon=True).start()
+        return self._arrivals(run, arrivals)
+
+    @staticmethod
+    def _arrivals(run: GoalRun, arrivals: Any) -> Any:
+        ended = False
+        try:
+            while True:
+                kind, value = arrivals.get()
+                if kind == "error":
+                    ended = True
+                    raise value
+                if kind == "result":
+                    ended = True
+                    break
+                if value:
+                    yield value
+        finally:
+            if not ended:  # the caller stopped iterating: stop the turn
+                run.cancel_async()
+        while not arrivals.empty():  # feedback that came just before the result's answer
+            kind, late = arrivals.get_nowait()
+            if kind == "text" and late:
+                yield late
+        yield value
+
+    def model_name(self) -> str:
+        """The node's target model: the file name of its ``target.model_path`` without ``.gguf``,
+        read from the node once and kept ('' while the node does not answer; asked again then)."""
+        with self._model_lock:
+            if self._model_name is None:
+                try:
+                    path = self.client.get_parameters(["target.model_path"])["target.model_path"]
+                except NoAnswer:
+                    return ""
+                self._model_name = self.model_name_of(str(path or ""))
+            return self._model_name
+
+    @staticmethod
+    def model_name_of(path: str) -> str:
+        """A model's name from its file's path.
+
+        >>> ChatTransport.model_name_of("~/.cache/gemma_spec_ros/models/gemma-3-270m-q4_k_m.gguf")
+        'gemma-3-270m-q4_k_m'
+        """
+        name = path.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1]
+        return name[:-len(".gguf")] if name.lower().endswith(".gguf") else name
+
     def close(self) -> None:
-        self.client.close()
+        """Stop the client's executor thread and destroy its node (nothing if none is open). A
+        later call opens a new client."""
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            self._close_client(client)
+
+    @classmethod
+    def _close_client(cls, client: GenerateClient) -> None:
+        if cls._open.pop(id(client), None) is None:
+            return  # closed already
+        try:
+            client.close()
+        except Exception:  # noqa: BLE001
+            if rclpy.ok():  # rclpy already shut down: its nodes went with it
+                raise
+
+    def __enter__(self) -> "ChatTransport":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @classmethod
+    def close_all(cls) -> None:
+        """Close every transport's client still open, then shut rclpy down if a transport
+        initialised it (the atexit hook)."""
+        for client in list(cls._open.values()):
+            try:
+                cls._close_client(client)
+            except Exception as exc:  # noqa: BLE001  at exit: say so, close the others
+                sys.stderr.write(f"closing the chat transport to {client.node_path}: {exc!r}\n")
+        if cls._owns_rclpy:
+            rclpy.try_shutdown()
+            cls._owns_rclpy = False
 
 
 @functools.lru_cache(maxsize=None)

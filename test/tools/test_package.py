@@ -50,6 +50,8 @@ TEST_PIP_ONLY: Dict[str, str] = {
     "pydantic_settings": "llama-cpp-python[server]'s web stack",
     "sse_starlette": "llama-cpp-python[server]'s web stack",
     "starlette_context": "llama-cpp-python[server]'s web stack",
+    "langchain_tests": "LangChain's standard tests for chat models (test/tools/test_langchain_standard.py)",
+    "pydantic": "LangChain's models of tool schemas (the standard tests' structured output)",
 }
 #: Test imports of ROS packages that rosdep knows by another name (the rqt plugins' modules).
 ROS_KEY_OF_TEST_MODULE: Dict[str, str] = {"qt_gui": "qt_gui", "rqt_gui": "rqt_gui"}
@@ -60,7 +62,7 @@ ROS_ONLY_ON_ROBOTS: Set[str] = {"launch", "launch_ros"}
 ROS_NAME_SUFFIXES = ("_msgs", "_srvs", "_interfaces")
 #: The files of gemma_spec_ros/ an install puts under share/gemma_spec_ros/ (same relative paths):
 #: the SROS2 policy includes its profiles by relative path, so that layout must be kept.
-SHARE_PATTERNS = ("launch/*.launch.py", "config/*.yaml", "config/aggregator/*.yaml", "config/schemas/*.json",
+SHARE_PATTERNS = ("launch/*.launch.py", "config/*.yaml", "config/aggregator/*.yaml", "config/schemas/*.json", "config/examples/*.json",
                   "config/sros2/*.xml", "config/sros2/common/*.xml", "config/sros2/common/node/*.xml",
                   "prompts/*.yaml")
 
