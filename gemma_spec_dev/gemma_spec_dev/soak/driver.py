@@ -69,6 +69,7 @@ class Soak:
         self.lock = threading.Lock()
         self.next_index = 0
         self.hostile_sent = 0  # the hostile goals go round their kinds in order (each one is sent)
+        self.chat_sent = 0  # chat goals drawn: the first is malformed, the second hostile (each kind shows)
         self.param_results: List[Dict[str, Any]] = []
         self.transitions: List[Dict[str, Any]] = []
         self.samples: List[Sample] = []
@@ -219,14 +220,24 @@ class Soak:
 
     def _ngrams(self) -> int:
         """The dynamic cache's n-grams on the node's latest status (the last number it gave)."""
+        self.ngrams = int(self._status_value("dynamic cache n-grams", self.ngrams))
+        return self.ngrams
+
+    def _conversations_mib(self) -> float:
+        """The conversation snapshots' MiB on the node's latest status (the last number it gave):
+        memory bounded by chat.conversation_cache_mb, which the RSS slope is read beside."""
+        self.snapshots_mib = self._status_value("conversations MiB", getattr(self, "snapshots_mib", math.nan))
+        return self.snapshots_mib
+
+    def _status_value(self, key: str, last: float) -> float:
         status = self.client.latest_status(spec_status_name(self.args.node_name))
         for kv in status.values if status is not None else ():
-            if kv.key == "dynamic cache n-grams":
+            if kv.key == key:
                 try:
-                    self.ngrams = int(kv.value)
+                    return float(kv.value)
                 except ValueError:
                     pass
-        return self.ngrams
+        return last
 
     # goals ----------------------------------------------------------------------------------------
     def _take_index(self) -> Optional[int]:
@@ -298,7 +309,9 @@ class Soak:
         return record, dict(fields)
 
     def _draw_chat_goal(self, rng: random.Random, index: int) -> Tuple[GoalRecord, Dict[str, Any]]:
-        roll = rng.random()
+        with self.lock:
+            nth, self.chat_sent = self.chat_sent, self.chat_sent + 1
+        roll = (0.0, MALFORMED_CHAT_SHARE)[nth] if nth < 2 else rng.random()
         if roll < MALFORMED_CHAT_SHARE:
             kind, fields = rng.choice(malformed_chat_goals(self.limits))
             return GoalRecord(index, kind, invalid=True, chat=True), dict(fields)
@@ -526,7 +539,8 @@ class Soak:
                     time.monotonic() - self.t0, self._done(), sample["rss_mib"], int(sample["threads"]),
                     int(sample["open_files"]), self._ngrams(), sample.get("rss_anon_mib", math.nan),
                     sample.get("rss_file_mib", math.nan),
-                    self.serving.is_set() and not (self.remote is not None and self.remote.active)))
+                    self.serving.is_set() and not (self.remote is not None and self.remote.active),
+                    self._conversations_mib()))
             deadline = time.monotonic() + self.args.sample_period
             while self.server.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.1)

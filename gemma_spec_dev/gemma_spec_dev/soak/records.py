@@ -65,6 +65,7 @@ class Sample:
     rss_anon_mib: float = math.nan  # heap and other private memory: where a leak shows
     rss_file_mib: float = math.nan  # mapped files (the GGUF's pages as they are touched)
     serving: bool = True  # False during a cleanup cycle or the remote phase (no model): not in the slopes
+    conversations_mib: float = math.nan  # the conversation snapshots (bounded by chat.conversation_cache_mb)
 
 
 @dataclass

@@ -266,6 +266,11 @@ def metrics(run: SoakRun, args: argparse.Namespace, rejected: int) -> Dict[str, 
     per_goal = slope([s.goals_done for s in warm], [s.rss_mib for s in warm])
     per_second = slope([s.t for s in warm], [s.rss_mib for s in warm])
     anon = slope([s.goals_done for s in warm], [s.rss_anon_mib for s in warm])
+    # the last half of the run (by time), and RSS less the conversation snapshots' bounded store
+    late = [s for s in samples if s.serving and samples and s.t >= samples[-1].t / 2]
+    late_slope = slope([s.goals_done for s in late], [s.rss_mib for s in late])
+    kept = [s for s in late if not math.isnan(s.conversations_mib)]
+    late_less = slope([s.goals_done for s in kept], [s.rss_mib - s.conversations_mib for s in kept])
     step, chunk = percentiles([r.step_ms for r in done]), percentiles([r.chunk_ms for r in done])
     statuses: Dict[str, int] = {}
     for r in done:
@@ -288,6 +293,9 @@ def metrics(run: SoakRun, args: argparse.Namespace, rejected: int) -> Dict[str, 
         "rss_slope_mib_per_1000_goals": per_goal * 1000,
         "rss_slope_mib_per_hour": per_second * 3600,
         "rss_anon_slope_mib_per_1000_goals": anon * 1000,
+        "rss_slope_last_half_mib_per_1000_goals": late_slope * 1000,
+        "rss_less_conversations_slope_last_half_mib_per_1000_goals": late_less * 1000,
+        "conversations_mib_last": samples[-1].conversations_mib if samples else math.nan,
         "rss_anon_mib_first": samples[0].rss_anon_mib if samples else math.nan,
         "rss_anon_mib_last": samples[-1].rss_anon_mib if samples else math.nan,
         "rss_file_mib_last": samples[-1].rss_file_mib if samples else math.nan,
@@ -320,6 +328,11 @@ def render_markdown(report: Report) -> str:
               f"| RSS first / last (MiB) | {m['rss_mib_first']:.0f} / {m['rss_mib_last']:.0f} |",
               f"| RSS slope after warm-up (MiB per 1,000 goals) | {m['rss_slope_mib_per_1000_goals']:.2f} |",
               f"| RSS slope after warm-up (MiB per hour) | {m['rss_slope_mib_per_hour']:.2f} |",
+              f"| RSS slope over the last half (MiB per 1,000 goals); less the conversation snapshots | "
+              f"{m['rss_slope_last_half_mib_per_1000_goals']:.2f}; "
+              f"{m['rss_less_conversations_slope_last_half_mib_per_1000_goals']:.2f} |",
+              f"| conversation snapshots last (MiB; bounded by chat.conversation_cache_mb) | "
+              f"{m['conversations_mib_last']:.1f} |",
               f"| anonymous RSS first / last (MiB) | {m['rss_anon_mib_first']:.0f} / {m['rss_anon_mib_last']:.0f} |",
               f"| anonymous RSS slope after warm-up (MiB per 1,000 goals) | "
               f"{m['rss_anon_slope_mib_per_1000_goals']:.2f} |",
