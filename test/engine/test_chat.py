@@ -349,14 +349,16 @@ def test_the_streamed_text_is_the_message_text(request: pytest.FixtureRequest, s
 
 
 def test_the_streamed_text_is_the_message_text_for_random_replies(gemma3: ChatModel, gemma4: ChatModel) -> None:
-    """Random mixtures of text, whole calls, spelled and partial markers, cut calls and stops, in
-    both syntaxes, one token at a time: the stream's text is always the message's content."""
+    """Random mixtures of text, whole calls, spelled and partial markers, control tokens, cut calls
+    and stops, in both syntaxes and in a text turn (no syntax), one token at a time: the stream's
+    text is always the message's content."""
     rng = random.Random(7)
     parts = {TAGGED_JSON_CALLS: [CALL, "<tool_call>", "</tool_call>", "<tool_", " ok ", "\n", "END", "x{"],
-             GEMMA_CALLS: [GEMMA_CALL, "<|tool_call>", "<tool_call|>", "<|tool_", " ok ", "\n", "END", Q]}
+             GEMMA_CALLS: [GEMMA_CALL, "<|tool_call>", "<tool_call|>", "<|tool_", " ok ", "\n", "END", Q],
+             None: [GEMMA_CALL, "<|tool_call>", " ok ", "\n", "END", Q]}
     for _ in range(300):
         syntax = rng.choice(list(parts))
-        model = gemma4 if syntax is GEMMA_CALLS else gemma3
+        model = gemma3 if syntax is TAGGED_JSON_CALLS else gemma4
         text = "".join(rng.choice(parts[syntax]) for _ in range(rng.randint(1, 8)))
         stop = ("END",) if rng.random() < 0.5 else ()
         chunks, stream = _streamed(model, syntax, text, stop)

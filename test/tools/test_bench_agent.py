@@ -32,7 +32,7 @@ def test_ratios_pair_the_same_task_and_turn() -> None:
 def test_the_bench_plays_the_turns_and_reports_them(tmp_path: Path, embedded_model_path: Path) -> None:
     out = tmp_path / "out"
     assert agent_loop.main(["--model", str(embedded_model_path), "--tasks", "1", "--turns", "2",
-                            "--modes", "off,suffix", "--no-reuse-modes", "off", "--server-settings", "",
+                            "--modes", "off,suffix", "--no-reuse-modes", "off", "--auto-modes", "", "--server-settings", "",
                             "--max-tokens", "48", "--n-ctx", "2048", "--threads", "2", "--out", str(out)]) == 0
     results = json.loads((out / "agent_loop.json").read_text())
     summary = results["summary"]

@@ -90,8 +90,9 @@ class ReplyStream:
         if self.stopped:
             return
         syntax = self._syntax
-        if syntax is None:
-            self._held += text
+        if syntax is None:  # control tokens are not the message's text (nor the stream's)
+            if not control:
+                self._held += text
         elif syntax.opens_with_token:  # markers are control tokens; text between them is text
             if control and text == (syntax.closer if self.in_call else syntax.opener):
                 self._toggle_call()
