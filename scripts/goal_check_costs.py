@@ -30,7 +30,7 @@ from gemma_spec_ros.node.chat_messages import chat_request_from_goal
 from gemma_spec_ros.node.messages import GoalRejected, check_input_bounds, request_from_goal
 from gemma_spec_ros.node.parameters import PARAMETERS
 
-DEFAULTS = {spec.name: spec.value for spec in PARAMETERS}
+DEFAULTS = {spec.name: spec.default for spec in PARAMETERS}
 KIB = 1 << 10
 
 

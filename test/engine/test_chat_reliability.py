@@ -85,6 +85,21 @@ def test_a_reference_outside_the_parameters_is_refused_with_the_reason() -> None
             parse_tools(tools_json("go", {"type": "object", "properties": {"x": {"$ref": ref}}}))
 
 
+def nested_object(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def test_a_tool_schema_nested_too_deep_is_refused_with_the_reason() -> None:
+    """100 objects deep (201 levels) ran jsonschema's meta-schema check out of Python's stack: the
+    goal was refused with a RecursionError's words. The nesting is bounded before the check."""
+    with pytest.raises(ValueError, match="tool 'go': objects and arrays nested deeper than 64 levels"):
+        parse_tools(tools_json("go", nested_object(100)))
+    assert parse_tools(tools_json("go", nested_object(31)))[0].name == "go"  # 63 levels
+
+
 @pytest.mark.parametrize("style", ["gemma4", "gemma3"])
 def test_references_into_the_parameters_hold_in_the_reply(chat_models: dict, style: str) -> None:
     """``#/properties/label`` is the parameters' label in the reply's grammar too (it pointed into

@@ -112,11 +112,38 @@ class Tool:
                                                  "parameters": dict(self.parameters)}}
 
 
+#: The deepest nesting of objects and arrays a tool's schema may have: jsonschema's meta-schema
+#: check recurses several frames per level and exhausted Python's stack between 160 and 200 levels
+#: (an object property nests 2 levels), where the goal would be refused with a RecursionError's
+#: words. Real tool schemas nest well under 20.
+MAX_SCHEMA_NESTING = 64
+
+
+def json_nesting(value: Any, limit: int) -> int:
+    """Levels of objects and arrays in a parsed JSON value, counted without recursion; counting
+    stops past ``limit``.
+
+    >>> json_nesting({"a": [1, {"b": []}]}, 32), json_nesting(3, 32)
+    (4, 0)
+    """
+    deepest, pending = 0, [(value, 1)]
+    while pending and deepest <= limit:
+        item, level = pending.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, level)
+            pending.extend((child, level + 1) for child in children)
+    return deepest
+
+
 def check_schema(schema: Mapping[str, Any], what: str) -> None:
     """ValueError if ``schema`` is not a valid JSON Schema (jsonschema's meta-schema check, by the
-    draft the schema names, else the newest the installed jsonschema knows)."""
+    draft the schema names, else the newest the installed jsonschema knows) or nests deeper than
+    :data:`MAX_SCHEMA_NESTING`."""
     import jsonschema  # noqa: WPS433  a runtime dependency, imported where used
 
+    if json_nesting(schema, MAX_SCHEMA_NESTING) > MAX_SCHEMA_NESTING:
+        raise ValueError(f"{what}: objects and arrays nested deeper than {MAX_SCHEMA_NESTING} levels")
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.exceptions.SchemaError as exc:
@@ -326,5 +353,5 @@ def _message(entry: Any, index: int) -> ChatMessage:
 
 
 __all__ = ["ChatMessage", "Conversation", "ROLES", "TOOL_CHOICES", "Tool", "ToolCall", "check_references",
-           "check_schema",
+           "MAX_SCHEMA_NESTING", "check_schema", "json_nesting",
            "conversation_from_json", "json_object", "parse_tools"]

@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from ..chat.conversation import TOOL_CHOICES, ChatMessage, Conversation
+from ..chat.conversation import TOOL_CHOICES, ChatMessage, Conversation, json_nesting
 from ..chat.reply import AssistantReply, assistant_reply
 from ..chat.syntax import TAGGED_JSON_CALLS, CallSyntax, Parsed
 from .http import RemoteError
@@ -209,7 +209,7 @@ class ToolCallDeltas:
             try:
                 arguments = json.loads(text or "{}")
                 problem = "" if isinstance(arguments, dict) else "that are not a JSON object"
-                if not problem and _nesting(arguments) > MAX_ARGUMENT_NESTING:
+                if not problem and json_nesting(arguments, MAX_ARGUMENT_NESTING) > MAX_ARGUMENT_NESTING:
                     problem = f"nested more than {MAX_ARGUMENT_NESTING} levels deep"
             except ValueError as exc:
                 problem = f"that are not JSON ({exc})"
@@ -226,23 +226,6 @@ class ToolCallDeltas:
     def reply(self, conversation: Conversation, content: str, ended: str = "stop") -> AssistantReply:
         """The turn's message: the streamed text and the calls that validate."""
         return assistant_reply(conversation, self.parsed(content), ended)
-
-
-def _nesting(value: Any) -> int:
-    """Levels of objects and arrays in a parsed JSON value, counted without recursion; counting
-    stops past :data:`MAX_ARGUMENT_NESTING`.
-
-    >>> _nesting({"a": [1, {"b": []}]}), _nesting(3)
-    (4, 0)
-    """
-    deepest, pending = 0, [(value, 1)]
-    while pending and deepest <= MAX_ARGUMENT_NESTING:
-        item, level = pending.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
-        if children is not None:
-            deepest = max(deepest, level)
-            pending.extend((child, level + 1) for child in children)
-    return deepest
 
 
 def _check(value: Any, where: str, kind: type, expected: str, required: bool = False) -> None:
