@@ -74,3 +74,49 @@ def test_a_queued_task_is_queued_once_and_every_message_is_delivered() -> None:
     backlog, delivered = busy_subscription()
     assert backlog <= 2, backlog
     assert delivered == PUBLISHED + 2
+
+
+def test_an_action_server_destroyed_while_it_spins_does_not_end_the_spin() -> None:
+    """The node's cleanup destroys its action servers while the executor spins. rclpy's wait loop
+    skips a waitable whose handle is already gone and then adds it to the wait set all the same
+    (RCLError, "action server pointer is invalid"): its spinning thread ended within 100 cycles of
+    this loop, and the node answered nothing more. Ours loses one turn and goes on serving."""
+    from rclpy.action import ActionServer
+
+    from gemma_spec_msgs.action import Generate
+
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    node = rclpy.create_node("gemma_spec_executor_destroy_test", context=context)
+    executor = MultiThreadedExecutor(num_threads=4, context=context)
+    executor.add_node(node)
+    ended = []
+
+    def spin() -> None:
+        try:
+            executor.spin()
+        except Exception as exc:  # noqa: BLE001  what ended the spin, for the assertion
+            ended.append(repr(exc))
+
+    spinner = threading.Thread(target=spin, daemon=True)
+    ticks = []
+    node.create_timer(0.0005, lambda: ticks.append(1))  # keeps the wait loop turning
+    spinner.start()
+    try:
+        for _ in range(1500):
+            server = ActionServer(node, Generate, "destroyed_while_spinning",
+                                  execute_callback=lambda _goal: Generate.Result())
+            time.sleep(0.001)
+            server.destroy()
+            if ended:
+                break
+        assert not ended and spinner.is_alive(), f"the spin ended: {ended[:1]}"
+        before = len(ticks)
+        deadline = time.monotonic() + 5.0
+        while len(ticks) == before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(ticks) > before, "the executor serves nothing after the servers were destroyed"
+    finally:
+        executor.shutdown(timeout_sec=5.0)
+        node.destroy_node()
+        rclpy.shutdown(context=context)
