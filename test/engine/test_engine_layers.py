@@ -13,7 +13,7 @@ from typing import Dict, Iterator, List, Set, Tuple
 
 ENGINE = Path(__file__).resolve().parents[2] / "gemma_spec_ros" / "gemma_spec_ros" / "engine"
 PACKAGE = "gemma_spec_ros.engine"
-BASE = {"config", "errors", "files", "modes", "request", "sampling", "stats", "detokenize",
+BASE = {"config", "drafter_kinds", "errors", "files", "modes", "request", "sampling", "stats", "detokenize",
          "conversations"}
 RANK = {"base": 0, "llama": 1, "grammar": 1, "drafters": 2, "policy": 3, "chat": 3, "remote": 4,
         "loop": 5}

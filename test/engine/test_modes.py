@@ -10,7 +10,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Dict, List, Tuple
 
-from gemma_spec_ros.engine.modes import DRAFT_SLOT, MODES, SPEC_MODES, mode_problem
+from gemma_spec_ros.engine.drafters import registry
+from gemma_spec_ros.engine.modes import MODES, SPEC_MODES, mode_problem
 from gemma_spec_ros.engine.policy.costs import CostModel
 from gemma_spec_ros.engine.policy.length import DraftLengthPolicy
 from gemma_spec_ros.engine.propose import Drafting, drafting_order
@@ -39,10 +40,11 @@ def order(mode: str, table: Dict[str, Drafting], adaptive: bool = True) -> List[
 
 
 def test_the_mode_table_names_each_mode_once_and_what_it_needs() -> None:
-    assert SPEC_MODES == tuple(MODES) and all(MODES[name].name == name for name in MODES)
+    assert tuple(SPEC_MODES) == tuple(MODES) and all(MODES[name].name == name for name in MODES)
     for mode in MODES.values():  # a mode that needs a drafter tries it; only ranked modes do without
         assert not mode.needs or mode.needs in mode.chain
-        assert not mode.needs or mode.needs in DRAFT_SLOT
+        assert not mode.needs or registry.is_model_kind(mode.needs)
+        assert all(registry.get(name) for name in mode.chain)  # every chain names registered kinds
     assert [m.name for m in MODES.values() if m.ranked] == ["auto"]
     assert mode_problem("auto", loaded=["lookup"]) == ""  # auto runs with whatever is loaded
 

@@ -77,12 +77,13 @@ def test_merge_adds_histograms_of_different_lengths_and_sources():
 def test_every_drafter_counts_under_one_kind_of_source():
     """lookup, suffix, model (the drafters that run draft.model_path's model) and the grammar's forced
     text: the message's num_<kind>_draft_tokens add up to num_draft_tokens."""
-    from gemma_spec_ros.engine.modes import DRAFT_SLOT, MODES
+    from gemma_spec_ros.engine.drafter_kinds import is_model_kind
+    from gemma_spec_ros.engine.modes import MODES
     from gemma_spec_ros.engine.propose import GRAMMAR_SOURCE
 
     assert GRAMMAR_SOURCE == FORCED_SOURCE
     names = {name for mode in MODES.values() for name in mode.chain}
     assert {name: source_kind(name) for name in names} == {
         name: name if name in ("lookup", "suffix") else "model" for name in names}
-    assert {name for name in names if source_kind(name) == "model"} == set(DRAFT_SLOT)
+    assert {name for name in names if source_kind(name) == "model"} == {name for name in names if is_model_kind(name)}
     assert source_kind(GRAMMAR_SOURCE) == "grammar" and SOURCE_KINDS == ("lookup", "suffix", "model", "grammar")

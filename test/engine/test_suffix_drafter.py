@@ -245,7 +245,8 @@ def test_a_failed_periodic_save_is_kept_for_the_owner_and_fails_no_request(tmp_p
                             vocab_tag=TAG)
     folder.rmdir()
     run_request(drafter, [1], [2, 3])  # the save after it fails: the folder is gone
-    assert drafter.save_error is not None and "saving the suffix history failed" in drafter.save_error
+    fault = drafter.take_fault()
+    assert fault is not None and "saving the suffix history failed" in fault and drafter.take_fault() is None
 
 
 def test_the_history_folder_is_created_only_inside_the_cache_folder(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from gemma_spec_ros.client import key_values
 from gemma_spec_ros.engine.drafters.eagle3 import is_eagle3_head
+from gemma_spec_ros.engine.drafters.registry import model_kind
 from gemma_spec_ros.node import spec_status_name
 from gemma_spec_ros.node.parameters import check_values, defaults, engine_config_from
 from gemma_spec_dev.bench import config as bench_config
@@ -49,9 +50,10 @@ def test_the_bench_plans_eagle3_runners_only_for_a_head(tmp_path: Path) -> None:
     other drafters' modes are skipped with the reason, and eagle3 without a head."""
     target, head = write_eagle3_pair(tmp_path)
     assert is_eagle3_head(str(head)) and not is_eagle3_head(str(target))
+    assert model_kind(str(head)).name == "eagle3" and model_kind(str(target)).name == "draft"
     (tmp_path / "llama-speculative-simple").write_text("")
     modes = ["off", "draft", "mtp", "eagle3"]
-    specs, notes = bench_config.plan_runners(modes, [3], True, [], str(tmp_path), [3], "", head=True)
+    specs, notes = bench_config.plan_runners(modes, [3], True, [], str(tmp_path), [3], "", model_kind="eagle3")
     assert [(s.name, s.mode) for s in specs] == [("off", "off"), ("eagle3/K3", "eagle3"),
                                                  ("native-spec-eagle3/K3", "speculative-eagle3")]
     assert any("mode draft skipped" in n and "EAGLE-3 head" in n for n in notes), notes
@@ -59,7 +61,7 @@ def test_the_bench_plans_eagle3_runners_only_for_a_head(tmp_path: Path) -> None:
     specs, notes = bench_config.plan_runners(modes, [3], False, [], "", [3], "")
     assert [s.name for s in specs] == ["off"]
     assert any("mode eagle3 skipped" in n and "needs an EAGLE-3 head" in n for n in notes), notes
-    specs, notes = bench_config.plan_runners(["off", "eagle3"], [3], True, [], "", [3], "", assistant=True)
+    specs, notes = bench_config.plan_runners(["off", "eagle3"], [3], True, [], "", [3], "", model_kind="mtp")
     assert [s.name for s in specs] == ["off"] and any("Gemma 4 assistant" in n for n in notes), notes
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from gemma_spec_ros.engine.drafters.mtp import is_assistant
+from gemma_spec_ros.engine.drafters.registry import model_kind
 from gemma_spec_ros.node.parameters import check_values, defaults, engine_config_from
 from gemma_spec_dev.bench import config as bench_config
 from support.node import config_values
@@ -31,9 +32,10 @@ def test_the_bench_plans_mtp_runners_only_for_an_assistant(tmp_path: Path) -> No
     standalone draft model in the draft modes; the two never swap."""
     target, assistant = write_gemma4_pair(tmp_path)
     assert is_assistant(str(assistant)) and not is_assistant(str(target))
+    assert model_kind(str(assistant)).name == "mtp" and model_kind(str(target)).name == "draft"
     (tmp_path / "llama-speculative-simple").write_text("")
     specs, notes = bench_config.plan_runners(["off", "draft", "mtp"], [3], True, [], str(tmp_path), [3],
-                                             "", assistant=True)
+                                             "", model_kind="mtp")
     assert [(s.name, s.mode) for s in specs] == [("off", "off"), ("mtp/K3", "mtp"),
                                                  ("native-spec-mtp/K3", "speculative-mtp")]
     assert any("mode draft skipped" in n and "assistant" in n for n in notes)

@@ -40,8 +40,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Dict, IO, List, Mapping, Optional, Sequence, Tuple
 
-from gemma_spec_ros.engine.drafters.eagle3 import is_eagle3_head
-from gemma_spec_ros.engine.drafters.mtp import is_assistant
+from gemma_spec_ros.engine.drafters.registry import model_kind
 from gemma_spec_ros.engine.config import expand_path
 from gemma_spec_ros.engine.modes import SPEC_MODES
 from .config import (Prompt, RunnerSpec, Suite, apply_overrides,
@@ -166,8 +165,8 @@ class Bench:
         self.specs, self.notes = plan_runners(parse_modes(args.modes), parse_ks(args.k), has_draft,
                                               parse_baselines(args.baselines), args.native_bin, native_ks,
                                               args.via_action, args.prompt_reuse,
-                                              assistant=has_draft and is_assistant(draft.resolved_path),
-                                              head=has_draft and is_eagle3_head(draft.resolved_path),
+                                              model_kind=model_kind(draft.resolved_path).name if has_draft
+                                              else "draft",
                                               native_sweep=parse_native_sweep(args.native_sweep),
                                               adaptive_ks=[k for k in parse_ks(args.adaptive_k or "adaptive")
                                                            if k is not None])

@@ -16,7 +16,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
-from gemma_spec_ros.engine.modes import DRAFT_SLOT, MODES, SPEC_MODES
+from gemma_spec_ros.engine import drafter_kinds
+from gemma_spec_ros.engine.modes import MODES, SPEC_MODES
 from gemma_spec_ros.engine.config import EngineConfig, ModelConfig, expand_path
 from gemma_spec_ros.node import parameters as node_parameters
 
@@ -343,22 +344,23 @@ def parse_native_sweep(text: str) -> Tuple[str, ...]:
 def plan_runners(modes: Sequence[str], ks: Sequence[Optional[int]], has_draft: bool,
                  baselines: Sequence[str], native_bin: str, native_ks: Sequence[int],
                  via_action: str, prompt_reuse: str = "on",
-                 assistant: bool = False, native_sweep: Sequence[str] = (),
-                 adaptive_ks: Sequence[int] = (), head: bool = False) -> Tuple[List[RunnerSpec], List[str]]:
+                 model_kind: str = "draft", native_sweep: Sequence[str] = (),
+                 adaptive_ks: Sequence[int] = ()) -> Tuple[List[RunnerSpec], List[str]]:
     """The runners of one bench invocation and notes on what was skipped and why.
 
     ``off`` is always run (every speedup is measured against it). Each other mode runs once per K.
     ``prompt_reuse`` ``off`` runs the engine runners without prompt reuse; ``both`` adds a
-    ``<name>/no-reuse`` twin of each, whose own baseline is the runner with reuse. ``assistant``: the
-    draft model is a Gemma 4 MTP assistant, which drafts in mode ``mtp`` (and for llama.cpp's
-    ``llama-speculative-simple --spec-type draft-mtp``), never in the draft-model modes; ``head``:
-    it is an EAGLE-3 head, which drafts in mode ``eagle3`` (and ``--spec-type draft-eagle3``).
+    ``<name>/no-reuse`` twin of each, whose own baseline is the runner with reuse. ``model_kind``: the
+    registered drafter kind that runs the draft model (``drafters/registry.py``'s ``model_kind``): ``mtp``
+    for a Gemma 4 MTP assistant, which drafts in mode ``mtp`` (and for llama.cpp's
+    ``llama-speculative-simple --spec-type draft-mtp``), never in the draft-model modes; ``eagle3``
+    for an EAGLE-3 head, which drafts in mode ``eagle3`` (and ``--spec-type draft-eagle3``).
     ``native_sweep``: the n-gram settings of llama.cpp's tools to sweep, by name (see
     :func:`_native_runners`; empty: no sweep).
     ``adaptive_ks``: more adaptive runners per mode, each with that cap on K (``lookup/A8``).
     """
     notes: List[str] = []
-    kind = "mtp" if assistant else "eagle3" if head else "draft"  # the drafter draft.model_path loads
+    kind = model_kind  # the drafter draft.model_path loads
     specs: List[RunnerSpec] = [RunnerSpec(REFERENCE_RUNNER, "engine", "off", None, "")]
     for mode in modes:
         if mode == "off":
@@ -368,8 +370,10 @@ def plan_runners(modes: Sequence[str], ks: Sequence[Optional[int]], has_draft: b
             notes.append(f"mode {mode} skipped: no draft model configured (draft.model_path or --draft)")
             continue
         if needs and needs != kind:
-            held = f"the draft model is {DRAFT_SLOT[kind]} (mode {kind})" if has_draft and kind != "draft" \
-                else f"it needs {DRAFT_SLOT[needs]}, and none is configured"
+            if has_draft and kind != "draft":
+                held = f"the draft model is {drafter_kinds.get(kind).model} (mode {kind})"
+            else:
+                held = f"it needs {drafter_kinds.get(needs).model}, and none is configured"
             notes.append(f"mode {mode} skipped: {held}")
             continue
         specs.extend(RunnerSpec(runner_name(mode, k), "engine", mode, k) for k in ks)
@@ -387,7 +391,8 @@ def plan_runners(modes: Sequence[str], ks: Sequence[Optional[int]], has_draft: b
         specs.append(RunnerSpec("lcp-prompt-lookup", "llama-cpp", "prompt-lookup", PROMPT_LOOKUP_TOKENS,
                                 "lcp-plain" if "plain" in baselines else REFERENCE_RUNNER))
     if native_bin:
-        specs.extend(_native_runners(native_bin, native_ks, has_draft, notes, assistant, native_sweep, head))
+        specs.extend(_native_runners(native_bin, native_ks, has_draft, notes, model_kind == "mtp", native_sweep,
+                                     model_kind == "eagle3"))
     elif native_sweep:
         notes.append("--native-sweep skipped: no --native-bin")
     if via_action:

@@ -49,8 +49,10 @@ class Param:
 
 def param(default: Any, description: str, range: Optional[Tuple[float, float]] = None,  # noqa: A002
           choices: Tuple[str, ...] = (), **more: Any) -> Any:
-    """A dataclass field with its :class:`Param` metadata."""
-    return field(default=default, metadata={"param": Param(description, range, tuple(choices), **more)})
+    """A dataclass field with its :class:`Param` metadata (``choices`` kept as given when it is a
+    sequence other than a list: the mode names' live view, modes.SPEC_MODES)."""
+    kept = tuple(choices) if isinstance(choices, list) else choices
+    return field(default=default, metadata={"param": Param(description, range, kept, **more)})
 
 
 def params_of(config_type: type) -> Tuple[Tuple[str, Param], ...]:

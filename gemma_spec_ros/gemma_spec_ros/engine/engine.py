@@ -46,9 +46,7 @@ from .chat.turn import template_file
 from .config import EngineConfig, SpecConfig, expand_path
 from .conversations import ConversationCache
 from .drafters.base import Drafter
-from .drafters.lookup import LookupDrafter
-from .drafters.suffix import SuffixDrafter
-from .drafters.mtp import model_drafter
+from .drafters.registry import build_drafters
 from .errors import EngineError, PromptTooLongError
 from .grammar.matcher import GrammarVocab, compiled_constraint
 from .llama.features import eval_callback_for
@@ -113,15 +111,9 @@ class Engine:
                     f"max_running {n_slots} needs n_batch >= {MAX_VERIFY_ROWS * n_slots} (each running "
                     f"request's step may add {MAX_VERIFY_ROWS} rows to one pass); n_batch is "
                     f"{self.target.n_batch}")
-            if config.draft is not None:  # a model or an assistant
-                self._add_drafter(model_drafter(config.draft, self.target, n_slots))
-            lookup = config.lookup
-            tag = self.target.vocab_tag() if lookup.dynamic_path or lookup.static_path else ""
-            self._add_drafter(LookupDrafter(lookup, vocab_tag=tag, n_vocab=self.target.n_vocab))
-            suffix = config.suffix  # its history learns in every mode; it drafts in its modes' steps
-            tag = self.target.vocab_tag() if suffix.history_path else ""
-            self._add_drafter(SuffixDrafter(suffix, vocab_tag=tag, request_room=config.target.n_ctx,
-                                            n_vocab=self.target.n_vocab))
+            # every registered kind the config asks for (drafters/registry.py), the model first
+            for drafter in build_drafters(config, self.target, n_slots):
+                self._add_drafter(drafter)
             # chat turns: the template (a file's, loaded now: a bad file fails the load; else the
             # model's own, read at the first turn)
             template = template_file(expand_path(config.chat.template_path)) if config.chat.template_path else None
@@ -211,15 +203,21 @@ class Engine:
 
     def dynamic_ngrams(self) -> int:
         """N-grams in the lookup drafter's dynamic (learned) cache; 0 without one."""
-        drafting = self.drafters.get(LookupDrafter.name)
-        return len(drafting.drafter.dynamic_cache) if drafting is not None else 0
+        return int(self._drafter_status().get("dynamic cache n-grams", 0))
+
+    def _drafter_status(self) -> Dict[str, Any]:
+        """The drafters' own key-values for /diagnostics (Drafter.status)."""
+        values: Dict[str, Any] = {}
+        for drafting in self.drafters.values():
+            values.update(drafting.drafter.status())
+        return values
 
     def status(self) -> Dict[str, Any]:
         """Key-values for /diagnostics: the backend, the learned lookup cache's size, the
         conversations kept, and with several requests at once how many run and how full the
         passes are."""
         values: Dict[str, Any] = {"backend": "local", "served by": "local",
-                                  "dynamic cache n-grams": self.dynamic_ngrams(),
+                                  "dynamic cache n-grams": 0, **self._drafter_status(),
                                   "conversations kept": len(self.conversations),
                                   "conversations MiB": round(self.conversations.bytes / (1 << 20), 1),
                                   "conversations restored": self.conversations.restored}
@@ -330,17 +328,17 @@ class Engine:
             except DecodeInterrupted:  # cancelled, closing or out of time between two prompt chunks
                 yield state.step(self._spec, "cancelled" if steps.stop_requested(cancel) else "timeout")
                 return
-            tokens, source = (first,), None
+            tokens, source, spec = (first,), None, self._spec
             while True:  # each pass's tokens become a Step: the prompt pass's first, then each step's
-                step = state.emit(tokens, self._spec, source)
+                step = state.emit(tokens, spec, source)  # labelled by the settings the step used
                 yield step
                 if step.finish_reason is not None:
                     return
                 if steps.stop_requested(cancel):  # set while the consumer held the step
-                    yield state.step(self._spec, "cancelled")
+                    yield state.step(spec, "cancelled")
                     return
-                proposal, tokens = steps.step_alone(state)
-                source = proposal.draft.source or None
+                planned, tokens = steps.step_alone(state)
+                spec, source = planned.spec, planned.proposal.draft.source or None
         except BaseException:
             state.kv.clear()  # the KV cache may not hold what kv_tokens says: reuse none of it
             raise

@@ -2,7 +2,8 @@
 
 This is the one table of modes: the engine (which drafters a step tries, whether a mode can run),
 the configs and requests (which names are modes), the node's parameters and the bench all read it.
-Adding a mode is one row here and, for a new kind of drafter, one file in :mod:`.drafters`.
+Adding a mode is one row here (or :func:`add_mode` at run time) and, for a new kind of drafter, one
+file in :mod:`.drafters` registered in :mod:`.drafter_kinds`.
 
 >>> MODES["draft+lookup"].chain
 ('lookup', 'draft')
@@ -14,7 +15,9 @@ Adding a mode is one row here and, for a new kind of drafter, one file in :mod:`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Collection, Dict, Optional, Tuple
+from typing import Collection, Dict, Iterator, Optional, Sequence, Tuple, overload
+
+from . import drafter_kinds
 
 
 @dataclass(frozen=True)
@@ -22,23 +25,16 @@ class Mode:
     """One speculative mode."""
 
     name: str
-    #: the drafters (by ``Drafter.name``) a step tries, in this order: the first non-empty draft
-    #: is verified; a drafter that is not loaded is passed over
+    #: the drafters (by ``Drafter.name``, a registered kind) a step tries, in this order: the first
+    #: non-empty draft is verified; a drafter that is not loaded is passed over
     chain: Tuple[str, ...]
     #: the chain is reordered at every step by each policy's predicted speedup, and the policies
     #: decide whatever ``spec.adaptive`` says (:func:`~.propose.drafting_order`)
     ranked: bool = False
-    #: the drafter that must be loaded for the mode to run ('' = none); it runs the model named by
-    #: ``draft.model_path``
+    #: the drafter that must be loaded for the mode to run ('' = none); a kind that runs the model
+    #: named by ``draft.model_path`` (what it is, in a user's words: its registry entry)
     needs: str = ""
 
-
-#: What each drafter that runs the model of ``draft.model_path`` is, in a user's words.
-DRAFT_SLOT = {
-    "draft": "a draft model",
-    "mtp": "a Gemma 4 assistant (a gemma4-assistant GGUF)",
-    "eagle3": "an EAGLE-3 head (an eagle3 GGUF)",
-}
 
 MODES: Dict[str, Mode] = {mode.name: mode for mode in (
     Mode("off", ()),
@@ -58,8 +54,55 @@ MODES: Dict[str, Mode] = {mode.name: mode for mode in (
     Mode("suffix", ("suffix",)),
     Mode("suffix+lookup", ("suffix", "lookup")),  # suffix first; where it has no match, n-gram lookup
 )}
-#: The names of the modes, in table order.
-SPEC_MODES: Tuple[str, ...] = tuple(MODES)
+
+
+class ModeNames(Sequence[str]):
+    """The names of the modes, in table order: a view of :data:`MODES` that shows the modes added
+    at run time too (configs and goals validate against it)."""
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(tuple(MODES))
+
+    def __len__(self) -> int:
+        return len(MODES)
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Tuple[str, ...]: ...
+
+    def __getitem__(self, index):  # noqa: ANN001, ANN204
+        return tuple(MODES)[index]
+
+    def __contains__(self, name: object) -> bool:
+        return name in MODES
+
+    def __repr__(self) -> str:
+        return repr(tuple(MODES))
+
+
+#: The names of the modes, in table order (a live view: see :class:`ModeNames`).
+SPEC_MODES = ModeNames()
+
+
+def add_mode(mode: Mode) -> Mode:
+    """Add a row to the table at run time (a new drafter's mode); ValueError if the name is taken,
+    the chain names a kind that is not registered, or ``needs`` is no model-running kind."""
+    if mode.name in MODES:
+        raise ValueError(f"spec mode {mode.name!r} exists already")
+    for name in mode.chain:
+        drafter_kinds.get(name)
+    if mode.needs and not drafter_kinds.is_model_kind(mode.needs):
+        raise ValueError(f"spec mode {mode.name!r} needs {mode.needs!r}, which is no registered kind that "
+                         "runs draft.model_path's model")
+    MODES[mode.name] = mode
+    return mode
+
+
+def remove_mode(name: str) -> None:
+    """Remove a row added by :func:`add_mode` (a test's); nothing if there is none."""
+    MODES.pop(name, None)
 
 
 def check_mode_name(mode: str) -> None:
@@ -68,9 +111,15 @@ def check_mode_name(mode: str) -> None:
         raise ValueError(f"spec mode {mode!r}: expected one of {', '.join(MODES)}")
 
 
+def _model(kind: str) -> str:
+    """What the kind ``kind`` runs, in a user's words."""
+    return drafter_kinds.get(kind).model
+
+
 def needs_draft_slot(mode: str) -> str:
     """What ``mode`` needs in ``draft.model_path`` ('' = nothing), before any model is loaded."""
-    return DRAFT_SLOT.get(MODES[mode].needs, "")
+    needs = MODES[mode].needs
+    return _model(needs) if needs else ""
 
 
 def mode_problem(mode: str, loaded: Collection[str]) -> str:
@@ -80,10 +129,10 @@ def mode_problem(mode: str, loaded: Collection[str]) -> str:
         return f"spec mode {mode!r}: expected one of {', '.join(MODES)}"
     if not row.needs or row.needs in loaded:
         return ""
-    held = next((name for name in loaded if name in DRAFT_SLOT and name != row.needs), "")
+    held = next((name for name in loaded if drafter_kinds.is_model_kind(name) and name != row.needs), "")
     if held:
         users = [m.name for m in MODES.values() if m.needs == held]
-        return (f"spec mode {mode!r} needs {DRAFT_SLOT[row.needs]}; draft.model_path names "
-                f"{DRAFT_SLOT[held]}, which drafts in spec mode {' / '.join(map(repr, users))} "
+        return (f"spec mode {mode!r} needs {_model(row.needs)}; draft.model_path names "
+                f"{_model(held)}, which drafts in spec mode {' / '.join(map(repr, users))} "
                 "(or 'auto')")
-    return f"spec mode {mode!r} needs {DRAFT_SLOT[row.needs]}, and none is loaded (draft.model_path)"
+    return f"spec mode {mode!r} needs {_model(row.needs)}, and none is loaded (draft.model_path)"

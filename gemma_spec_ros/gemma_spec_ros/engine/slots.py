@@ -282,7 +282,7 @@ class SlotScheduler:
             undecided -= 1
             share = PassShare(rows + undecided, expected + undecided)
             try:
-                step = steps.plan_step(slot.state, share)
+                step = steps.plan_step(slot.state, share, spec)
             except BaseException as exc:  # noqa: BLE001  one request's fault is its own
                 self._fail(slot, exc)
                 continue

@@ -11,7 +11,7 @@ either way.
     steps = Steps(target, costs, conversations, spec=lambda: engine.spec, closing=event, faults=[])
     state = steps.start_request(request, counted, cancel, kv, drafters)  # sampler, text, grammar
     first = steps.prompt_pass(state, cancel)    # or prompt_rest -> a pass -> prompt_done
-    proposal, tokens = steps.step_alone(state)  # or plan_step -> a shared pass -> settle_step
+    planned, tokens = steps.step_alone(state)   # or plan_step -> a shared pass -> settle_step
     steps.end_request(state)                    # drafters learn, stats roll up
 """
 from __future__ import annotations
@@ -45,14 +45,16 @@ MAX_VERIFY_ROWS = 65
 class PlannedStep:
     """A step between its two halves (:meth:`Steps.plan_step`, :meth:`Steps.settle_step`): the
     proposal, the rows the target pass decodes (pending token + draft), the sequence's length before
-    them, when the step began, and the grammar's masks of the rows (None without a grammar; see
-    Grammar.row_masks), which say the rows whose logits verification needs (all, unless a grammar
-    allows some draft tokens alone: their rows need none)."""
+    them, when the step began, the speculation settings it was planned with (read once per step:
+    the step's stats and label say the mode it used), and the grammar's masks of the rows (None
+    without a grammar; see Grammar.row_masks), which say the rows whose logits verification needs
+    (all, unless a grammar allows some draft tokens alone: their rows need none)."""
 
     proposal: Proposal
     batch: List[int]
     n_keep: int
     started: float
+    spec: SpecConfig
     masks: Optional[List[Optional[np.ndarray]]] = None
 
     @functools.cached_property
@@ -226,26 +228,27 @@ class Steps:
             drafting.drafter.before_target_pass(name in chain)
 
     # -- a step -------------------------------------------------------------------------------
-    def step_alone(self, state: RequestState) -> Tuple[Proposal, Tuple[int, ...]]:
+    def step_alone(self, state: RequestState) -> Tuple[PlannedStep, Tuple[int, ...]]:
         """One step in a target pass of its own: plan -> decode pending + draft -> settle. Returns
-        the proposal and the tokens the pass emits (the accepted draft prefix + the recovered or
-        bonus token)."""
+        the planned step and the tokens the pass emits (the accepted draft prefix + the recovered
+        or bonus token)."""
         planned = self.plan_step(state)
         with timed(state.stats, "verify_time"):
             rows, seconds = state.kv.timed_decode(planned.batch, planned.logit_rows)
         if planned.every_row:
             self.costs.observe_verify(len(planned.batch), seconds)
-        return planned.proposal, self.settle_step(state, planned, planned.spread(rows))
+        return planned, self.settle_step(state, planned, planned.spread(rows))
 
-    def plan_step(self, state: RequestState, share: PassShare = SOLO) -> PlannedStep:
+    def plan_step(self, state: RequestState, share: PassShare = SOLO,
+                  spec: Optional[SpecConfig] = None) -> PlannedStep:
         """The first half of a step: the draft to verify and the rows of the target pass
         (``share``: what else the pass holds when several requests run at once). Under a grammar,
         each row's mask is computed here, once, for verification to sample under, and a row whose
         next draft token the grammar allows alone asks for no logits nor a mask (most of a JSON
         plan's keys, punctuation and enum values; on this CPU a row without its logits costs
-        about 0.4 of one with them)."""
+        about 0.4 of one with them). ``spec``: the settings of this step (default: the engine's now)."""
         started = time.perf_counter()
-        stats, spec = state.stats, self.spec
+        stats, spec = state.stats, spec or self.spec
         mode = state.mode(spec)
         room = self.n_ctx - state.kv.n_past - 1
         hard_cap = max(0, min(state.request.max_tokens - len(state.generated) - 1, room))
@@ -262,7 +265,7 @@ class Steps:
             for whole in proposal.wholes:  # drafts a policy cut: their guesses are settled later
                 state.hindsight.add(whole, len(state.generated) + proposal.n_forced)
             planned = PlannedStep(proposal, [state.pending, *proposal.draft.tokens], state.kv.n_past,
-                                  started, proposal.masks)
+                                  started, spec, proposal.masks)
             stats.num_grammar_cut_tokens += proposal.n_cut
             stats.num_grammar_sole_rows += len(planned.batch) - len(planned.logit_rows)
         return planned

@@ -43,7 +43,7 @@ _STATUS_NAMES = {GoalStatus.STATUS_SUCCEEDED: "SUCCEEDED", GoalStatus.STATUS_ABO
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="gemma-spec-generate", description=__doc__.split("\n")[0])
     parser.add_argument("prompt", nargs="?", default="", help="the prompt (not with --chat)")
-    parser.add_argument("--spec-mode", default="", choices=("",) + SPEC_MODES, metavar="MODE",
+    parser.add_argument("--spec-mode", default="", choices=("", *SPEC_MODES), metavar="MODE",
                         help=f"{' | '.join(SPEC_MODES)} (default: the node's spec.mode)")
     parser.add_argument("--stream", action="store_true", help="print text as feedback arrives")
     parser.add_argument("--max-tokens", type=int, default=0, help="0 = the node's default")

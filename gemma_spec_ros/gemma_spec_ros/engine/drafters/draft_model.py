@@ -9,8 +9,8 @@ import numpy as np
 from ..llama.model import LlamaModel
 from ..llama.vocab import check_vocab_compatible
 from ..sampling import Sampler, inverse_cdf
-from .base import Draft
-from ..config import ModelConfig, SamplingParams, SpecConfig
+from .base import Draft, Drafter
+from ..config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
 
 _SCRATCH = threading.local()  # per thread: two engines may draft at once in one process
 
@@ -51,7 +51,7 @@ def next_draft_token(logits: np.ndarray, sampler: Optional[Sampler], rng: Option
     return greedy_draft_token(logits, p_min)
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     """Greedy (or, for ``rejection`` verification, sampled) drafting with a small model.
 
     Implements :class:`~gemma_spec_ros.engine.drafters.base.Drafter`.
@@ -69,9 +69,6 @@ class DraftModelDrafter:
 
     name = "draft"
     cheap_to_probe = False  # a probe first decodes every context token the model has not seen
-    cuts_drafts = False
-    cuts_constrained_drafts = False
-    warnings: List[str] = []  # nothing is recovered from at load: a mismatch refuses the model
 
     def __init__(self, config: ModelConfig, target: LlamaModel, n_seq: int = 1) -> None:
         #: the draft model; with ``n_seq`` > 1 one sequence per request running at once (for_slot)
@@ -89,7 +86,7 @@ class DraftModelDrafter:
         self._rng: Optional[np.random.Generator] = None
         self._owns_model = True
 
-    # -- Drafter protocol -------------------------------------------------------------------------
+    # -- Drafter (nothing to learn at a request's end: the KV cache stays for prefix reuse) ----------
     def begin(self, prompt_tokens: Sequence[int], sampling: Optional[SamplingParams] = None,
               rng: Optional[np.random.Generator] = None) -> None:
         """Sample this request's drafts from ``sampling`` (with their probabilities, for rejection
@@ -125,15 +122,6 @@ class DraftModelDrafter:
             return Draft()
         return Draft(tuple(tokens), tuple(probs) if self._sampler is not None else None, self.name)
 
-    def end(self, tokens: Sequence[int]) -> None:
-        """Nothing to learn; the KV cache stays for prefix reuse."""
-
-    def before_target_pass(self, drafting: bool) -> None:
-        """Nothing: the draft model reads no target rows."""
-
-    def take_fault(self) -> Optional[str]:
-        return None
-
     def warm_up(self, filler: Sequence[int], max_rows: int, passes: int) -> None:
         """Run the passes drafting uses (a catch-up batch, one-token steps) untimed, so the first
         measured draft costs are steady-state ones; leaves the KV cache empty."""
@@ -161,3 +149,8 @@ class DraftModelDrafter:
     def close(self) -> None:
         if self._owns_model:
             self.model.close()
+
+
+def build(config: EngineConfig, target: LlamaModel, n_seq: int) -> "DraftModelDrafter":
+    """The kind's builder (``engine/drafter_kinds.py``): the standalone draft model of ``draft.model_path``."""
+    return DraftModelDrafter(config.draft, target, n_seq)

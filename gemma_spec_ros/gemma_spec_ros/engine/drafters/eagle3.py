@@ -44,9 +44,9 @@ from ..llama.gguf import GGUFHeaderError, architecture
 from .linked_head import LinkedHead, linked_context, nextn_bindings, pointer_field
 from ..llama.process import load_llama_cpp
 from ..sampling import Sampler
-from .base import Draft
+from .base import Draft, Drafter
 from ..errors import EngineError, KVCacheError, ModelLoadError
-from ..config import ModelConfig, SamplingParams, SpecConfig
+from ..config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
 
 HEAD_ARCHITECTURE = "eagle3"
 #: How many target features a head reads (llama.cpp refuses any other count at load).
@@ -323,7 +323,7 @@ def rows_address(rows: np.ndarray) -> int:
     return int(rows.ctypes.data)
 
 
-class Eagle3Drafter:
+class Eagle3Drafter(Drafter):
     """Drafts with an EAGLE-3 head. Implements :class:`~gemma_spec_ros.engine.drafters.base.Drafter`.
 
     State by position (see the module docstring): g rows (encoder outputs) held for
@@ -341,11 +341,8 @@ class Eagle3Drafter:
     """
 
     name = "eagle3"
-    warnings: List[str] = []  # nothing is recovered from at load: a mismatch refuses the head
     #: a probe costs the head's catch-up on the passes since its last draft, and one step
     cheap_to_probe = True
-    cuts_drafts = False  # each draft token is a head decode
-    cuts_constrained_drafts = False
 
     def __init__(self, config: ModelConfig, target: LlamaModel) -> None:
         self.target = target
@@ -378,7 +375,10 @@ class Eagle3Drafter:
         if drafting == self.features.enabled:
             return
         self.features.enable(drafting)
-        self.target.after_chunk = self._on_chunk if drafting else None
+        if drafting:
+            self.target.add_chunk_listener(self._on_chunk)
+        else:
+            self.target.remove_chunk_listener(self._on_chunk)
         if drafting:
             self._restart(self.target.n_past)
 
@@ -433,7 +433,7 @@ class Eagle3Drafter:
             self._stash[:rest] = self._stash[count:count + rest]
         self._g_end = upto
 
-    # -- Drafter protocol -------------------------------------------------------------------------
+    # -- Drafter ---------------------------------------------------------------------------------
     def begin(self, prompt_tokens: Sequence[int], sampling: Optional[SamplingParams] = None,
               rng: Optional[np.random.Generator] = None) -> None:
         """Sample this request's drafts from ``sampling`` (rejection verification) or draft
@@ -518,9 +518,6 @@ class Eagle3Drafter:
             probs.append(q)
         return int(d2t[index])
 
-    def end(self, tokens: Sequence[int]) -> None:
-        """Nothing to learn; the head's cache stays for the next request's shared prefix."""
-
     def take_fault(self) -> Optional[str]:
         """Why the head stopped drafting (non-finite features), once; nothing is saved, so
         nothing else fails after a request."""
@@ -547,12 +544,13 @@ class Eagle3Drafter:
     def model_info(self) -> Optional[dict]:
         return {**self.head.model_info(), "drafter": self.name}
 
-    def for_slot(self, seq: int) -> "Eagle3Drafter":
-        """Not possible: the head reads the target's layer features of one sequence."""
-        raise ValueError("an EAGLE-3 head drafts for one request at a time")
-
     def close(self) -> None:
         """Stop the target's export, then free the head (before the target)."""
         if self.head._ctx is not None and self.features.enabled:
             self.before_target_pass(False)
         self.head.close()
+
+
+def build(config: EngineConfig, target: LlamaModel, n_seq: int) -> "Eagle3Drafter":
+    """The kind's builder (``engine/drafter_kinds.py``): the head of ``draft.model_path``."""
+    return Eagle3Drafter(config.draft, target)

@@ -16,19 +16,19 @@ the *sample size* is the sum of the counts of all continuations of that n-gram.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from . import learned_cache
 from .ngram_cache import NGRAM_MAX, NGRAM_STATIC, NgramCache
-from .base import EMPTY_DRAFT, Draft
-from ..errors import CacheFormatError
-from ..config import LookupConfig, SamplingParams, SpecConfig, expand_path
+from .base import EMPTY_DRAFT, Draft, Drafter
+from .saved_state import SavedState
+from ..config import EngineConfig, LookupConfig, SamplingParams, SpecConfig, expand_path
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from ..llama.model import LlamaModel
 
 
 @dataclass(frozen=True)
@@ -206,7 +206,7 @@ MAX_STATIC_NGRAMS = 2_000_000
 DYNAMIC_LOAD_MARGIN = 2
 
 
-class LookupDrafter:
+class LookupDrafter(Drafter):
     """The ``lookup`` drafter: n-gram drafts from the context, dynamic and static caches.
 
     Implements :class:`~gemma_spec_ros.engine.drafters.base.Drafter`. Per request: :meth:`begin` with the
@@ -260,18 +260,15 @@ class LookupDrafter:
         self.warnings: List[str] = []  # for the owner to log (e.g. a corrupt cache moved aside)
         if self._dynamic_path:  # its folder: created inside lookup.cache_dir, else it must exist
             learned_cache.prepare_folder(self._dynamic_path, expand_path(config.cache_dir))
-        #: a periodic save's failure not yet taken by the owner (who reports it as a fault and
-        #: resets it to None); it never fails the request that triggered the save
-        self.save_error: Optional[str] = None
         self._dynamic_cache = (dynamic_cache if dynamic_cache is not None
                                else self._load_dynamic(self._dynamic_path))
-        self._last_save = time.monotonic()
+        #: the learned cache's file: changed since saved, the periodic save, a failed save
+        self.saved = SavedState(self._dynamic_path, config.save_period, self._write, "the learned n-gram cache")
+        self._owns_saved = True  # for_slot's drafters share their owner's, which saves it
         self._context_cache = NgramCache()
         self._context_length = 0  # tokens of the current request already in the context cache
         # its last NGRAM_MAX tokens, to detect a context that is not a continuation
         self._context_tail: Tuple[int, ...] = ()
-        self._dynamic_changed = False
-        self._owner: Optional["LookupDrafter"] = None  # for_slot's drafters: the one that saves
 
     def _load_dynamic(self, path: str) -> NgramCache:
         """The learned cache at ``path`` (empty if there is none yet). Only a file this engine wrote
@@ -326,7 +323,7 @@ class LookupDrafter:
         self._context_length = len(tokens)
         self._context_tail = tuple(int(t) for t in tokens[-NGRAM_MAX:])
 
-    # --------------------------------------------------------------------------- Drafter protocol
+    # ------------------------------------------------------------------------------------ Drafter
     def begin(self, prompt_tokens: Sequence[int], sampling: Optional[SamplingParams] = None,
               rng: Optional["np.random.Generator"] = None) -> None:
         """Start a request: the context cache restarts from the prompt's n-grams. N-gram drafts
@@ -353,44 +350,26 @@ class LookupDrafter:
         dynamic cache, as llama.cpp's lookup example does at exit. Call once per request."""
         self._extend_context(tokens)
         self._dynamic_cache.merge(self._context_cache)
-        owner = self._owner or self  # a for_slot drafter's learning is its owner's to keep
-        owner._dynamic_changed = owner._dynamic_changed or len(self._context_cache) > 0
+        if len(self._context_cache) > 0:
+            self.saved.learned()
         self._reset_context()
-        owner._keep_learned()
-
-    def _keep_learned(self) -> None:
-        """Prune the dynamic cache to its bound; save it if the save period has passed."""
         self._dynamic_cache.prune(self.config.dynamic_max_ngrams)
-        period = self.config.save_period
-        if period and self._dynamic_changed and time.monotonic() - self._last_save >= period:
-            try:
-                self.save()
-            except (OSError, CacheFormatError, ValueError) as error:  # a full disk, a removed folder,
-                # a count that does not fit the file: the node's fault, never this request's error
-                self.save_error = f"saving the learned n-gram cache failed: {error}"
+        self.saved.save_if_due()
 
     def save(self) -> None:
         """Save the dynamic cache now (atomically) if ``LookupConfig.dynamic_path`` is set; only over
         a file this engine wrote (ForeignFileError otherwise)."""
-        self._last_save = time.monotonic()
-        if self._dynamic_path:
-            learned_cache.save(self._dynamic_cache, self._dynamic_path, self._vocab_tag)
-            self._dynamic_changed = False
+        self.saved.save()
 
-    def before_target_pass(self, drafting: bool) -> None:
-        """Nothing: n-gram drafts read no target rows."""
+    def _write(self) -> None:
+        learned_cache.save(self._dynamic_cache, self._dynamic_path, self._vocab_tag)
 
     def take_fault(self) -> Optional[str]:
         """A periodic save's failure since the last call (reported once), else None."""
-        owner = self._owner or self
-        fault, owner.save_error = owner.save_error, None
-        return fault
+        return self.saved.take_fault()
 
-    def warm_up(self, filler: Sequence[int], max_rows: int, passes: int) -> None:
-        """Nothing to warm up: no model."""
-
-    def model_info(self) -> Optional[dict]:
-        return None
+    def status(self) -> Dict[str, Any]:
+        return {"dynamic cache n-grams": len(self._dynamic_cache)}
 
     def for_slot(self, seq: int) -> "LookupDrafter":
         """A drafter of this one's static and dynamic caches with a context cache of its own: what
@@ -399,12 +378,20 @@ class LookupDrafter:
                                            dynamic_max_ngrams=self.config.dynamic_max_ngrams, save_period=0.0),
                               static_cache=self._static_cache, dynamic_cache=self._dynamic_cache,
                               n_vocab=self.n_vocab)
-        other._owner = self
+        other.saved, other._owns_saved = self.saved, False
         return other
 
     def close(self) -> None:
         """Save the dynamic cache to ``LookupConfig.dynamic_path`` if that is set, unless the file
         exists and the cache learned nothing since it was loaded or last saved (a large cache is
-        not rewritten for nothing). Safe to call more than once."""
-        if self._dynamic_path and (self._dynamic_changed or not Path(self._dynamic_path).exists()):
-            self.save()
+        not rewritten for nothing); a for_slot drafter leaves that to its owner. Safe to call more
+        than once."""
+        if self._owns_saved:
+            self.saved.close()
+
+
+def build(config: EngineConfig, target: "LlamaModel", n_seq: int) -> "LookupDrafter":
+    """The kind's builder (``engine/drafter_kinds.py``): the caches of ``lookup``."""
+    lookup = config.lookup
+    tag = target.vocab_tag() if lookup.dynamic_path or lookup.static_path else ""
+    return LookupDrafter(lookup, vocab_tag=tag, n_vocab=target.n_vocab)

@@ -28,14 +28,13 @@ import numpy as np
 
 from ..llama.model import BufferViews, LlamaModel
 from ..llama.process import load_llama_cpp
-from .draft_model import DraftModelDrafter, next_draft_token
-from .eagle3 import Eagle3Drafter, is_eagle3_head
+from .draft_model import next_draft_token
 from .linked_head import LinkedHead, nextn_bindings
 from ..llama.gguf import GGUFHeaderError, architecture
 from ..sampling import Sampler
 from .base import Draft, Drafter
 from ..errors import EngineError
-from ..config import ModelConfig, SamplingParams, SpecConfig
+from ..config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
 
 ASSISTANT_ARCHITECTURE = "gemma4-assistant"
 #: Targets whose graph exports the hidden row an assistant reads and whose cache it can share.
@@ -54,27 +53,6 @@ def is_assistant(path: str) -> bool:
         return architecture(path) == ASSISTANT_ARCHITECTURE
     except (OSError, GGUFHeaderError):
         return False
-
-
-def model_drafter(config: ModelConfig, target: LlamaModel, n_seq: int = 1) -> Drafter:
-    """The drafter ``draft.model_path`` names, by the GGUF's architecture: an :class:`MtpDrafter`
-    for a Gemma 4 assistant, an :class:`~gemma_spec_ros.engine.drafters.eagle3.Eagle3Drafter` for
-    an EAGLE-3 head, else a standalone draft model
-    (:class:`~gemma_spec_ros.engine.drafters.draft_model.DraftModelDrafter`) with ``n_seq``
-    sequences (one per request running at once). ValueError where the kind cannot serve ``n_seq``
-    requests at once."""
-    path = config.resolved_path
-    linked = "a Gemma 4 assistant" if is_assistant(path) else "an EAGLE-3 head" if is_eagle3_head(path) else ""
-    if linked and n_seq > 1:
-        raise ValueError(
-            f"{linked} drafts for one request at a time: it reads the target's rows of one sequence "
-            f"(draft.model_path {path}); serve one request at a time (max_running 1) or use a draft "
-            "model or the n-gram modes")
-    if is_assistant(path):
-        return MtpDrafter(config, target)
-    if is_eagle3_head(path):
-        return Eagle3Drafter(config, target)
-    return DraftModelDrafter(config, target, n_seq)
 
 
 class TargetHiddenRows:
@@ -104,7 +82,10 @@ class TargetHiddenRows:
         if enabled == self.enabled:
             return
         self._bindings.llama_set_embeddings_nextn(self._ctx, enabled, True)
-        self._target.after_chunk = self._keep if enabled else None
+        if enabled:
+            self._target.add_chunk_listener(self._keep)
+        else:
+            self._target.remove_chunk_listener(self._keep)
         self._rows, self._in_buffer, self._decoding = {}, {}, False
         self.enabled = enabled
 
@@ -143,8 +124,7 @@ class TargetHiddenRows:
         return self._views.get(pointer, self._shape).copy()
 
     def close(self) -> None:
-        if self._target.after_chunk == self._keep:
-            self._target.after_chunk = None
+        self._target.remove_chunk_listener(self._keep)
 
 
 class GemmaAssistant(LinkedHead):
@@ -191,7 +171,7 @@ class GemmaAssistant(LinkedHead):
         return info
 
 
-class MtpDrafter:
+class MtpDrafter(Drafter):
     """Drafts with a Gemma 4 MTP assistant. Implements :class:`~gemma_spec_ros.engine.drafters.base.Drafter`.
 
     Greedy drafting stops when the assistant's top probability falls below ``spec.p_min`` (as
@@ -203,9 +183,6 @@ class MtpDrafter:
     #: a probe costs one assistant step: nothing to catch up on (the assistant reads the target's
     #: cache), unlike a standalone draft model
     cheap_to_probe = True
-    cuts_drafts = False  # each draft token is an assistant decode
-    cuts_constrained_drafts = False
-    warnings: List[str] = []  # nothing is recovered from at load: a mismatch refuses the assistant
 
     def __init__(self, config: ModelConfig, target: LlamaModel) -> None:
         self.target = target
@@ -251,12 +228,6 @@ class MtpDrafter:
         assistant (off, lookup and draft pay nothing for MTP)."""
         self.hidden.enable(drafting)
 
-    def end(self, tokens: Sequence[int]) -> None:
-        """Nothing to learn, nothing to roll back: the assistant keeps no state between drafts."""
-
-    def take_fault(self) -> Optional[str]:
-        return None
-
     def warm_up(self, filler: Sequence[int], max_rows: int, passes: int) -> None:
         """Run assistant steps untimed over the filler in the target's cache, so that the first
         measured draft costs are steady-state ones; leaves the target's cache empty."""
@@ -271,10 +242,11 @@ class MtpDrafter:
     def model_info(self) -> Optional[dict]:
         return {**self.assistant.model_info(), "drafter": self.name}
 
-    def for_slot(self, seq: int) -> Drafter:
-        """Not possible: the assistant reads the target's rows of one sequence (model_drafter)."""
-        raise ValueError("a Gemma 4 assistant drafts for one request at a time")
-
     def close(self) -> None:
         self.hidden.close()
         self.assistant.close()
+
+
+def build(config: EngineConfig, target: LlamaModel, n_seq: int) -> "MtpDrafter":
+    """The kind's builder (``engine/drafter_kinds.py``): the assistant of ``draft.model_path``."""
+    return MtpDrafter(config.draft, target)

@@ -31,18 +31,18 @@ the learned cache's folder with its file-safety rules (:mod:`.suffix_history`).
 from __future__ import annotations
 
 import copy
-import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from . import learned_cache, suffix_history
 from .suffix_index import DEFAULT_LEVELS, IndexPair, Match, SuffixIndex
-from .base import EMPTY_DRAFT, Draft
-from ..errors import CacheFormatError
-from ..config import SamplingParams, SpecConfig, SuffixConfig, expand_path
+from .base import EMPTY_DRAFT, Draft, Drafter
+from .saved_state import SavedState
+from ..config import EngineConfig, SamplingParams, SpecConfig, SuffixConfig, expand_path
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from ..llama.model import LlamaModel
 
 
 def index_levels(config: SuffixConfig) -> Tuple[int, ...]:
@@ -204,7 +204,7 @@ SYNC_CHECK = 64
 REQUEST_ROOM = 8192
 
 
-class SuffixDrafter:
+class SuffixDrafter(Drafter):
     """The ``suffix`` drafter: drafts from the longest earlier occurrence of the context's end.
 
     Implements :class:`~gemma_spec_ros.engine.drafters.base.Drafter`. Per request: :meth:`begin` with the
@@ -238,8 +238,6 @@ class SuffixDrafter:
         self.n_vocab = n_vocab if n_vocab is not None else learned_cache.tag_vocab_size(vocab_tag)
         self._path = expand_path(config.history_path)
         self.warnings: List[str] = []
-        #: a periodic save's failure not yet taken by the owner (see LookupDrafter.save_error)
-        self.save_error: Optional[str] = None
         if self._path:
             learned_cache.prepare_folder(self._path, expand_path(config.cache_dir))
         levels = index_levels(config)
@@ -252,9 +250,9 @@ class SuffixDrafter:
         self._pair = IndexPair(self._request.index, self._history)
         self._prompt_length = -1  # the current request's prompt tokens; -1 between requests
         self._synced = False  # the current request's first step compared its whole context
-        self._changed = False
-        self._last_save = time.monotonic()
-        self._owner: Optional["SuffixDrafter"] = None  # for_slot's drafters: the one that saves
+        #: the history's file: changed since saved, the periodic save, a failed save
+        self.saved = SavedState(self._path, config.save_period, self._write, "the suffix history")
+        self._owns_saved = True  # for_slot's drafters share their owner's, which saves it
 
     def _load(self, path: str) -> List[List[int]]:
         if not path:
@@ -281,7 +279,7 @@ class SuffixDrafter:
         """Tokens of earlier requests kept (separators included)."""
         return len(self._history)
 
-    # --------------------------------------------------------------------------- Drafter protocol
+    # ------------------------------------------------------------------------------------ Drafter
     def begin(self, prompt_tokens: Sequence[int], sampling: Optional[SamplingParams] = None,
               rng: Optional["np.random.Generator"] = None) -> None:
         """Start a request. Its prompt is indexed at the first :meth:`propose`, where the request's
@@ -311,42 +309,25 @@ class SuffixDrafter:
         self._synced = False
         if started < 0:  # no begin(): the request ended before its prompt pass did (nothing to learn)
             return
-        owner = self._owner or self  # a for_slot drafter's history is its owner's to keep
         kept = list(tokens) if self.config.keep_prompts else list(tokens[started:])
         if kept and self.config.history_max_tokens > 0:
             self._history.new_sequence()
             self._history.extend(kept)
-            owner._changed = True
+            self.saved.learned()
         self._history.evict_to(self.config.history_max_tokens)
-        period = self.config.save_period
-        if period and owner._changed and time.monotonic() - owner._last_save >= period:
-            try:
-                owner.save()
-            except (OSError, CacheFormatError, ValueError) as error:
-                owner.save_error = f"saving the suffix history failed: {error}"
-
-    def before_target_pass(self, drafting: bool) -> None:
-        """Nothing: suffix drafts read no target rows."""
+        self.saved.save_if_due()
 
     def take_fault(self) -> Optional[str]:
         """A periodic save's failure since the last call (reported once), else None."""
-        owner = self._owner or self
-        fault, owner.save_error = owner.save_error, None
-        return fault
+        return self.saved.take_fault()
 
     def save(self) -> None:
         """Save the history now (atomically) if ``history_path`` is set; only over a file this
         engine wrote (ForeignFileError otherwise)."""
-        self._last_save = time.monotonic()
-        if self._path:
-            suffix_history.save(self._history.sequences(), self._path, self._vocab_tag)
-            self._changed = False
+        self.saved.save()
 
-    def warm_up(self, filler: Sequence[int], max_rows: int, passes: int) -> None:
-        """Nothing to warm up: no model."""
-
-    def model_info(self) -> Optional[dict]:
-        return None
+    def _write(self) -> None:
+        suffix_history.save(self._history.sequences(), self._path, self._vocab_tag)
 
     def for_slot(self, seq: int) -> "SuffixDrafter":
         """A drafter for another request at the same time: a request index of its own over this
@@ -356,11 +337,19 @@ class SuffixDrafter:
         other.warnings = []
         other._request = RequestIndex(self._request.index.capacity, self._request.index.levels)
         other._pair = IndexPair(other._request.index, self._history)
-        other._prompt_length, other._synced, other._owner = -1, False, self
+        other._prompt_length, other._synced, other._owns_saved = -1, False, False
         return other
 
     def close(self) -> None:
         """Save the history if it changed since it was loaded or saved, or if its file does not
         exist yet; a for_slot drafter leaves that to its owner. Safe to call more than once."""
-        if self._owner is None and self._path and (self._changed or not Path(self._path).exists()):
-            self.save()
+        if self._owns_saved:
+            self.saved.close()
+
+
+def build(config: EngineConfig, target: "LlamaModel", n_seq: int) -> "SuffixDrafter":
+    """The kind's builder (``engine/drafter_kinds.py``): its history learns in every mode; it
+    drafts in its modes' steps."""
+    suffix = config.suffix
+    tag = target.vocab_tag() if suffix.history_path else ""
+    return SuffixDrafter(suffix, vocab_tag=tag, request_room=config.target.n_ctx, n_vocab=target.n_vocab)
