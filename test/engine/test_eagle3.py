@@ -289,19 +289,19 @@ def test_features_are_exported_only_while_the_drafter_may_draft(agreeing_models:
     real = bindings.llama_set_embeddings_layer_inp
     monkeypatch.setattr(bindings, "llama_set_embeddings_layer_inp",
                         lambda ctx, layer, on: calls.append((layer, on)) or real(ctx, layer, on))
-    assert not drafter.features.enabled and target.after_chunk is None
+    assert not drafter.features.enabled and not target.chunk_listeners
     agreeing_models.run(drafted=False, max_tokens=8)
-    assert calls == [] and target.after_chunk is None
+    assert calls == [] and not target.chunk_listeners
     agreeing_models.run(max_tokens=8)
     assert calls == [(0, True), (1, True)]  # layer 2 = the target's n_layer: the post-norm export
-    assert drafter.features.enabled and target.after_chunk is not None
+    assert drafter.features.enabled and bool(target.chunk_listeners)
     agreeing_models.run(max_tokens=8)
     assert len(calls) == 2  # already on
     drafter.before_target_pass(False)
-    assert calls[2:] == [(0, False), (1, False)] and target.after_chunk is None
+    assert calls[2:] == [(0, False), (1, False)] and not target.chunk_listeners
     plain = LlamaModel(ModelConfig(str(random_pair[0]), n_ctx=N_CTX, n_threads=1))
     try:
-        assert plain.after_chunk is None
+        assert not plain.chunk_listeners
     finally:
         plain.close()
 

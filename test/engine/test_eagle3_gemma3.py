@@ -210,7 +210,7 @@ def test_the_head_drafts_for_the_gemma3_target(engine: Engine, fitted_head: Path
 def test_the_capture_copies_only_while_the_head_may_draft(engine: Engine) -> None:
     capture_ = capture_of(engine.target)
     run(engine, "lookup", max_tokens=8)
-    assert not capture_.enabled and engine.target.after_chunk is None
+    assert not capture_.enabled and not engine.target.chunk_listeners
     tokens, steps = run(engine, "eagle3", max_tokens=8)
     assert capture_.enabled and steps[-1].stats.num_drafts > 0
     assert engine.check_spec(SpecConfig(mode="auto")) == "" and "eagle3" in MODES["auto"].chain

@@ -19,9 +19,9 @@ import pytest
 from support.junit import junit_counts
 
 EXACT_FILES = ("test/engine/test_engine_on_real_models.py", "test/engine/test_prompt_reuse.py",
-               "test/engine/test_sliding_window.py", "test/engine/test_mtp.py", "test/engine/test_grammar.py",
-               "test/engine/test_hindsight.py", "test/engine/test_eagle3.py",
-               "test/engine/test_eagle3_engine.py", "test/engine/test_suffix_engine.py",
+               "test/engine/test_sliding_window.py", "test/engine/test_linked_heads.py",
+               "test/engine/test_grammar.py", "test/engine/test_hindsight.py", "test/engine/test_eagle3.py",
+               "test/engine/test_suffix_engine.py",
                "test/engine/test_slots.py", "test/engine/test_chat_engine.py",
                "test/engine/test_lossless_after_workload.py", "test/engine/test_eagle3_gemma3.py")
 

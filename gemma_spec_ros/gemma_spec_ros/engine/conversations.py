@@ -20,7 +20,6 @@ window cache's rollback; the window cache (quantized weights) came back bit-iden
 """
 from __future__ import annotations
 
-import ctypes
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -91,16 +90,11 @@ class ConversationCache:
         tokens = tuple(backend.kv_tokens)
         if not tokens or self.max_bytes <= 0:
             return False
-        import llama_cpp  # noqa: WPS433
-
-        _, ctx = backend.handles
-        seq = backend.seq
         try:
-            size = int(llama_cpp.llama_state_seq_get_size(ctx, seq))
+            size = backend.state_size()
             if size > self.max_bytes:
                 return False
-            data = (ctypes.c_uint8 * size)()
-            written = int(llama_cpp.llama_state_seq_get_data(ctx, data, size, seq))
+            data, written = backend.save_state(size)
         except (MemoryError, OSError):
             return False
         if written <= 0:
@@ -150,11 +144,8 @@ class ConversationCache:
         here = backend.reusable_prefix(prompt, keep_last=1)
         if snapshot is None or length < here + self.min_gain:
             return 0
-        import llama_cpp  # noqa: WPS433
-
-        _, ctx = backend.handles
         backend.clear()
-        if int(llama_cpp.llama_state_seq_set_data(ctx, snapshot.data, snapshot.size, backend.seq)) <= 0:
+        if not backend.load_state(snapshot.data, snapshot.size):
             backend.clear()  # nothing trustworthy is left: evaluate the prompt afresh
             return 0
         backend.kv_tokens = list(snapshot.tokens)

@@ -65,11 +65,7 @@ class ChatVocab:
     text spells, and each generated token's text (control tokens apart)."""
 
     def __init__(self, backend: Any) -> None:
-        import llama_cpp  # noqa: WPS433
-
         self._backend = backend
-        self._llama_cpp = llama_cpp
-        self._control = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL
         self.bos, self.eos = backend.bos, backend.eos
         #: the vocabulary's special texts, split in one scan of a text (None: llama.cpp's parsing)
         self._special = SpecialTexts.of(backend)
@@ -82,8 +78,7 @@ class ChatVocab:
 
     def is_control(self, token: int) -> bool:
         """A control token (a marker: kept apart from text; ``<unk>`` is text, as the grammar sees it)."""
-        attr = self._llama_cpp.llama_vocab_get_attr(self._backend.handles_vocab, token)
-        return bool(attr & self._control)
+        return self._backend.is_control(token)
 
     def is_eog(self, token: int) -> bool:
         return self._backend.is_eog(token)

@@ -52,14 +52,11 @@ class ChatTurn:
 
 def model_template(backend: Any) -> ChatTemplate:
     """The chat template in the model's GGUF (``tokenizer.chat_template``); TemplateError without."""
-    import llama_cpp  # noqa: WPS433
-
-    model, _ = backend.handles
-    source = llama_cpp.llama_model_chat_template(model, None)
+    source = backend.chat_template()
     if not source:
         raise TemplateError(f"model {backend.path} has no chat template (tokenizer.chat_template): "
                             "give one with the chat template file setting")
-    return ChatTemplate(source.decode("utf-8", "replace"), f"the chat template of {backend.path}")
+    return ChatTemplate(source, f"the chat template of {backend.path}")
 
 
 #: The largest chat template file read (a model's template is a few KiB; Gemma 4's ~15 KiB).

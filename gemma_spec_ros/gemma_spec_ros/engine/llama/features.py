@@ -83,7 +83,7 @@ class LayerFeatures:
     """What the EAGLE-3 drafter reads of the target: the feature rows of its last decoded chunk.
 
     ``enable(True)`` before a pass whose rows the head will read (False: stop; the source then costs
-    nothing or next to nothing); ``rows()`` after the chunk (``LlamaModel.after_chunk``): one array of
+    nothing or next to nothing); ``rows()`` after the chunk (a ``LlamaModel`` chunk listener): one array of
     the chunk's rows x the target's width per feature, in the head's order, valid until the target's
     next decode."""
 

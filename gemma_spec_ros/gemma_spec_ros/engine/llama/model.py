@@ -15,6 +15,7 @@ vocabulary and may run from another thread.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import threading
 import time
@@ -28,6 +29,9 @@ from ..config import ModelConfig
 from .vocab import VocabIdentity, token_texts_digest
 
 T = TypeVar("T")
+#: A listener of decoded chunks (:meth:`LlamaModel.add_chunk_listener`): (position of the chunk's
+#: first token, its rows asked for logits, whether it is the decode's last chunk).
+ChunkListener = Callable[[int, List[int], bool], None]
 
 
 class WindowLostError(KVCacheError):
@@ -163,11 +167,12 @@ class LlamaModel:
     #: the sequence the one-sequence API (decode, rollback, kv_tokens, ...) speaks of by default
     seq = 0
 
-    #: Called after each decoded chunk with (position of its first token, its rows asked for
-    #: logits, whether it is the decode's last chunk), before the next chunk overwrites llama.cpp's
-    #: outputs: an MTP drafter keeps the target's hidden rows there (engine/drafters/mtp.py). None = nothing
-    #: to do, as for the other drafters.
-    after_chunk: Optional[Callable[[int, List[int], bool], None]] = None
+    #: Called after each decoded chunk, in the order added (:meth:`add_chunk_listener`), with
+    #: (position of its first token, its rows asked for logits, whether it is the decode's last
+    #: chunk), before the next chunk overwrites llama.cpp's outputs: a drafter that reads rows the
+    #: target exports (MTP's hidden rows, EAGLE-3's features) copies them there, only while it may
+    #: draft. Empty for the other drafters.
+    _chunk_listeners: Tuple[ChunkListener, ...] = ()
     #: llama.cpp's eval callback of the context (``cb_eval``; a ctypes
     #: ``llama_cpp.ggml_backend_sched_eval_callback``), kept alive with it; None = none. Set only at
     #: creation: an EAGLE-3 head's feature capture for a gemma3 target (engine/llama/features.py).
@@ -181,6 +186,7 @@ class LlamaModel:
         init_backend()
         llama_cpp = load_llama_cpp()
         self._llama_cpp = llama_cpp
+        self._chunk_listeners = ()
         self.config = config
         self.path = config.resolved_path
         self._model = None
@@ -475,8 +481,8 @@ class LlamaModel:
                     raise KVCacheError(f"llama.cpp returned no logits for row {rows_here[0]} ({self.path})")
                 block = self._logits_views.at(first, (len(rows_here), self.n_vocab))
                 out.extend(block if last_chunk else block.copy())
-            if self.after_chunk is not None:
-                self.after_chunk(base, rows_here, last_chunk)
+            for listener in self._chunk_listeners:
+                listener(base, rows_here, last_chunk)
             start += n
         return out
 
@@ -645,6 +651,55 @@ class LlamaModel:
         rows = self.decode(tokens, logit_rows, seq=seq)
         return rows, time.perf_counter() - t0
 
+    # -- listeners of decoded chunks ------------------------------------------------------------
+    @property
+    def chunk_listeners(self) -> Tuple[ChunkListener, ...]:
+        """The functions called after each decoded chunk (see ``_chunk_listeners``)."""
+        return self._chunk_listeners
+
+    def add_chunk_listener(self, listener: ChunkListener) -> None:
+        """Call ``listener`` after each decoded chunk from the next decode on (once, if added twice)."""
+        if listener not in self._chunk_listeners:
+            self._chunk_listeners = self._chunk_listeners + (listener,)
+
+    def remove_chunk_listener(self, listener: ChunkListener) -> None:
+        """Stop calling ``listener``; nothing if it was not added."""
+        self._chunk_listeners = tuple(other for other in self._chunk_listeners if other != listener)
+
+    # -- a sequence's KV state, the model's template, control tokens ----------------------------
+    def state_size(self, seq: int = 0) -> int:
+        """Bytes a copy of sequence ``seq``'s KV state takes (llama_state_seq_get_size)."""
+        return int(self._llama_cpp.llama_state_seq_get_size(self._ctx, seq))
+
+    def save_state(self, size: int, seq: int = 0) -> Tuple[Any, int]:
+        """A copy of sequence ``seq``'s KV state into a new buffer of ``size`` bytes
+        (:meth:`state_size`): (the buffer, bytes written; 0 = nothing copied). MemoryError / OSError
+        when it cannot be made.
+
+        The buffer is a mapping of its own, returned to the system whole when the last reference
+        goes: snapshots are tens of MiB each, made and dropped at ever other sizes, and the C heap
+        would keep the holes they leave (a soak's RSS grew 170 MiB over its last 500 goals with
+        the snapshots held to 256 MiB; mapped, the resident bytes follow the snapshots kept)."""
+        if size <= 0:
+            return (ctypes.c_uint8 * 0)(), 0
+        data = (ctypes.c_uint8 * size).from_buffer(mmap.mmap(-1, size))
+        return data, int(self._llama_cpp.llama_state_seq_get_data(self._ctx, data, size, seq))
+
+    def load_state(self, data: Any, size: int, seq: int = 0) -> bool:
+        """Copy a state :meth:`save_state` made back into sequence ``seq``; False if llama.cpp
+        refused it (the sequence then holds nothing trustworthy: the caller clears it)."""
+        return int(self._llama_cpp.llama_state_seq_set_data(self._ctx, data, size, seq)) > 0
+
+    def chat_template(self) -> str:
+        """The chat template in the GGUF (``tokenizer.chat_template``); '' without one."""
+        source = self._llama_cpp.llama_model_chat_template(self._model, None)
+        return source.decode("utf-8", "replace") if source else ""
+
+    def is_control(self, token: int) -> bool:
+        """Whether ``token`` is a control token (a turn marker, Gemma 4's call markers)."""
+        return bool(self._llama_cpp.llama_vocab_get_attr(self._vocab, token)
+                    & self._llama_cpp.LLAMA_TOKEN_ATTR_CONTROL)
+
     @property
     def handles_vocab(self) -> object:
         """The llama_vocab pointer, for code that calls llama.cpp on this vocabulary itself (a
@@ -714,3 +769,12 @@ class SequenceView:
 
     def clear(self) -> None:
         self.model.clear(self.seq)
+
+    def state_size(self) -> int:
+        return self.model.state_size(self.seq)
+
+    def save_state(self, size: int) -> Tuple[Any, int]:
+        return self.model.save_state(size, self.seq)
+
+    def load_state(self, data: Any, size: int) -> bool:
+        return self.model.load_state(data, size, self.seq)
