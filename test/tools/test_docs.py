@@ -7,6 +7,7 @@ fails instead.
 """
 from __future__ import annotations
 
+import importlib
 import re
 import unicodedata
 from pathlib import Path
@@ -125,21 +126,25 @@ def test_the_link_check_sees_a_broken_link(tmp_path: Path, broken: str, why: str
 
 def test_every_mode_is_in_every_list_of_modes(repo_root: Path, venv_python: Path) -> None:
     """The mode table (engine/modes.py) is the one source: every mode is a row of the README's
-    modes table, named in docs/interfaces.md and offered by `gemma-spec-generate --help`; and no
-    interface file lists modes by hand (they drifted: --help offered five of nine)."""
+    modes table, in docs/interfaces.md's ``spec_mode`` row, named in the generated
+    docs/parameters.md and offered by `gemma-spec-generate --help`; no interface file lists modes
+    by hand (they drifted: --help offered five of nine)."""
     import subprocess
 
     from gemma_spec_ros.engine.modes import SPEC_MODES
 
     readme = (repo_root / "README.md").read_text()
     table_rows = {m.group(1) for m in re.finditer(r"^\| `([a-z0-9+]+)`( \(default\))? \|", readme, re.M)}
-    interfaces = (repo_root / "docs" / "interfaces.md").read_text()
+    parameters = (repo_root / "docs" / "parameters.md").read_text()
+    spec_mode_row = next(line for line in (repo_root / "docs" / "interfaces.md").read_text().splitlines()
+                         if line.startswith("| | `spec_mode` |"))
     help_text = subprocess.run([str(venv_python), "-m", "gemma_spec_ros.tools.generate", "--help"],
                                capture_output=True, text=True, timeout=60).stdout
     for mode in SPEC_MODES:
         assert mode in table_rows, f"{mode} is not a row of the README's modes table"
-        assert f"`{mode}`" in interfaces, f"docs/interfaces.md does not name {mode}"
+        assert re.search(rf"one of: [^|]*\b{re.escape(mode)}[,;]", parameters), f"docs/parameters.md lacks {mode}"
         assert re.search(rf"(^|[ |]){re.escape(mode)}([ |]|$)", " ".join(help_text.split())), mode
+        assert f"`{mode}`" in spec_mode_row, f"docs/interfaces.md's spec_mode row lacks {mode}"
     for path in [*(repo_root / "gemma_spec_msgs").rglob("*.action"), *(repo_root / "gemma_spec_msgs").rglob("*.msg")]:
         assert not re.search(r"off ?\| ?draft ?\| ?lookup", path.read_text()), path
 
@@ -152,3 +157,25 @@ def test_every_parameter_group_is_in_the_interfaces_table(repo_root: Path) -> No
     table = interfaces[interfaces.index("## Parameters"):]
     for group in sorted({p.name.split(".")[0] for p in PARAMETERS}):
         assert f"`{group}" in table, f"parameter group {group} is missing from docs/interfaces.md"
+
+
+#: A trip line of docs/design.md: "N. `path.py:Function`" (a method as Class.method).
+TRIP_LINE = re.compile(r"^\d+\. `([\w/]+)\.py:([\w.]+)`", re.M)
+
+
+def test_every_function_of_the_three_trips_exists(repo_root: Path) -> None:
+    """design.md's three trips (a plain step, what a constrained step adds, what a chat turn
+    adds) name functions that exist, in lists of at most 14, 4 and 5 lines."""
+    text = (repo_root / "docs" / "design.md").read_text()
+    section = text[text.index("## Three trips through the code"):]
+    section = section[:section.index("\n## ", 4)]
+    lists = [TRIP_LINE.findall(part) for part in section.split("**")[1:] if TRIP_LINE.search(part)]
+    assert [len(found) for found in lists] and len(lists) == 3, lists
+    assert len(lists[0]) <= 14 and len(lists[1]) <= 4 and len(lists[2]) <= 5
+    for path, name in (line for found in lists for line in found):
+        module = importlib.import_module("gemma_spec_ros." + path.replace("/", "."))
+        target = module
+        for part in name.split("."):
+            assert hasattr(target, part), f"{path}.py:{name} ({part} missing)"
+            target = getattr(target, part)
+        assert callable(target), f"{path}.py:{name}"
