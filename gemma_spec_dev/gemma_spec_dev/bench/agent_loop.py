@@ -62,6 +62,8 @@ AUTO_MODES = ("off",)
 #: What the conversation says after a turn that had to call a skill and did not (a server may let
 #: the model write text first): the conversation goes on in turns that alternate.
 NUDGE = "Call one of the skills now."
+#: What the report says of a run whose conversations open with the example task (--few-shot).
+FEW_SHOT_NOTE = "; each conversation opens with an example task done by calls (agent_suite.EXAMPLE)"
 #: llama-server's speculative settings tried (``--spec-type``, each with its defaults).
 SERVER_SETTINGS = ("none", "ngram-cache", "ngram-simple", "ngram-map-k", "ngram-mod")
 #: Host memory for each engine's conversation snapshots (the suite's four conversations fit).
@@ -189,7 +191,8 @@ def markdown(results: Mapping[str, Any]) -> str:
     summary, records = results["summary"], results["records"]
     lines = [f"# Agent loop: {results['tasks']} tasks x {results['turns']} turns, the robot's skills as tools",
              "", f"Model {results['model']} with the agent suite's chat template given explicitly (the "
-             f"model has none); greedy; max_tokens {results['max_tokens']} per call turn, "
+             f"model has none){FEW_SHOT_NOTE if results.get('few_shot') else ''}; "
+             f"greedy; max_tokens {results['max_tokens']} per call turn, "
              f"{results['text_tokens']} for the closing text turn; {results['threads']} threads. Same run, "
              "turns interleaved across tasks and runners. Tokens/s: decode rate after the first token; "
              "TTFT: prompt pass + first token (llama-server's: its first streamed delta); tokens/s not "
@@ -249,6 +252,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="modes also run with the call turns' tool_choice auto (one call allowed)")
     p.add_argument("--server-settings", default=",".join(SERVER_SETTINGS),
                    help="llama-server --spec-type values to run ('' = none)")
+    p.add_argument("--few-shot", action="store_true",
+                   help="every conversation starts with an example task done by calls (agent_suite.EXAMPLE): "
+                        "a base model then calls under tool_choice auto too")
     p.add_argument("--tasks", type=int, default=len(TASKS))
     p.add_argument("--turns", type=int, default=TURNS)
     p.add_argument("--max-tokens", type=int, default=64, help="per call turn")
@@ -278,7 +284,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             players.append(Player(f"llama-server/{setting}", RemoteEngine(
                 RemoteConfig(url=server.url, probe_period=0), SpecConfig()), None, True))
         for player in players:
-            player.conversations = [task_messages(task) for task in TASKS[:args.tasks]]
+            player.conversations = [task_messages(task, args.few_shot) for task in TASKS[:args.tasks]]
             player.worlds = [World() for _ in player.conversations]
         records = play(players, args)
     finally:
@@ -290,7 +296,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     summary = summarize(records)
     server_names = [n for n in summary if n.startswith("llama-server/")]
     best = min(server_names, key=lambda n: summary[n]["turn_ms_median"], default=None)
-    results = {"tasks": args.tasks, "turns": args.turns, "max_tokens": args.max_tokens,
+    results = {"tasks": args.tasks, "turns": args.turns, "few_shot": args.few_shot, "max_tokens": args.max_tokens,
                "text_tokens": args.text_tokens, "threads": args.threads, "model": Path(args.model).name,
                "modes": modes, "summary": summary, "best_server": best, "records": records}
     (out / "agent_loop.json").write_text(json.dumps(results, indent=1, default=str))

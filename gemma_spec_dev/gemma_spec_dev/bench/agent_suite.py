@@ -124,9 +124,30 @@ class World:
         return json.dumps(result)
 
 
-def task_messages(task: str) -> List[Dict[str, Any]]:
-    """The first two messages of a task's conversation (OpenAI's shape)."""
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task}]
+def task_messages(task: str, few_shot: bool = False) -> List[Dict[str, Any]]:
+    """The first messages of a task's conversation (OpenAI's shape): the system prompt, with
+    ``few_shot`` an example task done by calls (:data:`EXAMPLE`), and the task."""
+    return [{"role": "system", "content": SYSTEM}, *(EXAMPLE if few_shot else []), {"role": "user", "content": task}]
+
+
+def _example_call(call_id: str, name: str, arguments: Dict[str, Any], result: Dict[str, Any]) -> List[Dict[str, Any]]:
+    return [{"role": "assistant", "content": "", "tool_calls": [{"id": call_id, "type": "function", "function": {
+        "name": name, "arguments": json.dumps(arguments)}}]},
+            {"role": "tool", "tool_call_id": call_id, "content": json.dumps(result)}]
+
+
+#: An example task done by calls, for a model that answers in text where it may call (a base
+#: model under ``tool_choice`` auto): before the task, it shows the model the calls it may make.
+EXAMPLE: List[Dict[str, Any]] = [
+    {"role": "user", "content": "Put the towel from the sofa onto the kitchen counter."},
+    *_example_call("ex1", "navigate", {"place": "sofa"}, {"arrived": "sofa"}),
+    *_example_call("ex2", "detect", {"object_class": "towel"}, {"objects": ["towel_0"]}),
+    *_example_call("ex3", "pick", {"object_id": "towel_0", "grasp": "pinch"}, {"holding": "towel_0"}),
+    *_example_call("ex4", "navigate", {"place": "kitchen_counter"}, {"arrived": "kitchen_counter"}),
+    *_example_call("ex5", "place", {"object_id": "towel_0", "place": "kitchen_counter"},
+                   {"placed": "towel_0", "at": "kitchen_counter"}),
+    {"role": "assistant", "content": "The towel is on the kitchen counter."},
+]
 
 
 def turn_choice(turn: int) -> str:
@@ -143,4 +164,4 @@ def schedule(n_tasks: int, turns: int = TURNS) -> List[Tuple[int, int]]:
     return [(task, turn) for turn in range(turns) for task in range(n_tasks)]
 
 
-__all__ = ["SKILLS", "SYSTEM", "TASKS", "TEMPLATE", "TURNS", "World", "schedule", "task_messages", "turn_choice"]
+__all__ = ["EXAMPLE", "SKILLS", "SYSTEM", "TASKS", "TEMPLATE", "TURNS", "World", "schedule", "task_messages", "turn_choice"]
