@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace as Goal
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 from gemma_spec_dev.bench.agent_suite import TEMPLATE
 from gemma_spec_ros.engine.config import ChatConfig, EngineConfig, ModelConfig, SpecConfig

@@ -10,7 +10,6 @@ from __future__ import annotations
 import doctest
 import json
 import random
-from pathlib import Path
 from typing import Any, Iterator, List, Tuple
 
 import pytest
@@ -26,7 +25,7 @@ from gemma_spec_ros.engine.chat.syntax import Parsed
 from gemma_spec_ros.engine.chat.reply import validated
 from gemma_spec_ros.engine.remote import chat as remote_chat_module
 from support.chat import ChatModel, SKILLS, SKILLS_JSON, control_count, planner_conversation
-from support.tiny_chat_gguf import GEMMA3_STYLE, GEMMA4_STYLE, token_id, write_tiny_chat_gguf
+from support.tiny_chat_gguf import GEMMA3_STYLE, token_id, write_tiny_chat_gguf
 
 
 @pytest.mark.parametrize("module", [conversation_module, syntax_module, template_module, reply_module,

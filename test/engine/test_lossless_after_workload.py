@@ -37,7 +37,6 @@ from gemma_spec_ros.engine.config import ChatConfig, EngineConfig, ModelConfig, 
 from gemma_spec_ros.engine.engine import Engine
 from gemma_spec_ros.engine.errors import EngineError
 from gemma_spec_ros.engine.llama.model import LlamaModel
-from gemma_spec_ros.engine.llama.process import batch_invariant_build
 from gemma_spec_ros.engine.request import GenerationRequest
 from support.chat import SKILLS_JSON
 from support.tiny_chat_gguf import GEMMA3_STYLE, write_tiny_chat_gguf

@@ -9,7 +9,6 @@ real (tiny GGUF model).
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Iterator
 
 import pytest

@@ -5,8 +5,7 @@ every goal gets one result; /diagnostics shows the goals running and the passes 
 from __future__ import annotations
 
 import itertools
-import time
-from typing import Any, Callable, Dict, Iterator, List
+from typing import Any, Iterator
 
 import pytest
 from action_msgs.msg import GoalStatus
