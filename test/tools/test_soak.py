@@ -108,6 +108,36 @@ class _Handle:
                                if answer is not None else None)
 
 
+@pytest.mark.timeout(300)
+def test_the_fresh_judge_finds_where_a_longer_answer_parted(embedded_model_path: Path, tmp_path: Path) -> None:
+    """The judge of soak/fresh.py on the embedded model. An answer that holds the whole fresh text
+    and goes on parted from it somewhere: where the fresh engine ended its text (the code
+    reference: its first token is an end of generation, 0.02 above ``def``, a near-tie), or, for a
+    fresh text of max_tokens tokens, where the node took a longer token: text no token the fresh
+    engine ranks near its own choice continues differs. Before, both were "differs after the fresh
+    text" whatever the logits said."""
+    from gemma_spec_dev.soak.fresh import NEAR_TIE, FreshCheck
+    from support.chat import embedded_template_file
+
+    fresh = FreshCheck({"target.model_path": str(embedded_model_path), "target.n_ctx": 512, "target.n_batch": 512,
+                        "target.n_threads": 1, "target.flash_attn": True,
+                        "chat.template_path": str(embedded_template_file(tmp_path)), "generation.prompt_cache": True})
+    try:
+        ended = [r for r in fresh.references if not r.chat and len(r.tokens) < r.fields["max_tokens"]]
+        full = [r for r in fresh.references if not r.chat and len(r.tokens) == r.fields["max_tokens"]]
+        assert ended and full, [(r.kind, len(r.tokens)) for r in fresh.references]
+        for reference in fresh.references:
+            assert fresh.judge(reference, reference.text) == "same"
+        code = next(r for r in ended if r.fields["prompt"].startswith("def "))
+        verdict = fresh.judge(code, code.text + "def div(a, b):\n    return a // b\n")
+        assert verdict.startswith(f"near-tie at token {len(code.tokens)} ("), verdict
+        assert float(verdict.split("gap ")[1].rstrip(")")) <= NEAR_TIE
+        verdict = fresh.judge(full[0], full[0].text + "\u00b6\u00b6 zq")
+        assert verdict.startswith("differs at token "), verdict
+    finally:
+        fresh.close()
+
+
 def test_a_dropped_result_response_is_asked_for_again_and_not_counted_lost() -> None:
     """Soak found it (1 of 3,796 goals, 30 minutes): the node answered, the client dropped the
     response ("Ignoring unexpected result response") and the goal counted as lost. The client now
