@@ -26,9 +26,11 @@ from gemma_spec_ros.engine.request import GenerationRequest
 from .scenario import REFERENCE_CHATS, REFERENCE_PROMPTS
 
 #: The largest gap between two logits that counts as a tie. With flash attention on (the embedded
-#: profile) and Q4_K_M weights on the default build, running beside two other sequences moved the
-#: gap between a reference's choice and its runner-up by up to 0.30 (200 placements of one
-#: position, scripts/tie_spread.py); parted answers the soak saw were 0.00-0.33 apart.
+#: profile) and Q4_K_M weights on the default build, decoding beside two other sequences moved the
+#: gap between a reference's choice and its runner-up by up to 0.22 (``scripts/tie_spread.py
+#: --prompt 2 --first 4 --positions 1 --trials 200``; 0.16 over every reference's first three
+#: tokens at 15 placements each); soaks' answers parted at gaps of 0.00-0.33, each once, the next
+#: check's answers the fresh text again.
 NEAR_TIE = 0.5
 #: Tokens of each reference answer.
 REFERENCE_TOKENS = 24
