@@ -54,7 +54,8 @@ TEST_PIP_ONLY: Dict[str, str] = {
     "pydantic": "LangChain's models of tool schemas (the standard tests' structured output)",
 }
 #: Test imports of ROS packages that rosdep knows by another name (the rqt plugins' modules).
-ROS_KEY_OF_TEST_MODULE: Dict[str, str] = {"qt_gui": "qt_gui", "rqt_gui": "rqt_gui"}
+ROS_KEY_OF_TEST_MODULE: Dict[str, str] = {"qt_gui": "qt_gui", "rqt_gui": "rqt_gui",
+                                          "rosidl_runtime_py": "rosidl_runtime_py"}  # ros2-tools installs it
 MAINTAINER_EMAIL = "gemma-spec-ros@users.noreply.github.com"
 PACKAGES = (PACKAGE, "gemma_spec_msgs", RIGS)
 #: ROS packages that are not installed in the venv (not on PyPI) but exist on any ROS 2 install.
