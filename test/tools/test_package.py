@@ -57,9 +57,8 @@ TEST_PIP_ONLY: Dict[str, str] = {
 ROS_KEY_OF_TEST_MODULE: Dict[str, str] = {"qt_gui": "qt_gui", "rqt_gui": "rqt_gui"}
 MAINTAINER_EMAIL = "gemma-spec-ros@users.noreply.github.com"
 PACKAGES = (PACKAGE, "gemma_spec_msgs", RIGS)
-#: ROS packages that are not installed in the venv (not on PyPI) but exist on any ROS 2 install
-#: (rosidl_runtime_py: in the venv only where ros2-tools is installed).
-ROS_ONLY_ON_ROBOTS: Set[str] = {"launch", "launch_ros", "rosidl_runtime_py"}
+#: ROS packages that are not installed in the venv (not on PyPI) but exist on any ROS 2 install.
+ROS_ONLY_ON_ROBOTS: Set[str] = {"launch", "launch_ros"}
 ROS_NAME_SUFFIXES = ("_msgs", "_srvs", "_interfaces")
 #: The files of gemma_spec_ros/ an install puts under share/gemma_spec_ros/ (same relative paths):
 #: the SROS2 policy includes its profiles by relative path, so that layout must be kept.
