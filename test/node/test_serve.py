@@ -139,18 +139,29 @@ def test_generate_cli_sends_a_json_schema_and_a_grammar_from_files(client: Gener
     assert missing.returncode == EXIT_REJECTED and "cannot read" in missing.stderr, missing.stderr
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_generate_cli_cancels_its_goal_when_it_gives_up_waiting(client: GenerateClient, venv_python: Path,
                                                                 repo_root: Path) -> None:
     """L11 (first review): on --timeout the client exited and left its goal running on the node,
-    holding the queue. Now it cancels the goal first."""
+    holding the queue. Now it cancels the goal first.
+
+    The node serves one goal at a time: three goals of 500 greedy tokens in plain decoding (~7 s
+    each here) hold it, so the command's goal is still waiting when its 8 s run out, however fast
+    the model runs or how long its discovery takes (its --timeout bounds each of the two waits);
+    they are cancelled after it."""
     status = spec_status_name(NODE)
-    cancelled = int(key_values(client.wait_status(status))["requests cancelled"])
+    before = int(key_values(client.wait_status(status))["requests cancelled"])
+    holders = [client.send(prompt=PROMPT, max_tokens=500, temperature=0.0, spec_mode="off") for _ in range(3)]
+    assert all(run.accepted for run in holders)
     cli = [bin_path(venv_python, "gemma-spec-generate"), GOAL["prompt"], "--max-tokens", "450",
-           "--node", NODE, "--timeout", "3"]
+           "--node", NODE, "--timeout", "8"]
     out = subprocess.run(cli, cwd=repo_root, capture_output=True, text=True, timeout=60)
+    for run in holders:
+        client.cancel(run, timeout=15)
+    held = sum(run.wait_result(timeout=60).finish_reason == "cancelled" for run in holders)
     assert out.returncode == EXIT_UNAVAILABLE and "goal cancelled" in out.stderr, out.stderr
-    client.wait_status(status, lambda s: int(key_values(s)["requests cancelled"]) == cancelled + 1,
+    assert held >= 1  # the holders outlasted the command
+    client.wait_status(status, lambda s: int(key_values(s)["requests cancelled"]) == before + 1 + held,
                        timeout=15)
 
 
