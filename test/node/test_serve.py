@@ -145,10 +145,10 @@ def test_generate_cli_cancels_its_goal_when_it_gives_up_waiting(client: Generate
     """L11 (first review): on --timeout the client exited and left its goal running on the node,
     holding the queue. Now it cancels the goal first.
 
-    The node serves one goal at a time: three goals of 500 greedy tokens in plain decoding (~7 s
-    each here) hold it, so the command's goal is still waiting when its 8 s run out, however fast
-    the model runs or how long its discovery takes (its --timeout bounds each of the two waits);
-    they are cancelled after it."""
+    The node serves one goal at a time: three goals of 500 greedy tokens in plain decoding (~7.5 s
+    each here, ~22 s together) hold it, so the command's goal is still waiting when its 8 s run out
+    (--timeout bounds the wait for the server and then the wait for the result, each up to 8 s;
+    load slows the holders too); they are cancelled after it."""
     status = spec_status_name(NODE)
     before = int(key_values(client.wait_status(status))["requests cancelled"])
     holders = [client.send(prompt=PROMPT, max_tokens=500, temperature=0.0, spec_mode="off") for _ in range(3)]
